@@ -1,0 +1,178 @@
+"""The paged latent KV cache: one ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` tensor.
+
+Each cached token is one 576-wide row (DeepSeek-V3): the RMS-normalised latent ``kv_c`` (512) followed by the
+roped ``k_pe`` (64). Per-head keys and values are never stored. fp8 caches hold ``value / scale`` and are read
+back as ``stored * scale`` (one per-tensor scale, float32).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dims import MLADims
+from .dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, dtype_name, kv_cache_torch_dtype, parse_model_dtype
+from .validation import require_int, require_tensor
+
+__all__ = ["LatentKVCache"]
+
+
+class LatentKVCache:
+    """Paged cache of 576-wide latent rows shared by every head of one layer.
+
+    Attributes:
+        data: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` storage tensor.
+        kv_cache_dtype: canonical cache dtype name (``bfloat16``, ``fp8_e4m3`` ...; ``auto`` is resolved).
+        model_dtype: dtype of the activations that are written and of dequantised reads.
+        scale: per-tensor fp8 scale as a float32 tensor of shape ``[1]`` on the cache's device (1.0 otherwise).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        kv_lora_rank: int = 512,
+        qk_rope_head_dim: int = 64,
+        *,
+        kv_cache_dtype: str | torch.dtype = "auto",
+        model_dtype: str | torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        scale: float = 1.0,
+    ) -> None:
+        require_int("num_blocks", num_blocks, minimum=1)
+        require_int("block_size", block_size, minimum=1)
+        require_int("kv_lora_rank", kv_lora_rank, minimum=1)
+        require_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
+        self.model_dtype = parse_model_dtype(model_dtype)
+        name = canonical_kv_cache_dtype(kv_cache_dtype)
+        storage = kv_cache_torch_dtype(name, self.model_dtype)
+        self.kv_cache_dtype = canonical_kv_cache_dtype(storage)
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.data = torch.zeros(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim, dtype=storage,
+                                device=device)
+        self.scale = torch.ones(1, dtype=torch.float32, device=self.data.device)
+        self.set_scale(scale)
+
+    @classmethod
+    def allocate(
+        cls,
+        dims: MLADims,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: str | torch.dtype = "auto",
+        *,
+        model_dtype: str | torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        scale: float = 1.0,
+    ) -> LatentKVCache:
+        """Allocate a zeroed cache for ``dims`` (``num_blocks * block_size`` token slots)."""
+        if not isinstance(dims, MLADims):
+            raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims")
+        return cls(num_blocks, block_size, dims.kv_lora_rank, dims.qk_rope_head_dim,
+                   kv_cache_dtype=kv_cache_dtype, model_dtype=model_dtype, device=device, scale=scale)
+
+    # ---- properties ------------------------------------------------------------------------------------
+    @property
+    def row_width(self) -> int:
+        """``kv_lora_rank + qk_rope_head_dim``: 576 for DeepSeek-V3."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_cache_dtype in FP8_CACHE_DTYPES
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def latent(self) -> torch.Tensor:
+        """Strided view ``[num_blocks, block_size, kv_lora_rank]`` of the latent part (no copy)."""
+        return self.data[..., : self.kv_lora_rank]
+
+    @property
+    def rope(self) -> torch.Tensor:
+        """Strided view ``[num_blocks, block_size, qk_rope_head_dim]`` of the rope part (no copy)."""
+        return self.data[..., self.kv_lora_rank:]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies in this layer's cache: ``row_width * element size`` (1,152 for V3 bf16)."""
+        return self.row_width * self.data.element_size()
+
+    @property
+    def scale_value(self) -> float:
+        """The fp8 scale as a Python float (host sync on GPU caches)."""
+        return float(self.scale.item())
+
+    def set_scale(self, scale: float | torch.Tensor) -> None:
+        """Set the per-tensor fp8 scale (in place: the ``scale`` tensor keeps its address)."""
+        value = float(scale.item()) if isinstance(scale, torch.Tensor) else scale
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"scale: got {scale!r}; supported a positive finite float")
+        if not self.is_fp8 and value != 1.0:
+            raise ValueError(f"scale: got {value} for a {self.kv_cache_dtype} cache; supported 1.0 (scales are fp8-only)")
+        self.scale.fill_(float(value))
+
+    def __repr__(self) -> str:
+        return (f"LatentKVCache(blocks={self.num_blocks}, block_size={self.block_size}, row={self.row_width}, "
+                f"dtype={self.kv_cache_dtype}, model_dtype={dtype_name(self.model_dtype)}, device={self.device})")
+
+    # ---- write / read ----------------------------------------------------------------------------------
+    def write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store rows. ``kv_c [T, kv_lora_rank]``, ``k_pe [T, qk_rope_head_dim]`` (or ``[T, 1, rope]``),
+        ``slot_mapping [T]`` int (slot = block * block_size + offset; ``-1`` skips the token).
+
+        fp8 caches store ``value / scale``, saturated to the format's finite range.
+        """
+        require_tensor("kv_c", kv_c, shape=(None, self.kv_lora_rank))
+        if k_pe.dim() == 3 and k_pe.shape[1] == 1:
+            k_pe = k_pe.squeeze(1)
+        require_tensor("k_pe", k_pe, shape=(kv_c.shape[0], self.qk_rope_head_dim))
+        require_tensor("slot_mapping", slot_mapping, shape=(kv_c.shape[0],),
+                       dtypes=(torch.int32, torch.int64))
+        if not kv_c.is_floating_point() or not k_pe.is_floating_point():
+            raise TypeError(f"kv_c/k_pe: got dtypes {kv_c.dtype}/{k_pe.dtype}; supported floating point")
+        for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("slot_mapping", slot_mapping)):
+            if t.device != self.device:
+                raise ValueError(f"{name}: got device {t.device}; supported the cache's device {self.device}")
+        if slot_mapping.numel():
+            lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+            if lo < -1 or hi >= self.num_slots:
+                raise ValueError(f"slot_mapping: got values in [{lo}, {hi}]; supported -1 (skip) or "
+                                 f"[0, {self.num_slots - 1}] for {self.num_blocks} blocks of {self.block_size}")
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        rows = torch.cat([kv_c[keep], k_pe[keep]], dim=-1)
+        flat = self.data.view(-1, self.row_width)
+        flat[slots] = self.quantize(rows)
+
+    def quantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """Convert model-dtype rows to the storage dtype (``rows / scale``, saturated, for fp8)."""
+        if not self.is_fp8:
+            return rows.to(self.data.dtype)
+        fmax = torch.finfo(self.data.dtype).max
+        return (rows.float() / self.scale).clamp(-fmax, fmax).to(self.data.dtype)
+
+    def dequantize(self, stored: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Convert stored rows to ``dtype`` (default: the model dtype), applying the fp8 scale."""
+        dtype = dtype or self.model_dtype
+        if not self.is_fp8:
+            return stored.to(dtype)
+        return (stored.to(torch.float32) * self.scale).to(dtype)
+
+    def read_slots(self, slots: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dequantised rows ``[len(slots), row_width]`` for flat slot indices (all must be valid)."""
+        return self.dequantize(self.data.view(-1, self.row_width)[slots.long()], dtype)
+
+    def gather(self, block_table_row: torch.Tensor, length: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows ``[length, row_width]`` of one sequence, in position order, from its block-table row."""
+        pos = torch.arange(length, device=self.device)
+        slots = block_table_row.long()[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.read_slots(slots, dtype)

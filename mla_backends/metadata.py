@@ -1,0 +1,312 @@
+"""Per-step batch description: request order, slot mapping, query offsets and the decode/prefill split.
+
+A step covers many requests. For request ``b``, ``context_lens[b]`` tokens are already cached and
+``query_lens[b]`` new tokens arrive; the step writes the new tokens' rows at positions
+``context_lens[b] .. context_lens[b] + query_lens[b] - 1`` and then attends, so ``seq_lens = context_lens +
+query_lens`` rows are visible to the last new token. New token ``j`` of a request sees positions
+``0 .. context_lens[b] + j`` (causal among the new tokens, the whole context visible).
+
+Requests may come in any order. :meth:`BatchMetadata.build` reorders them stably so that decode requests
+(``query_len <= decode_threshold``) come first, and keeps the permutation so outputs go back in the caller's
+order (:meth:`BatchMetadata.to_caller_order`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .validation import require_int
+
+__all__ = ["BatchMetadata"]
+
+IntsLike = Sequence[int] | torch.Tensor
+
+
+def _as_int_list(name: str, x: IntsLike) -> list[int]:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.is_floating_point() or x.is_complex():
+            raise ValueError(f"{name}: got tensor of shape {list(x.shape)} dtype {x.dtype}; supported a 1-D int tensor")
+        return [int(v) for v in x.tolist()]
+    if isinstance(x, (str, bytes)) or not isinstance(x, Sequence):
+        raise TypeError(f"{name}: got {type(x).__name__}; supported a sequence of ints or a 1-D int tensor")
+    out = []
+    for i, v in enumerate(x):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}[{i}]: got {type(v).__name__} {v!r}; supported int")
+        out.append(int(v))
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class BatchMetadata:
+    """One step's batch, with requests in processing order (decodes first).
+
+    Tensor fields live on ``device``; the ``*_list`` fields are host copies so that CPU code needs no sync.
+
+    Attributes:
+        block_size: tokens per cache page.
+        order: ``[B]`` int64; processing request ``i`` is the caller's request ``order[i]``.
+        token_order: ``[T]`` int64; processing token ``i`` is the caller's token ``token_order[i]``.
+        query_lens, context_lens, seq_lens: ``[B]`` int32, processing order.
+        query_start_loc: ``[B + 1]`` int32 offsets of each request's tokens in the processing-order token axis.
+        block_table: ``[B, max_blocks]`` int32 page ids, processing order.
+        slot_mapping: ``[T]`` int64 cache slot of every new token, processing order.
+        token_request: ``[T]`` int64 processing request index of every token.
+        token_positions: ``[T]`` int64 position of every token in its sequence (``context_len + j``).
+        num_decodes / num_decode_tokens: the leading decode requests and their tokens.
+        decode_threshold: largest query length treated as decode.
+        plans: scratch dict where backends cache per-batch plans (e.g. FlashInfer's ``plan()``).
+    """
+
+    block_size: int
+    order: torch.Tensor
+    token_order: torch.Tensor
+    query_lens: torch.Tensor
+    context_lens: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_request: torch.Tensor
+    token_positions: torch.Tensor
+    query_lens_list: tuple[int, ...]
+    context_lens_list: tuple[int, ...]
+    num_decodes: int
+    num_decode_tokens: int
+    decode_threshold: int
+    num_blocks: int | None = None
+    plans: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    # ---- construction ----------------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        query_lens: IntsLike,
+        context_lens: IntsLike,
+        block_table: torch.Tensor | Sequence[Sequence[int]],
+        block_size: int,
+        *,
+        decode_threshold: int = 1,
+        num_blocks: int | None = None,
+        device: str | torch.device | None = None,
+        reorder: bool = True,
+    ) -> BatchMetadata:
+        """Validate one step's requests and derive everything backends need.
+
+        Args:
+            query_lens: ``[B]`` new tokens per request (>= 0), in the caller's order.
+            context_lens: ``[B]`` tokens already cached per request (>= 0).
+            block_table: ``[B, max_blocks]`` page ids; row ``b`` must cover ``context_lens[b] + query_lens[b]``
+                tokens. Entries past a sequence's last page are ignored (may be -1).
+            block_size: tokens per page.
+            decode_threshold: requests with ``1 <= query_len <= decode_threshold`` are decodes.
+            num_blocks: pages in the cache; when given, block ids are checked against it.
+            device: where the tensors go (default: the block table's device, else CPU).
+            reorder: put decodes first (default). With False the caller's order is kept (the split then
+                requires the decodes to already come first).
+        """
+        require_int("block_size", block_size, minimum=1)
+        require_int("decode_threshold", decode_threshold, minimum=0)
+        if num_blocks is not None:
+            require_int("num_blocks", num_blocks, minimum=1)
+        q = _as_int_list("query_lens", query_lens)
+        c = _as_int_list("context_lens", context_lens)
+        if len(q) != len(c):
+            raise ValueError(f"context_lens: got {len(c)} entries; supported one per request ({len(q)} query_lens)")
+        for name, vals in (("query_lens", q), ("context_lens", c)):
+            for b, v in enumerate(vals):
+                if v < 0:
+                    raise ValueError(f"{name}[{b}]: got {v} for request {b}; supported >= 0")
+        if isinstance(block_table, torch.Tensor):
+            bt = block_table
+        else:
+            if not isinstance(block_table, Sequence):
+                raise TypeError(f"block_table: got {type(block_table).__name__}; supported a 2-D int tensor")
+            width = max((len(r) for r in block_table), default=0)
+            bt = torch.full((len(block_table), max(width, 1)), -1, dtype=torch.int32)
+            for b, row in enumerate(block_table):
+                if row:
+                    bt[b, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
+        if bt.dim() != 2 or bt.is_floating_point():
+            raise ValueError(f"block_table: got shape {list(bt.shape)} dtype {bt.dtype}; supported [B, max_blocks] int")
+        if bt.shape[0] != len(q):
+            raise ValueError(f"block_table: got {bt.shape[0]} rows; supported one per request ({len(q)})")
+        dev = torch.device(device) if device is not None else bt.device
+        bt_host = bt.detach().to("cpu", torch.int64)
+        seq = [cq + cc for cq, cc in zip(q, c, strict=True)]
+        for b, s in enumerate(seq):
+            need = -(-s // block_size)
+            if need > bt_host.shape[1]:
+                raise ValueError(
+                    f"block_table: request {b} holds {s} tokens (context {c[b]} + query {q[b]}) and needs {need} "
+                    f"pages of {block_size}; got a row of {bt_host.shape[1]} entries"
+                )
+            if need:
+                used = bt_host[b, :need]
+                lo, hi = int(used.min()), int(used.max())
+                if lo < 0 or (num_blocks is not None and hi >= num_blocks):
+                    bad = int(used[(used < 0) | (used >= (num_blocks or 2**62))][0])
+                    limit = f"[0, {num_blocks - 1}]" if num_blocks is not None else ">= 0"
+                    raise ValueError(f"block_table: request {b} uses block id {bad}; supported {limit}")
+
+        # decode requests first (stable), prefills after
+        B = len(q)
+        if reorder:
+            is_dec = [1 <= v <= decode_threshold for v in q]
+            order = [b for b in range(B) if is_dec[b]] + [b for b in range(B) if not is_dec[b]]
+        else:
+            order = list(range(B))
+        num_decodes = 0
+        for b in order:
+            if 1 <= q[b] <= decode_threshold:
+                num_decodes += 1
+            else:
+                break
+        caller_start = [0]
+        for v in q:
+            caller_start.append(caller_start[-1] + v)
+        qo = [q[b] for b in order]
+        co = [c[b] for b in order]
+        token_order = [t for b in order for t in range(caller_start[b], caller_start[b] + q[b])]
+        token_request = [i for i, b in enumerate(order) for _ in range(q[b])]
+        token_positions = [c[b] + j for b in order for j in range(q[b])]
+        bt_proc = bt_host[order] if B else bt_host
+        pos = torch.tensor(token_positions, dtype=torch.int64)
+        req = torch.tensor(token_request, dtype=torch.int64)
+        if len(token_positions):
+            slots = bt_proc[req, pos // block_size] * block_size + pos % block_size
+        else:
+            slots = torch.zeros(0, dtype=torch.int64)
+        qsl = [0]
+        for v in qo:
+            qsl.append(qsl[-1] + v)
+
+        def i32(vals: Sequence[int]) -> torch.Tensor:
+            return torch.tensor(list(vals), dtype=torch.int32, device=dev)
+
+        def i64(vals: Sequence[int] | torch.Tensor) -> torch.Tensor:
+            return torch.as_tensor(vals, dtype=torch.int64).to(dev)
+
+        return cls(
+            block_size=block_size,
+            order=i64(order),
+            token_order=i64(token_order),
+            query_lens=i32(qo),
+            context_lens=i32(co),
+            seq_lens=i32([a + b for a, b in zip(qo, co, strict=True)]),
+            query_start_loc=i32(qsl),
+            block_table=bt_proc.to(dev, torch.int32).contiguous(),
+            slot_mapping=i64(slots),
+            token_request=i64(token_request),
+            token_positions=i64(pos),
+            query_lens_list=tuple(qo),
+            context_lens_list=tuple(co),
+            num_decodes=num_decodes,
+            num_decode_tokens=sum(qo[:num_decodes]),
+            decode_threshold=decode_threshold,
+            num_blocks=num_blocks,
+        )
+
+    # ---- derived sizes ---------------------------------------------------------------------------------
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_list)
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_requests - self.num_decodes
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def seq_lens_list(self) -> tuple[int, ...]:
+        return tuple(a + b for a, b in zip(self.query_lens_list, self.context_lens_list, strict=True))
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_list, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_list, default=0)
+
+    @property
+    def device(self) -> torch.device:
+        return self.block_table.device
+
+    @property
+    def is_uniform_query_len(self) -> bool:
+        return len(set(self.query_lens_list)) <= 1
+
+    # ---- order ------------------------------------------------------------------------------------------
+    def to_processing_order(self, x: torch.Tensor) -> torch.Tensor:
+        """Reorder a caller-order token tensor ``[T, ...]`` into processing order."""
+        self._check_tokens("x", x)
+        return x.index_select(0, self.token_order.to(x.device))
+
+    def to_caller_order(self, y: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`to_processing_order` for ``[T, ...]`` outputs."""
+        self._check_tokens("y", y)
+        out = torch.empty_like(y)
+        out.index_copy_(0, self.token_order.to(y.device), y)
+        return out
+
+    def _check_tokens(self, name: str, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: got {type(x).__name__}; supported torch.Tensor")
+        if x.shape[0] != self.num_tokens:
+            raise ValueError(f"{name}: got {x.shape[0]} tokens; supported {self.num_tokens} (the batch's tokens)")
+
+    # ---- sub-batches --------------------------------------------------------------------------------------
+    def select_requests(self, start: int, stop: int) -> BatchMetadata:
+        """Metadata for processing requests ``start:stop`` (already ordered; the permutation is identity)."""
+        q = self.query_lens_list[start:stop]
+        c = self.context_lens_list[start:stop]
+        tok0 = sum(self.query_lens_list[:start])
+        tok1 = tok0 + sum(q)
+        nd = sum(1 for v in q if 1 <= v <= self.decode_threshold)
+        qsl = torch.zeros(len(q) + 1, dtype=torch.int32)
+        if q:
+            qsl[1:] = torch.tensor(q, dtype=torch.int64).cumsum(0)
+        dev = self.device
+        return BatchMetadata(
+            block_size=self.block_size,
+            order=torch.arange(len(q), device=dev),
+            token_order=torch.arange(tok1 - tok0, device=dev),
+            query_lens=self.query_lens[start:stop],
+            context_lens=self.context_lens[start:stop],
+            seq_lens=self.seq_lens[start:stop],
+            query_start_loc=qsl.to(dev),
+            block_table=self.block_table[start:stop],
+            slot_mapping=self.slot_mapping[tok0:tok1],
+            token_request=self.token_request[tok0:tok1] - start,
+            token_positions=self.token_positions[tok0:tok1],
+            query_lens_list=tuple(q),
+            context_lens_list=tuple(c),
+            num_decodes=nd,
+            num_decode_tokens=sum(q[:nd]),
+            decode_threshold=self.decode_threshold,
+            num_blocks=self.num_blocks,
+        )
+
+    def decode_part(self) -> BatchMetadata:
+        """The leading decode requests (built once, then cached on this object)."""
+        if "_decode_part" not in self.plans:
+            self.plans["_decode_part"] = self.select_requests(0, self.num_decodes)
+        return self.plans["_decode_part"]
+
+    def prefill_part(self) -> BatchMetadata:
+        """The trailing prefill requests (built once, then cached on this object)."""
+        if "_prefill_part" not in self.plans:
+            self.plans["_prefill_part"] = self.select_requests(self.num_decodes, self.num_requests)
+        return self.plans["_prefill_part"]

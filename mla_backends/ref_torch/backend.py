@@ -1,0 +1,170 @@
+"""``REF_TORCH``: absorbed MLA decode in plain PyTorch, vectorised over requests, heads and pages.
+
+Dense path: requests are processed in groups whose padded working set fits a fixed element budget. For each
+group the pages named by the block table are gathered once into ``[requests, positions, 576]``; scores are one
+batched matmul of ``[requests, q_len * heads, 576]`` against it, the causal mask is applied, and the output is
+the softmax-weighted sum of the leading ``kv_lora_rank`` columns of the same gathered rows (the latent serves
+as K and V). Sparse path: the top-k rows of every token are gathered and attended the same way.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..backend import Capabilities, MLABackend, QueryLenSupport
+from ..cache import LatentKVCache
+from ..dtypes import KV_CACHE_DTYPES
+from ..metadata import BatchMetadata
+from ..mqa_inputs import check_mqa_inputs
+
+__all__ = ["RefTorchBackend", "WORKSPACE_ELEMENTS"]
+
+#: upper bound on elements of the per-group working set (gathered rows + scores), 256 MiB in fp32
+WORKSPACE_ELEMENTS = 1 << 26
+
+
+def _compute_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if q_dtype == torch.float64 else torch.float32
+
+
+def _softmax_out(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores [..., n, S]`` (masked with -inf) and ``values [..., S, r]`` -> ``(out [..., n, r], lse [..., n])``.
+
+    Rows with nothing visible get LSE ``-inf`` and output 0.
+    """
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(scores - safe.unsqueeze(-1))
+    return torch.matmul(p, values), lse
+
+
+class RefTorchBackend(MLABackend):
+    """Reference backend: any device torch runs on, every dtype, every page size, dense and sparse."""
+
+    name: ClassVar[str] = "REF_TORCH"
+    description: ClassVar[str] = "plain PyTorch absorbed decode (reference semantics; production path on CPU)"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64}),
+        kv_cache_dtypes=frozenset(k for k in KV_CACHE_DTYPES if k != "auto"),
+        cpu=True,
+        min_compute_capability=(7, 0),
+        max_compute_capability=None,
+        preferred_page_size=16,
+        query_len=QueryLenSupport.VARLEN,
+        decode_threshold=1,
+        dense=True,
+        sparse=True,
+        returns_lse=True,
+    )
+
+    def forward_mqa(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        cache: LatentKVCache,
+        meta: BatchMetadata,
+        *,
+        scale: float,
+        topk_indices: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
+                         out=out, lse_out=lse_out)
+        T, H, r = q_latent.shape
+        if out is None:
+            out = torch.empty_like(q_latent)
+        if lse_out is None:
+            lse_out = torch.empty(T, H, dtype=torch.float32, device=q_latent.device)
+        if T == 0:
+            return out, lse_out
+        cdt = _compute_dtype(q_latent.dtype)
+        q = torch.cat([q_latent, q_rope], dim=-1).to(cdt)  # [T, H, 576]
+        if topk_indices is not None:
+            self._sparse(q, cache, meta, topk_indices, scale, out, lse_out)
+        else:
+            self._dense(q, cache, meta, scale, out, lse_out)
+        return out, lse_out
+
+    # ---- dense -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _groups(meta: BatchMetadata, H: int, width: int) -> list[tuple[int, int]]:
+        """Split requests into consecutive groups whose padded working set fits ``WORKSPACE_ELEMENTS``."""
+        groups, start = [], 0
+        max_s = max_q = 0
+        for i, (s, qn) in enumerate(zip(meta.seq_lens_list, meta.query_lens_list, strict=True)):
+            ns, nq = max(max_s, s), max(max_q, qn)
+            cost = (i - start + 1) * ns * (width + nq * H)
+            if i > start and cost > WORKSPACE_ELEMENTS:
+                groups.append((start, i))
+                start, ns, nq = i, s, qn
+            max_s, max_q = ns, nq
+        groups.append((start, meta.num_requests))
+        return groups
+
+    def _dense(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
+               out: torch.Tensor, lse_out: torch.Tensor) -> None:
+        T, H, W = q.shape
+        r, bs = cache.kv_lora_rank, cache.block_size
+        starts = [0]
+        for n in meta.query_lens_list:
+            starts.append(starts[-1] + n)
+        dev = q.device
+        for g0, g1 in self._groups(meta, H, W):
+            qlens = meta.query_lens_list[g0:g1]
+            if not any(qlens):
+                continue
+            seqs = meta.seq_lens_list[g0:g1]
+            b, S, Q = g1 - g0, max(seqs), max(qlens)
+            pages = -(-S // bs)
+            bt = meta.block_table[g0:g1, :pages].long().clamp_min(0)
+            kv = cache.dequantize(cache.data[bt].reshape(b, pages * bs, W)[:, :S], q.dtype)  # [b, S, W]
+            tok0 = starts[g0]
+            if all(n == Q for n in qlens):  # uniform query length: a plain view, no padding
+                qg = q[tok0: tok0 + b * Q].reshape(b, Q * H, W)
+                tok_idx = None
+            else:
+                j = torch.arange(Q, device=dev)
+                base = torch.tensor(starts[g0:g1], device=dev)[:, None]
+                ql = torch.tensor(qlens, device=dev)[:, None]
+                tok_idx = torch.where(j[None, :] < ql, base + j[None, :], torch.full_like(base + j, -1))
+                qg = q[tok_idx.clamp_min(0)].reshape(b, Q * H, W)
+            scores = torch.matmul(qg, kv.transpose(1, 2)).mul_(scale)  # [b, Q*H, S]
+            ctx = torch.tensor(meta.context_lens_list[g0:g1], device=dev)
+            limit = ctx[:, None] + torch.arange(Q, device=dev)[None, :]  # last visible position per query
+            visible = torch.arange(S, device=dev)[None, None, :] <= limit[:, :, None]  # [b, Q, S]
+            scores = scores.view(b, Q, H, S).masked_fill_(~visible[:, :, None, :], float("-inf")).view(b, Q * H, S)
+            o, lse = _softmax_out(scores, kv[..., :r])
+            o, lse = o.view(b * Q, H, r), lse.view(b * Q, H)
+            if tok_idx is None:
+                out[tok0: tok0 + b * Q] = o.to(out.dtype)
+                lse_out[tok0: tok0 + b * Q] = lse.to(torch.float32)
+            else:
+                flat = tok_idx.reshape(-1)
+                keep = flat >= 0
+                out[flat[keep]] = o[keep].to(out.dtype)
+                lse_out[flat[keep]] = lse[keep].to(torch.float32)
+
+    # ---- sparse ----------------------------------------------------------------------------------------
+    def _sparse(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, topk: torch.Tensor,
+                scale: float, out: torch.Tensor, lse_out: torch.Tensor) -> None:
+        T, H, W = q.shape
+        r, bs = cache.kv_lora_rank, cache.block_size
+        K = topk.shape[1]
+        step = max(1, WORKSPACE_ELEMENTS // max(1, K * (W + H)))
+        flat = cache.data.view(-1, W)
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            idx = topk[t0:t1].long()
+            valid = idx >= 0
+            pos = idx.clamp_min(0)
+            req = meta.token_request[t0:t1, None].expand_as(pos)
+            slots = meta.block_table.long()[req, pos // bs] * bs + pos % bs
+            kv = cache.dequantize(flat[slots], q.dtype)  # [t, K, W]
+            scores = torch.matmul(q[t0:t1], kv.transpose(1, 2)).mul_(scale)  # [t, H, K]
+            scores.masked_fill_(~valid[:, None, :], float("-inf"))
+            o, lse = _softmax_out(scores, kv[..., :r])
+            out[t0:t1] = o.to(out.dtype)
+            lse_out[t0:t1] = lse.to(torch.float32)
