@@ -7,10 +7,18 @@ back as ``stored * scale`` (one per-tensor scale, float32).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .dims import MLADims
-from .dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, dtype_name, kv_cache_torch_dtype, parse_model_dtype
+from .dtypes import (
+    FP8_CACHE_DTYPES,
+    canonical_kv_cache_dtype,
+    dtype_name,
+    kv_cache_torch_dtype,
+    parse_model_dtype,
+)
 from .validation import require_int, require_tensor
 
 __all__ = ["LatentKVCache"]
@@ -23,7 +31,7 @@ class LatentKVCache:
         data: ``[num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]`` storage tensor.
         kv_cache_dtype: canonical cache dtype name (``bfloat16``, ``fp8_e4m3`` ...; ``auto`` is resolved).
         model_dtype: dtype of the activations that are written and of dequantised reads.
-        scale: per-tensor fp8 scale as a float32 tensor of shape ``[1]`` on the cache's device (1.0 otherwise).
+        scale: per-tensor fp8 scale, a float32 tensor of shape ``[1]`` on the cache's device (1.0 otherwise).
     """
 
     def __init__(
@@ -103,7 +111,7 @@ class LatentKVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes one token occupies in this layer's cache: ``row_width * element size`` (1,152 for V3 bf16)."""
+        """Bytes one token takes in this layer's cache: ``row_width * element size`` (1,152 for V3 bf16)."""
         return self.row_width * self.data.element_size()
 
     @property
@@ -114,15 +122,17 @@ class LatentKVCache:
     def set_scale(self, scale: float | torch.Tensor) -> None:
         """Set the per-tensor fp8 scale (in place: the ``scale`` tensor keeps its address)."""
         value = float(scale.item()) if isinstance(scale, torch.Tensor) else scale
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"scale: got {scale!r}; supported a positive finite float")
         if not self.is_fp8 and value != 1.0:
-            raise ValueError(f"scale: got {value} for a {self.kv_cache_dtype} cache; supported 1.0 (scales are fp8-only)")
+            raise ValueError(
+                f"scale: got {value} for a {self.kv_cache_dtype} cache; supported 1.0 (scales are fp8-only)")
         self.scale.fill_(float(value))
 
     def __repr__(self) -> str:
-        return (f"LatentKVCache(blocks={self.num_blocks}, block_size={self.block_size}, row={self.row_width}, "
-                f"dtype={self.kv_cache_dtype}, model_dtype={dtype_name(self.model_dtype)}, device={self.device})")
+        return (f"LatentKVCache(blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"row={self.row_width}, dtype={self.kv_cache_dtype}, "
+                f"model_dtype={dtype_name(self.model_dtype)}, device={self.device})")
 
     # ---- write / read ----------------------------------------------------------------------------------
     def write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -132,7 +142,7 @@ class LatentKVCache:
         fp8 caches store ``value / scale``, saturated to the format's finite range.
         """
         require_tensor("kv_c", kv_c, shape=(None, self.kv_lora_rank))
-        if k_pe.dim() == 3 and k_pe.shape[1] == 1:
+        if isinstance(k_pe, torch.Tensor) and k_pe.dim() == 3 and k_pe.shape[1] == 1:
             k_pe = k_pe.squeeze(1)
         require_tensor("k_pe", k_pe, shape=(kv_c.shape[0], self.qk_rope_head_dim))
         require_tensor("slot_mapping", slot_mapping, shape=(kv_c.shape[0],),
@@ -146,7 +156,8 @@ class LatentKVCache:
             lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
             if lo < -1 or hi >= self.num_slots:
                 raise ValueError(f"slot_mapping: got values in [{lo}, {hi}]; supported -1 (skip) or "
-                                 f"[0, {self.num_slots - 1}] for {self.num_blocks} blocks of {self.block_size}")
+                                 f"[0, {self.num_slots - 1}] for {self.num_blocks} blocks of "
+                                 f"{self.block_size}")
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
         rows = torch.cat([kv_c[keep], k_pe[keep]], dim=-1)
@@ -171,7 +182,9 @@ class LatentKVCache:
         """Dequantised rows ``[len(slots), row_width]`` for flat slot indices (all must be valid)."""
         return self.dequantize(self.data.view(-1, self.row_width)[slots.long()], dtype)
 
-    def gather(self, block_table_row: torch.Tensor, length: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def gather(
+        self, block_table_row: torch.Tensor, length: int, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """Rows ``[length, row_width]`` of one sequence, in position order, from its block-table row."""
         pos = torch.arange(length, device=self.device)
         slots = block_table_row.long()[pos // self.block_size] * self.block_size + pos % self.block_size

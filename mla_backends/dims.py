@@ -82,6 +82,12 @@ class IndexerDims:
     topk: int = 2048
     # layers whose indexer is skipped (they reuse the previous layer's top-k); empty means every layer indexes
     skip_layers: frozenset[int] = frozenset()
+    # indexer RoPE layout: False for V3.2 (rotate-half); True for GLM-style ``indexer_rope_interleave``
+    rope_interleave: bool = False
+
+    def indexes(self, layer_idx: int) -> bool:
+        """True when layer ``layer_idx`` runs its own indexer (and keeps an indexer key cache)."""
+        return layer_idx not in self.skip_layers
 
 
 @dataclass(frozen=True)
@@ -245,6 +251,8 @@ class MLADims:
                 n_heads=int(d.get("index_n_heads", 64)),
                 head_dim=int(d.get("index_head_dim", 128)),
                 topk=int(d.get("index_topk", 2048)),
+                skip_layers=_indexer_skip_layers(d, int(d.get("num_hidden_layers", 1))),
+                rope_interleave=bool(d.get("indexer_rope_interleave", False)),
             )
         return cls(
             num_heads=int(d["num_attention_heads"]),
@@ -263,6 +271,34 @@ class MLADims:
             indexer=indexer,
             name=str(d.get("model_type", "custom")),
         )
+
+
+def _indexer_skip_layers(d: Mapping[str, Any], num_layers: int) -> frozenset[int]:
+    """Layers that reuse the previous layer's top-k instead of indexing (the engines' ``skip_topk``).
+
+    Precedence: ``indexer_types`` (``"full"``/``"shared"`` per layer), then ``index_topk_pattern``
+    (``"F"``/``"S"`` per layer), then ``index_topk_freq``/``index_skip_topk_offset``: layer ``i`` skips when
+    ``max(i - offset + 1, 0) % freq != 0`` (offset defaults to 2, as in transformers; freq 1 indexes every
+    layer).
+    """
+    types = d.get("indexer_types")
+    if types:
+        allowed = {"full", "shared"}
+        if not set(types) <= allowed:
+            bad = sorted(set(types) - allowed)
+            raise ValueError(f"config.indexer_types: got {bad}; supported 'full', 'shared'")
+        return frozenset(i for i, t in enumerate(types) if t == "shared")
+    pattern = d.get("index_topk_pattern")
+    if pattern:
+        if not set(pattern) <= {"F", "S"}:
+            raise ValueError(f"config.index_topk_pattern: got {pattern!r}; supported a string of 'F' and 'S'")
+        return frozenset(i for i, c in enumerate(pattern) if c == "S")
+    freq = int(d.get("index_topk_freq") or 1)
+    offset = d.get("index_skip_topk_offset")
+    offset = 2 if offset is None else int(offset)
+    if freq < 1:
+        raise ValueError(f"config.index_topk_freq: got {freq}; supported >= 1")
+    return frozenset(i for i in range(num_layers) if max(i - offset + 1, 0) % freq != 0)
 
 
 _DEEPSEEK_YARN = RopeScaling(type="yarn", factor=40.0, mscale=1.0, mscale_all_dim=1.0,

@@ -21,11 +21,13 @@ _KV_STORAGE: dict[str, torch.dtype | None] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float32": torch.float32,
+    "float64": torch.float64,  # what "auto" resolves to for a float64 model (reference and conformance runs)
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
 _KV_ALIASES = {
     "bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+    "fp64": "float64", "double": "float64",
     "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "e4m3": "fp8_e4m3",
     "float8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2",
 }

@@ -1,17 +1,40 @@
-"""Backend names and lookup. (Minimal version; the plugin manager fills it through pluggy hooks.)"""
+"""Backend names and the registry every backend (built-in or plugin) is registered in.
+
+The registry is filled on first use by :mod:`mla_backends.plugins`: the built-ins through the same
+``register_mla_backends`` hook as third-party plugins, then every entry point of the ``mla_backends`` group
+(unless ``MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD=1``). Faulty plugins are recorded as :class:`PluginProblem`,
+never raised: selection keeps working and ``explain()`` / ``mla-backends list`` show what went wrong.
+"""
 
 from __future__ import annotations
 
 import difflib
 import enum
+import re
+import threading
+from dataclasses import dataclass
 
-from .backend import MLABackend
+from .backend import Capabilities, MLABackend
 
-__all__ = ["BackendName", "get_backend", "registered_backends", "register_backend"]
+__all__ = [
+    "BackendName",
+    "UnknownBackendError",
+    "RegistrationError",
+    "Placement",
+    "RegisteredBackend",
+    "PluginProblem",
+    "Registry",
+    "validate_backend_class",
+    "get_registry",
+    "reset_registry",
+    "get_backend",
+    "registered_backends",
+    "register_backend",
+]
 
 
 class BackendName(str, enum.Enum):
-    """Built-in backend names."""
+    """Built-in backend names (case-insensitive on input: ``BackendName("triton_mla")`` works)."""
 
     REF_TORCH = "REF_TORCH"
     TRITON_MLA = "TRITON_MLA"
@@ -20,34 +43,246 @@ class BackendName(str, enum.Enum):
     FLASHINFER_MLA_TRTLLM = "FLASHINFER_MLA_TRTLLM"
     FLASHINFER_MLA_XQA = "FLASHINFER_MLA_XQA"
 
+    @classmethod
+    def _missing_(cls, value: object) -> BackendName | None:
+        if isinstance(value, str):
+            key = value.strip().upper()
+            for member in cls:
+                if member.value == key:
+                    return member
+        return None
 
-_REGISTRY: dict[str, type[MLABackend]] = {}
+
+class UnknownBackendError(ValueError):
+    """A backend name that is not registered; the message lists the valid names and the closest one."""
 
 
-def register_backend(cls: type[MLABackend]) -> None:
-    _REGISTRY[cls.name.upper()] = cls
+class RegistrationError(ValueError):
+    """A backend that cannot be registered (wrong type, duplicate name, malformed capabilities ...)."""
+
+
+_NAME_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
+_ARCH_RE = re.compile(r"^(cpu|sm\d{2,3})$")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a plugin backend enters the automatic ladders: right ``before`` or ``after`` a built-in.
+
+    ``archs`` restricts it to ladder families (``"sm90"``, ``"sm100"``...) or single architectures
+    (``"sm86"``); None means all. Built-ins keep their relative order whatever plugins ask.
+    """
+
+    before: str | None = None
+    after: str | None = None
+    archs: frozenset[str] | None = None
+
+    @property
+    def anchor(self) -> str:
+        return self.before or self.after or ""
+
+    def applies_to(self, family: str, arch_label: str) -> bool:
+        return self.archs is None or family in self.archs or arch_label in self.archs
+
+    def describe(self) -> str:
+        where = f"before {self.before}" if self.before else f"after {self.after}"
+        return where + ("" if self.archs is None else f" on {', '.join(sorted(self.archs))}")
+
+
+@dataclass(frozen=True)
+class RegisteredBackend:
+    """One registry entry: the class, the plugin that registered it and its optional ladder placement."""
+
+    name: str
+    cls: type[MLABackend]
+    source: str
+    placement: Placement | None = None
+
+
+@dataclass(frozen=True)
+class PluginProblem:
+    """Something a plugin got wrong, kept for ``explain()`` and ``mla-backends list``.
+
+    ``stage``: ``import`` (the entry point failed to load), ``hook`` (its hook raised), ``register`` (a
+    registration was rejected: duplicate name, malformed capabilities, bad placement) or ``missing`` (a
+    built-in module that is not part of this installation).
+    """
+
+    plugin: str
+    stage: str
+    error: str
+
+    def describe(self) -> str:
+        return f"plugin {self.plugin!r} ({self.stage}): {self.error}"
+
+
+def validate_backend_class(cls: object) -> list[str]:
+    """Problems that stop ``cls`` from being registered (empty when it is a well-formed backend)."""
+    if not (isinstance(cls, type) and issubclass(cls, MLABackend)):
+        return [f"backend: got {cls!r}; supported an MLABackend subclass"]
+    problems = []
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not _NAME_RE.match(name.strip().upper()) or name == MLABackend.name:
+        problems.append(f"name: got {name!r}; supported a new identifier such as 'MY_MLA'")
+    caps = getattr(cls, "capabilities", None)
+    if not isinstance(caps, Capabilities):
+        problems.append(f"capabilities: got {type(caps).__name__}; supported a Capabilities instance")
+    else:
+        try:
+            problems += [f"capabilities: {p}" for p in caps.problems()]
+        except Exception as exc:  # a declaration so broken its own checks fail
+            problems.append(f"capabilities: unreadable ({type(exc).__name__}: {exc})")
+    if cls.forward_mqa is MLABackend.forward_mqa:
+        problems.append("forward_mqa: got the abstract base method; supported an implementation")
+    return problems
+
+
+def _placement(before: object, after: object, archs: object) -> Placement | None:
+    if before is None and after is None:
+        if archs is not None:
+            raise RegistrationError("placement: got archs without before/after; supported before= or after= "
+                                    "a built-in name")
+        return None
+    if before is not None and after is not None:
+        raise RegistrationError(f"placement: got before={before!r} and after={after!r}; supported only one")
+    anchor = before if before is not None else after
+    try:
+        anchor_name = BackendName(anchor).value
+    except ValueError:
+        raise RegistrationError(f"placement: got {anchor!r}; supported a built-in name "
+                                f"({', '.join(m.value for m in BackendName)})") from None
+    arch_set = None
+    if archs is not None:
+        if isinstance(archs, str) or not all(isinstance(a, str) for a in archs):  # type: ignore[union-attr]
+            raise RegistrationError(f"archs: got {archs!r}; supported a list such as ['sm90', 'sm100']")
+        arch_set = frozenset(a.strip().lower() for a in archs)  # type: ignore[union-attr]
+        bad = sorted(a for a in arch_set if not _ARCH_RE.match(a))
+        if bad or not arch_set:
+            raise RegistrationError(f"archs: got {bad or list(arch_set)}; supported 'cpu' or 'smNN' names")
+    return Placement(before=anchor_name if before is not None else None,
+                     after=anchor_name if after is not None else None, archs=arch_set)
+
+
+class Registry:
+    """Name -> backend class, the plugin problems met while filling it, and a generation counter.
+
+    Thread-safe. ``generation`` increases on every change so that selection caches can key on it.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, RegisteredBackend] = {}
+        self._problems: list[PluginProblem] = []
+        self._plugins: list[str] = []
+        self._lock = threading.RLock()
+        self.generation = 0
+
+    # ---- filling ----------------------------------------------------------------------------------------
+    def add(self, cls: type[MLABackend], *, source: str, name: str | None = None, before: str | None = None,
+            after: str | None = None, archs: object = None) -> RegisteredBackend:
+        """Validate and add a backend; raises :class:`RegistrationError` (never half-registers)."""
+        problems = validate_backend_class(cls)
+        if problems:
+            raise RegistrationError("; ".join(problems))
+        key = cls.name.strip().upper()
+        if name is not None and name.strip().upper() != key:
+            raise RegistrationError(f"name: got class named {cls.name!r} registered as {name!r}; supported equal")
+        placement = _placement(before, after, archs)
+        with self._lock:
+            if key in self._entries:
+                prev = self._entries[key]
+                raise RegistrationError(f"name: got {key!r}, already registered by {prev.source!r}; "
+                                        "supported a unique name")
+            cls.source = source
+            entry = RegisteredBackend(name=key, cls=cls, source=source, placement=placement)
+            self._entries[key] = entry
+            self.generation += 1
+        return entry
+
+    def record(self, problem: PluginProblem) -> None:
+        with self._lock:
+            self._problems.append(problem)
+            self.generation += 1
+
+    def mark_loaded(self, plugin: str) -> None:
+        with self._lock:
+            self._plugins.append(plugin)
+
+    # ---- reading ----------------------------------------------------------------------------------------
+    @property
+    def problems(self) -> tuple[PluginProblem, ...]:
+        return tuple(self._problems)
+
+    @property
+    def plugins(self) -> tuple[str, ...]:
+        """Plugins whose hook ran to completion, in load order (``builtin`` first)."""
+        return tuple(self._plugins)
+
+    def entries(self) -> tuple[RegisteredBackend, ...]:
+        return tuple(self._entries.values())
+
+    def entry(self, name: str) -> RegisteredBackend | None:
+        return self._entries.get(name.strip().upper())
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._entries)
+
+    def get(self, name: str | BackendName | type[MLABackend]) -> type[MLABackend]:
+        """Resolve a (case-insensitive) name, enum member or class; unknown names raise with a suggestion."""
+        if isinstance(name, type) and issubclass(name, MLABackend):
+            return name
+        if isinstance(name, BackendName):
+            name = name.value
+        if not isinstance(name, str):
+            raise TypeError(f"backend: got {type(name).__name__}; supported a backend name or MLABackend subclass")
+        key = name.strip().upper()
+        found = self._entries.get(key)
+        if found is not None:
+            return found.cls
+        known = sorted(self._entries)
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        missing = ""
+        if key in BackendName.__members__:
+            missing = f"; the built-in {key} is not registered in this installation"
+        raise UnknownBackendError(f"backend: got {name!r}; supported {', '.join(known)}{hint}{missing}")
+
+
+_REGISTRY: Registry | None = None
+_LOAD_LOCK = threading.Lock()
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, filled on first use (built-ins, then entry-point plugins)."""
+    global _REGISTRY
+    reg = _REGISTRY
+    if reg is None:
+        with _LOAD_LOCK:
+            if _REGISTRY is None:
+                from .plugins import load_registry
+
+                _REGISTRY = load_registry()
+            reg = _REGISTRY
+    return reg
+
+
+def reset_registry(registry: Registry | None = None) -> None:
+    """Drop (or replace) the process-wide registry; the next use reloads plugins. Mainly for tests."""
+    global _REGISTRY
+    with _LOAD_LOCK:
+        _REGISTRY = registry
 
 
 def registered_backends() -> dict[str, type[MLABackend]]:
-    if not _REGISTRY:
-        from .ref_torch import RefTorchBackend
-
-        register_backend(RefTorchBackend)
-    return dict(_REGISTRY)
+    """Every registered backend by name, built-ins first, then plugins in load order."""
+    return {e.name: e.cls for e in get_registry().entries()}
 
 
 def get_backend(name: str | BackendName | type[MLABackend]) -> type[MLABackend]:
     """Resolve a backend by (case-insensitive) name, enum member or class."""
-    if isinstance(name, type) and issubclass(name, MLABackend):
-        return name
-    if isinstance(name, BackendName):
-        name = name.value
-    if not isinstance(name, str):
-        raise TypeError(f"backend: got {type(name).__name__}; supported a backend name or MLABackend subclass")
-    reg = registered_backends()
-    key = name.strip().upper()
-    if key in reg:
-        return reg[key]
-    close = difflib.get_close_matches(key, list(reg), n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    raise ValueError(f"backend: got {name!r}; supported {', '.join(sorted(reg))}{hint}")
+    return get_registry().get(name)
+
+
+def register_backend(cls: type[MLABackend], *, before: str | None = None, after: str | None = None,
+                     archs: object = None, source: str = "api") -> RegisteredBackend:
+    """Register a backend class directly (no entry point); raises :class:`RegistrationError` when rejected."""
+    return get_registry().add(cls, source=source, before=before, after=after, archs=archs)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DeviceInfo", "CPU_DEVICE"]
+__all__ = ["DeviceInfo", "CPU_DEVICE", "simulated_device", "parse_device_spec"]
 
 
 @dataclass(frozen=True)
@@ -65,3 +65,66 @@ class DeviceInfo:
 
 
 CPU_DEVICE = DeviceInfo()
+
+
+#: marketing names used for simulated devices (what a user asking "what would I get on X" most likely has)
+SIMULATED_NAMES: dict[tuple[int, int], str] = {
+    (8, 0): "NVIDIA A100",
+    (8, 6): "NVIDIA RTX A6000 / RTX 3090",
+    (8, 9): "NVIDIA L40S / RTX 4090",
+    (9, 0): "NVIDIA H100 / H200",
+    (10, 0): "NVIDIA B200 / GB200",
+    (10, 3): "NVIDIA B300 / GB300",
+    (11, 0): "NVIDIA Jetson Thor",
+    (12, 0): "NVIDIA RTX PRO 6000 / RTX 5090",
+    (12, 1): "NVIDIA DGX Spark GB10",
+}
+
+_SUPPORTED_FORMS = "'auto', 'cpu', 'cuda[:N]', an int index, 'sm90'/'sm_100a', a (major, minor) tuple or a DeviceInfo"
+
+
+def simulated_device(major: int, minor: int) -> DeviceInfo:
+    """A CUDA device described by compute capability only (for "what would I get on an SM100?")."""
+    for label, v in (("major", major), ("minor", minor)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"device compute capability {label}: got {type(v).__name__}; supported int")
+    if not (5 <= major <= 15 and 0 <= minor <= 9):
+        raise ValueError(f"device: got compute capability ({major}, {minor}); supported major 5..15, minor 0..9")
+    name = SIMULATED_NAMES.get((major, minor), f"SM{major}{minor} GPU")
+    return DeviceInfo(kind="cuda", name=name, compute_capability=(major, minor), simulated=True)
+
+
+def parse_device_spec(device: object) -> DeviceInfo | int | None:
+    """Turn a user's device argument into a :class:`DeviceInfo`, or into a CUDA index to probe.
+
+    Returns a DeviceInfo for simulated devices (``"sm90"``, ``(9, 0)``, ``"cpu"``) and for DeviceInfo input;
+    an int (the CUDA device index) for ``"cuda"``, ``"cuda:N"`` or ``N``; None for ``None``/``"auto"``
+    (probe device 0). Raises ValueError/TypeError naming the argument for anything else.
+    """
+    if device is None or isinstance(device, DeviceInfo):
+        return device
+    if isinstance(device, bool):
+        raise TypeError(f"device: got bool; supported {_SUPPORTED_FORMS}")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device: got index {device}; supported an index >= 0")
+        return device
+    if isinstance(device, tuple):
+        if len(device) != 2:
+            raise ValueError(f"device: got tuple {device!r}; supported (major, minor)")
+        return simulated_device(*device)
+    if not isinstance(device, str):
+        raise TypeError(f"device: got {type(device).__name__}; supported {_SUPPORTED_FORMS}")
+    text = device.strip().lower()
+    if text in ("", "auto"):
+        return None
+    if text == "cpu":
+        return CPU_DEVICE
+    if text == "cuda":
+        return 0
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    sm = text.removeprefix("sm").removeprefix("_").rstrip("af")
+    if text.startswith("sm") and sm.isdigit() and len(sm) in (2, 3):
+        return simulated_device(int(sm[:-1]), int(sm[-1]))
+    raise ValueError(f"device: got {device!r}; supported {_SUPPORTED_FORMS}")

@@ -77,4 +77,17 @@ def decode_comparison(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from selector.select import SelectionError, select_backend
+
+    from ..dims import MLADims
+
+    print("$ mla-backends select   (this machine; the demo below runs fp32 on the CPU)")
+    try:  # the demo's own request: V3 at TP=8, fp32, its page size
+        sel = select_backend(MLADims.deepseek_v3().tensor_parallel(8), dtype="float32",
+                             block_size=args.block_size)
+        print(sel.explain() + "\n")
+        if not sel.device.is_cuda:  # the demo's tensors live on the CPU
+            args.backend_cls = sel.backend
+    except SelectionError as err:
+        print(f"{err}\n")
     return decode_comparison(args)

@@ -1,0 +1,140 @@
+"""Generate the cost-model figures in docs/ (matplotlib; ``pip install 'mla-backends[dev]'``).
+
+    .venv/bin/python docs/plots.py                      # uses docs/data/tune-cpu.json for the measured side
+    .venv/bin/python docs/plots.py --table my-gpu.json  # plot another `mla-backends tune --output` file
+
+Writes docs/kv-cache-bytes.png (latent vs expanded vs GQA cache per sequence against context length) and
+docs/crossover.png (modelled vs measured absorbed/expanded crossover). Every modelled number comes from
+mla_backends.costs; the measured ones are read from the threshold table, never re-measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mla_backends import costs  # noqa: E402
+from mla_backends.dims import MLADims  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GiB = costs.GiB
+
+
+def plot_bytes(path: str) -> None:
+    v3, v32 = MLADims.deepseek_v3(), MLADims.deepseek_v32()
+    ctx = np.logspace(np.log10(1024), np.log10(163_840), 60)
+    series = [
+        ("DeepSeek-V3 expanded K+V, bf16", costs.expanded_bytes_per_token(v3, 2), "tab:red", "--"),
+        (f"{costs.LLAMA3_70B.name} GQA-8, bf16", costs.gqa_bytes_per_token(costs.LLAMA3_70B, 2), "tab:orange", "-"),
+        ("DeepSeek-V3.2 latent + indexer, bf16",
+         costs.latent_bytes_per_token(v32, 2) + costs.indexer_bytes_per_token(v32), "tab:purple", ":"),
+        ("DeepSeek-V3 latent, bf16", costs.latent_bytes_per_token(v3, 2), "tab:blue", "-"),
+        ("DeepSeek-V3 latent, fp8", costs.latent_bytes_per_token(v3, 1), "tab:cyan", "-"),
+    ]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, per_token, color, style in series:
+        ax.plot(ctx, ctx * per_token / GiB, style, color=color, lw=2,
+                label=f"{label}: {per_token / 1024:,.2f} KiB/token")
+    for gib in (80, 141):
+        ax.axhline(gib, color="grey", lw=0.8, ls=":")
+        ax.text(ctx[0], gib * 1.08, f"{gib} GiB", color="grey", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens, one sequence)")
+    ax.set_ylabel("KV cache for the sequence, all layers (GiB, one rank at TP=1)")
+    ax.set_title("Cache per sequence: MLA latent vs expanded heads vs GQA")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_crossover(path: str, table_path: str) -> None:
+    with open(table_path, encoding="utf-8") as fh:
+        table = json.load(fh)
+    m = table["model"]
+    dims = MLADims.preset(m["name"]).tensor_parallel(m["tp"])
+    grid = table["grid"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
+
+    s = np.logspace(np.log10(16), np.log10(1 << 20), 200)
+    ax.plot(s, [costs.crossover_query_len(dims, int(x), causal=True) for x in s], color="black", lw=2,
+            label="modelled (FLOPs, causal block)")
+    ax.plot(s, [costs.crossover_query_len(dims, int(x)) for x in s], color="grey", lw=1, ls="--",
+            label="modelled (FLOPs, rectangular block)")
+    asym = costs.asymptotic_query_threshold(dims)
+    ax.axhline(asym, color="grey", ls=":", lw=1)
+    ax.text(s[0], asym * 1.04, f"asymptote {asym:.1f}", color="grey", fontsize=8)
+    markers = iter("osD^v")
+    for name, res in table["backends"].items():
+        mk = next(markers)
+        xs = [c["context_len"] for c in res["crossovers"]]
+        ys = [c["measured"] if c["measured"] is not None else c["threshold"] for c in res["crossovers"]]
+        ax.plot(xs, ys, mk + "-", ms=8, label=f"measured: {name}")
+        for c in res["crossovers"]:
+            if c["bound"]:
+                ax.annotate(">" if c["bound"] == "above" else "<", (c["context_len"], c["threshold"]),
+                            textcoords="offset points", xytext=(6, 6))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("cached context S (tokens)")
+    ax.set_ylabel("query length Q where both paths cost the same")
+    ax.set_title("Absorbed/expanded crossover: absorbed wins below the line")
+    ax.grid(True, which="both", alpha=0.25)
+    ax.legend(fontsize=8, loc="lower right")
+
+    name, res = next(iter(table["backends"].items()))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, sctx in enumerate(grid["contexts"]):
+        rows = [t for t in res["timings"] if t["context_len"] == sctx]
+        qs = [t["query_len"] for t in rows]
+        col = colors[i % len(colors)]
+        ax2.plot(qs, [t["absorbed_s"] / t["expanded_s"] for t in rows], "o-", color=col,
+                 label=f"measured, S={sctx}")
+        qq = np.array(sorted(set(qs)))
+        model = [costs.absorbed_path_flops(dims, int(q), sctx, causal=True)
+                 / costs.expanded_path_flops(dims, int(q), sctx, causal=True) for q in qq]
+        ax2.plot(qq, model, "--", color=col, alpha=0.7, label=f"FLOP model, S={sctx}")
+    ax2.axhline(1.0, color="black", lw=1)
+    ax2.set_xscale("log")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("query length Q")
+    ax2.set_ylabel("absorbed / expanded (time or FLOPs)")
+    ax2.set_title(f"{name}: below 1 the absorbed path is cheaper")
+    ax2.grid(True, which="both", alpha=0.25)
+    ax2.legend(fontsize=7, ncol=2)
+    dev = table["device"]
+    fig.suptitle(f"{m['name']} at TP={m['tp']} ({m['num_heads']} heads), {m['dtype']}, on {dev['name']} "
+                 f"({dev.get('cpu_count', '?')} cores, {dev.get('torch_threads', '?')} threads), "
+                 f"{table['date'][:10]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--table", default=os.path.join(HERE, "data", "tune-cpu.json"),
+                   help="threshold table from `mla-backends tune --output` (default docs/data/tune-cpu.json)")
+    p.add_argument("--out-dir", default=HERE, help="where the PNGs go (default docs/)")
+    args = p.parse_args(argv)
+    plot_bytes(os.path.join(args.out_dir, "kv-cache-bytes.png"))
+    if os.path.isfile(args.table):
+        plot_crossover(os.path.join(args.out_dir, "crossover.png"), args.table)
+    else:
+        print(f"no threshold table at {args.table}; skipped crossover.png (run `mla-backends tune --output "
+              f"{args.table}`)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

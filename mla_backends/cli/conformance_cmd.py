@@ -1,0 +1,66 @@
+"""``mla-backends conformance NAME [--quick] [--device D] [-- PYTEST_ARGS]``: run the shipped suite on a backend.
+
+NAME is any registered backend (built-in or from a plugin) or an import path ``package.module:Class`` for a
+backend under development. The suite runs in-process through ``pytest.main`` on
+``mla_backends/testing/cli_suite.py`` with the opt-in plugin; the exit code is pytest's (0 when every check
+passed or was skipped with a reason, non-zero on any failure or when nothing was collected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["register", "run", "pytest_args"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "conformance",
+        help="run the conformance suite on a backend",
+        description="Run the conformance suite shipped in mla_backends.testing on one backend: output and "
+                    "LSE against a float64 expanded reference, guard bands, determinism and honest "
+                    "declarations. Arguments after `--` go to pytest.",
+        epilog="examples: mla-backends conformance REF_TORCH;  mla-backends conformance TRITON_MLA --quick "
+               "-- -x -k output",
+    )
+    p.add_argument("backend", metavar="NAME", help="registered backend name or package.module:Class")
+    p.add_argument("--quick", action="store_true", help="reduced case matrix (interpreted Triton, quick checks)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where to run (auto: CUDA when present and declared by the backend, else the CPU)")
+    p.set_defaults(func=run, accepts_extra=True)
+
+
+def pytest_args(name: str, quick: bool, device: str, extra: list[str]) -> list[str]:
+    """The pytest command line the CLI runs (``extra``: pass-through arguments, a leading ``--`` dropped)."""
+    suite = Path(__file__).resolve().parent.parent / "testing" / "cli_suite.py"
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    args = [str(suite), "-p", "mla_backends.testing.plugin", f"--conformance-backend={name}",
+            f"--conformance-device={device}", "-p", "no:cacheprovider", "-o", "python_classes=Test*",
+            "-o", "python_functions=test_*", "-rs"]
+    if quick:
+        args.append("--conformance-quick")
+    return args + list(extra)
+
+
+def run(args: argparse.Namespace) -> int:
+    import pytest
+    import torch
+
+    from ..testing.suite import resolve_backend
+
+    cls = resolve_backend(args.backend)  # ValueError/TypeError -> exit 2 with the message
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        # Triton kernels can only run interpreted without CUDA; the flag must be set before they are imported
+        os.environ["TRITON_INTERPRET"] = "1"
+    name = args.backend if ":" in args.backend else cls.name
+    matrix = "quick" if args.quick else "full"
+    print(f"mla-backends conformance: {cls.name} ({cls.__module__}.{cls.__qualname__}, source "
+          f"{getattr(cls, 'source', 'builtin')}), {matrix} matrix, device {args.device}", flush=True)
+    code = int(pytest.main(pytest_args(name, args.quick, args.device, list(getattr(args, "extra", []) or []))))
+    verdict = "passed" if code == 0 else f"FAILED (pytest exit code {code})"
+    print(f"mla-backends conformance: {cls.name} {verdict}", file=sys.stderr if code else sys.stdout)
+    return code

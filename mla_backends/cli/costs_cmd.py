@@ -1,0 +1,219 @@
+"""``mla-backends kv-cache`` and ``mla-backends crossover``: the cost model on the command line.
+
+``kv-cache`` sizes the cache of a preset or a ``config.json`` (bytes per token, tokens that fit, the expanded
+and GQA comparisons); ``crossover`` prints where the absorbed and expanded paths cost the same FLOPs.
+Both take ``--json``. See docs/cost-model.md for the formulas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+__all__ = ["register", "load_model_dims", "run_kv_cache", "run_crossover"]
+
+
+def load_model_dims(spec: str) -> Any:
+    """``--model``: an existing config.json (or a folder holding one) or a preset name."""
+    from ..dims import PRESET_NAMES, MLADims
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(
+            f"--model: got {spec!r}; supported a preset ({', '.join(PRESET_NAMES)}) or a config.json"
+        )
+    if os.path.exists(spec):
+        return MLADims.from_hf_config(spec)
+    if spec.endswith(".json") or os.sep in spec:
+        raise ValueError(
+            f"--model: got {spec!r}, which does not exist; supported a preset "
+            f"({', '.join(PRESET_NAMES)}) or an existing config.json"
+        )
+    try:
+        return MLADims.preset(spec)
+    except ValueError:
+        raise ValueError(
+            f"--model: got {spec!r}; supported a preset ({', '.join(PRESET_NAMES)}) "
+            f"or a path to a config.json"
+        ) from None
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; supported comma-separated positive ints") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"got {text!r}; supported comma-separated positive ints")
+    return values
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model",
+        default="deepseek-v3",
+        metavar="PRESET|config.json",
+        help="a preset (deepseek-v3, deepseek-v3.2, kimi-k2, ...) or a config.json (default deepseek-v3)",
+    )
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (default 1)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kv-cache", help="bytes per token, tokens that fit, expanded and GQA comparisons")
+    _add_model_args(p)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model dtype), bfloat16, float16, float32, fp8_e4m3, fp8_e5m2 (default auto)",
+    )
+    p.add_argument("--dtype", default="bfloat16", help="model dtype that 'auto' follows (default bfloat16)")
+    p.add_argument(
+        "--context", type=int, default=None, metavar="N", help="tokens per sequence, for per-sequence sizes"
+    )
+    p.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        metavar="GiB",
+        help="memory one rank gives to the KV cache, in GiB",
+    )
+    p.set_defaults(func=run_kv_cache)
+
+    c = sub.add_parser("crossover", help="modelled FLOP crossover between the absorbed and the expanded path")
+    _add_model_args(c)
+    c.add_argument(
+        "--context",
+        type=_int_list,
+        default=None,
+        metavar="S[,S...]",
+        help="context lengths for the table (default 512,4096,32768,131072)",
+    )
+    c.add_argument(
+        "--query-lens",
+        type=_int_list,
+        default=None,
+        metavar="Q[,Q...]",
+        help="query-block lengths for the table (default 1,16,64,128,171,256,1024)",
+    )
+    c.add_argument(
+        "--causal",
+        action="store_true",
+        help="count causal pairs (new tokens also attend each other) instead of the rectangular block",
+    )
+    c.set_defaults(func=run_crossover)
+
+
+def _check_tp(tp: int, dims: Any) -> int:
+    heads = dims.total_num_heads
+    if tp <= 0 or heads % tp:
+        raise ValueError(f"--tp: got {tp}; supported a positive divisor of the model's {heads} heads")
+    return tp
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:,.3f} KiB"
+
+
+def run_kv_cache(args: argparse.Namespace) -> int:
+    from .. import costs
+
+    dims = load_model_dims(args.model)
+    tp = _check_tp(args.tp, dims)
+    if args.context is not None and args.context <= 0:
+        raise ValueError(f"--context: got {args.context}; supported a positive number of tokens")
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        raise ValueError(f"--gpu-memory: got {args.gpu_memory}; supported a positive number of GiB")
+    rep = costs.kv_cache_report(
+        dims,
+        kv_cache_dtype=args.kv_cache_dtype,
+        model_dtype=args.dtype,
+        tp=tp,
+        context_len=args.context,
+        gpu_memory_gib=args.gpu_memory,
+    )
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+    b = rep["element_bytes"]
+    from ..dtypes import parse_model_dtype, resolve_kv_cache_dtype
+
+    stored = resolve_kv_cache_dtype(args.kv_cache_dtype, parse_model_dtype(args.dtype))
+    print(
+        f"{rep['model']}: {dims.cache_row_width}-wide latent row, {stored} cache "
+        f"({b} byte{'s' if b > 1 else ''}), {rep['num_layers']} layers, TP={tp}"
+    )
+    print(
+        f"  latent cache      {rep['bytes_per_token_per_layer']:>12,} B/token/layer"
+        f"   {rep['bytes_per_token']:>12,} B/token ({_kib(rep['bytes_per_token'])}), same on every rank"
+    )
+    if rep["indexer_bytes_per_token"]:
+        print(
+            f"  indexer cache     {rep['indexer_bytes_per_token_per_layer']:>12,} B/token/layer"
+            f"   {rep['indexer_bytes_per_token']:>12,} B/token ({_kib(rep['indexer_bytes_per_token'])}, "
+            f"{rep['indexing_layers']} indexing layers, +{100 * rep['indexer_overhead']:.1f}%)"
+        )
+    print(
+        f"  expanded K+V      {rep['expanded_bytes_per_token']:>12,} B/token per rank "
+        f"({rep['expanded_ratio']:.2f}x the latent)"
+    )
+    print(
+        f"  GQA ({rep['gqa_model']}) {rep['gqa_bytes_per_token']:>12,} B/token per rank "
+        f"({_kib(rep['gqa_bytes_per_token'])}); cluster total {rep['gqa_cluster_bytes_per_token']:,} "
+        f"vs MLA {rep['cluster_bytes_per_token']:,}"
+    )
+    print(f"  replicated latent stops beating the sharded GQA cache at TP ~ {rep['tp_break_even']:.1f}")
+    print(
+        f"  decode arithmetic intensity {rep['decode_arithmetic_intensity']:.0f} FLOP/B per rank "
+        f"(GQA: {rep['gqa_decode_arithmetic_intensity']:.0f})"
+    )
+    if "bytes_per_sequence" in rep:
+        print(f"  one {rep['context_len']:,}-token sequence: {rep['bytes_per_sequence'] / 2**20:,.1f} MiB")
+    if "tokens_that_fit" in rep:
+        line = (
+            f"  {args.gpu_memory:g} GiB holds {rep['tokens_that_fit']:,} tokens "
+            f"(GQA: {rep['gqa_tokens_that_fit']:,})"
+        )
+        if "sequences_that_fit" in rep:
+            line += f", {rep['sequences_that_fit']:,} sequences of {rep['context_len']:,}"
+        print(line)
+    return 0
+
+
+def run_crossover(args: argparse.Namespace) -> int:
+    from .. import costs
+
+    dims = load_model_dims(args.model)
+    tp = _check_tp(args.tp, dims)
+    kwargs: dict[str, Any] = {"tp": tp, "causal": args.causal}
+    if args.context:
+        kwargs["contexts"] = args.context
+    if args.query_lens:
+        kwargs["query_lens"] = args.query_lens
+    rep = costs.crossover_report(dims, **kwargs)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+    print(
+        f"{rep['model']}, TP={tp}, {'causal' if args.causal else 'rectangular'} query block "
+        f"(FLOPs per layer; absorbed wins below the crossover)"
+    )
+    print(
+        f"  up-projection {rep['up_projection_flops_per_context_token']:,} FLOP per context token; "
+        f"folds {rep['fold_flops_per_query_token']:,} per query token"
+    )
+    print(
+        f"  core per pair: absorbed {rep['absorbed_core_flops_per_context_token']:,}, "
+        f"expanded {rep['expanded_core_flops_per_context_token']:,} ({rep['core_cost_factor']:.1f}x)"
+    )
+    qs = [c["query_len"] for c in rep["contexts"][0]["paths"]] if rep["contexts"] else []
+    print(f"  {'context':>9} {'crossover Q':>12}  " + " ".join(f"{'Q=' + str(q):>6}" for q in qs))
+    for row in rep["contexts"]:
+        marks = " ".join(f"{'abs' if c['cheaper'] == 'absorbed' else 'exp':>6}" for c in row["paths"])
+        print(f"  {row['context_len']:>9,} {row['crossover_query_len']:>12.1f}  {marks}")
+    print(
+        f"  asymptotic query threshold: {rep['asymptotic_query_threshold']:.2f} "
+        f"(absorbed is cheaper for Q below it as the context grows)"
+    )
+    return 0

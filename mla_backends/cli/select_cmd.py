@@ -1,0 +1,49 @@
+"""``mla-backends select``: which backend this (or a simulated) machine gets for a model, and why.
+
+Exit code 0 when a backend was chosen, 2 when none fits (or a forced one does not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("select", help="choose the backend for a model on this (or a simulated) device and explain")
+    p.add_argument("--model", default="deepseek-v3",
+                   help="preset name (deepseek-v3, deepseek-v2-lite, kimi-k2, ...) or a config.json path")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: heads per rank = heads / tp")
+    p.add_argument("--device", default="auto", help="auto (probe GPU 0 via NVML), cuda:N, cpu, sm80/sm90/sm100/...")
+    p.add_argument("--dtype", default="bfloat16", help="model dtype (bfloat16, float16, float32)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, bfloat16, float16, fp8_e4m3, fp8_e5m2")
+    p.add_argument("--block-size", type=int, default=None, help="page size in tokens (default: backend's preferred)")
+    p.add_argument("--sparse", action="store_true", help="top-k sparse attention (DeepSeek-V3.2)")
+    p.add_argument("--max-query-len", type=int, default=1, help="query tokens per request sent to the kernel")
+    p.add_argument("--backend", default=None, help="force a backend by name (beats MLA_BACKEND); 'auto' = choose")
+    p.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
+    p.set_defaults(func=run)
+
+
+def load_dims(model: str, tp: int):
+    """A preset name or a Hugging Face ``config.json`` (file or folder), split over ``tp`` ranks."""
+    from ..dims import MLADims
+
+    dims = MLADims.from_hf_config(model) if os.path.exists(model) else MLADims.preset(model)
+    return dims.tensor_parallel(tp) if tp != 1 else dims
+
+
+def run(args: argparse.Namespace) -> int:
+    from selector.select import SelectionError, select_backend
+
+    dims = load_dims(args.model, args.tp)
+    try:
+        sel = select_backend(dims, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                             block_size=args.block_size, sparse=args.sparse, max_query_len=args.max_query_len,
+                             device=args.device, backend=args.backend)
+    except SelectionError as err:
+        print(json.dumps(err.to_dict(), indent=2) if args.json else str(err))
+        return 2
+    print(json.dumps(sel.to_dict(), indent=2) if args.json else sel.explain())
+    return 0

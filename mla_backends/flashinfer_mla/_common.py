@@ -1,0 +1,258 @@
+"""Pieces shared by the four FlashInfer backends: selection-time reasons, per-device workspaces, plan caching,
+query packing/padding and block-table preparation. Imports no flashinfer.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from ..backend import AttentionSpec, MLABackend
+from ..cache import LatentKVCache
+from ..dtypes import FP8_CACHE_DTYPES, dtype_name
+from ..metadata import BatchMetadata
+from . import _install
+from .api import WORKSPACE_BYTES
+
+__all__ = [
+    "FlashInferBackendBase",
+    "workspace_for",
+    "PlanSlot",
+    "ensure_planned",
+    "pack_query",
+    "live_pages",
+    "dense_block_table",
+    "cached_block_table",
+    "scale_ratio",
+    "FP8_E4M3_MAX",
+]
+
+#: largest finite float8_e4m3fn value
+FP8_E4M3_MAX = 448.0
+
+_LOCK = threading.Lock()
+_WORKSPACES: dict[tuple[str, str], torch.Tensor] = {}
+
+
+def workspace_for(device: torch.device, path: str) -> torch.Tensor:
+    """The zero-initialised 128 MiB uint8 workspace of ``path`` on ``device``, allocated on first use.
+
+    Each path (``fa``, ``cutlass``, ``trtllm``, ``xqa``) has its own: XQA keeps semaphores at the start of
+    its workspace that must stay zero between launches, which another kernel's scratch use would break.
+    """
+    key = (str(device), path)
+    with _LOCK:
+        ws = _WORKSPACES.get(key)
+        if ws is None:
+            ws = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            _WORKSPACES[key] = ws
+        return ws
+
+
+@dataclass
+class PlanSlot:
+    """One FlashInfer wrapper and the batch plan it currently holds (a wrapper holds one plan at a time)."""
+
+    wrapper: Any
+    current: object | None = None
+    plans_made: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def ensure_planned(meta: BatchMetadata, key: tuple, slot: PlanSlot, make_plan: Any) -> None:
+    """Run ``make_plan()`` unless ``slot`` already holds the plan cached for ``key`` on ``meta``.
+
+    The plan token lives in ``meta.plans`` so that every layer of one step reuses one ``plan()``; if another
+    batch re-planned the shared wrapper in between, the token no longer matches and the plan is redone.
+    """
+    token = meta.plans.get(key)
+    if token is not None and slot.current is token:
+        return
+    make_plan()
+    token = token if token is not None else object()
+    meta.plans[key] = token
+    slot.current = token
+    slot.plans_made += 1
+
+
+def pack_query(q_latent: torch.Tensor, q_rope: torch.Tensor, *, num_heads: int, dtype: torch.dtype,
+               multiplier: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """``[T, H, r]`` + ``[T, H, rope]`` -> contiguous ``[T, num_heads, r + rope]`` in ``dtype``.
+
+    Heads ``H..num_heads-1`` are zero (padding for kernels with a fixed head count; their output rows are
+    discarded). ``multiplier`` scales the query (computed in float32 before the cast): used to fold a
+    softmax-scale ratio or an fp8 quantisation scale into the query.
+    """
+    T, H, r = q_latent.shape
+    width = r + q_rope.shape[-1]
+    if num_heads < H:
+        raise ValueError(f"num_heads: got {num_heads} < the query's {H} heads; supported >= {H}")
+    scaled = isinstance(multiplier, torch.Tensor) or multiplier != 1.0
+    needs_math = scaled or dtype != q_latent.dtype
+    work_dtype = torch.float32 if needs_math else dtype
+    q = (torch.zeros if num_heads > H else torch.empty)(T, num_heads, width, dtype=work_dtype,
+                                                         device=q_latent.device)
+    q[:, :H, :r] = q_latent
+    q[:, :H, r:] = q_rope
+    if needs_math:
+        if scaled:
+            q.mul_(multiplier)
+        q = q.to(dtype)
+    return q
+
+
+def live_pages(meta: BatchMetadata) -> list[int]:
+    """Pages each request's ``seq_len`` occupies (host ints, processing order)."""
+    return [-(-s // meta.block_size) for s in meta.seq_lens_list]
+
+
+def dense_block_table(meta: BatchMetadata, *, align: int = 1) -> torch.Tensor:
+    """``[B, W]`` int32 contiguous block table on the batch's device: live entries copied, the rest 0.
+
+    ``W`` is the largest live page count (at least 1) rounded up to a multiple of ``align``. Entries past a
+    request's last page may be -1 in :class:`BatchMetadata`; kernels that read a whole aligned chunk of the
+    table must see a valid id there, so they become page 0 (never attended: the lengths mask them).
+    """
+    pages = live_pages(meta)
+    width = max(pages, default=0)
+    width = max(1, -(-max(width, 1) // align) * align)
+    bt = meta.block_table
+    dev = bt.device
+    out = torch.zeros(bt.shape[0], width, dtype=torch.int32, device=dev)
+    n = min(width, bt.shape[1])
+    if n:
+        cols = torch.arange(n, device=dev)[None, :]
+        live = cols < torch.tensor(pages, dtype=torch.int64, device=dev)[:, None]
+        zero = torch.zeros((), dtype=torch.int32, device=dev)
+        out[:, :n] = torch.where(live, bt[:, :n].to(torch.int32), zero)
+    return out
+
+
+def cached_block_table(meta: BatchMetadata, *, align: int = 1) -> torch.Tensor:
+    """:func:`dense_block_table` built once per batch (cached in ``meta.plans``) and reused by every layer."""
+    key = ("flashinfer_block_table", align)
+    table = meta.plans.get(key)
+    if table is None:
+        table = dense_block_table(meta, align=align)
+        meta.plans[key] = table
+    return table
+
+
+class FlashInferBackendBase(MLABackend):
+    """Shared behaviour of the FlashInfer backends (not registered itself).
+
+    Selection: the base class's declared checks, then (when flashinfer is present) the installed version
+    against the tested range and the entry points in ``entry_points`` read from the installed source, then
+    :meth:`extra_reasons` of the subclass. A missing package is reported as :data:`NOT_INSTALLED_REASON`.
+    """
+
+    #: ``(path under flashinfer/, name)`` that the backend calls; checked in the installed source text
+    entry_points: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec) -> list[str]:
+        reasons = super().not_supported_reasons(spec)
+        if cls.missing_requirements():
+            reasons = [r for r in reasons if not r.startswith("package: ")]
+            reasons.insert(0, _install.NOT_INSTALLED_REASON)
+        else:
+            reasons[0:0] = cls.installed_reasons()
+        reasons += cls.extra_reasons(spec)
+        return reasons
+
+    @classmethod
+    def is_available(cls) -> bool:
+        """flashinfer is importable, inside the tested version range, and defines the entry points used."""
+        return not cls.missing_requirements() and not cls.installed_reasons()
+
+    @classmethod
+    def installed_reasons(cls) -> list[str]:
+        """Why the installed flashinfer-python cannot serve this backend (version, missing entry points)."""
+        version = _install.installed_version()
+        reasons = _install.version_reasons(version)
+        for path, name in cls.entry_points:
+            if not _install.source_defines(path, name):
+                reasons.append(f"flashinfer-python {version}: got no {name} in flashinfer/{path}; "
+                               f"supported a release that defines it ({_install.TESTED_RANGE_TEXT})")
+        return reasons
+
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """Backend rules the declarative :class:`Capabilities` cannot express (override and extend)."""
+        return []
+
+    # ---- helpers for subclasses --------------------------------------------------------------------------
+    @staticmethod
+    def _resolved_kv(spec: AttentionSpec) -> str | None:
+        try:
+            return spec.resolved_kv_cache_dtype
+        except (ValueError, TypeError):
+            return None  # the base class already reported it
+
+    @classmethod
+    def _kv_matches_query_reason(cls, spec: AttentionSpec) -> list[str]:
+        """A non-fp8 cache must hold the query's dtype (FlashInfer's kernels take one 16-bit type)."""
+        kv = cls._resolved_kv(spec)
+        if kv is None or kv in FP8_CACHE_DTYPES or kv not in cls.capabilities.kv_cache_dtypes:
+            return []
+        if kv != dtype_name(spec.dtype) and spec.dtype in cls.capabilities.dtypes:
+            return [f"kv cache dtype: got {kv} with {dtype_name(spec.dtype)} queries; supported the query "
+                    f"dtype ({dtype_name(spec.dtype)}) or fp8_e4m3"]
+        return []
+
+    @staticmethod
+    def _require_cuda(cache: LatentKVCache, backend: str) -> None:
+        if cache.device.type != "cuda":
+            raise ValueError(f"cache: got device {cache.device}; supported a CUDA device ({backend} runs "
+                             f"FlashInfer kernels)")
+
+    @staticmethod
+    def _require_dims(cache: LatentKVCache, dims: frozenset[tuple[int, int]] | None) -> None:
+        pair = (cache.kv_lora_rank, cache.qk_rope_head_dim)
+        if dims is not None and pair not in dims:
+            allowed = ", ".join(f"{a}/{b}" for a, b in sorted(dims))
+            raise ValueError(f"cache: got kv_lora_rank/qk_rope_head_dim {pair[0]}/{pair[1]}; "
+                             f"supported {allowed}")
+
+    @staticmethod
+    def _require_page_size(cache: LatentKVCache, page_sizes: tuple[int, ...] | None) -> None:
+        if page_sizes is not None and cache.block_size not in page_sizes:
+            raise ValueError(f"cache.block_size: got {cache.block_size}; supported "
+                             f"{', '.join(map(str, page_sizes))}")
+
+    @staticmethod
+    def _require_dtype(name: str, dtype: torch.dtype, allowed: frozenset[torch.dtype]) -> None:
+        if dtype not in allowed:
+            names = ", ".join(sorted(dtype_name(d) for d in allowed))
+            raise TypeError(f"{name}: got dtype {dtype_name(dtype)}; supported {names}")
+
+    @staticmethod
+    def _require_kv_dtype(cache: LatentKVCache, allowed: frozenset[str]) -> None:
+        if cache.kv_cache_dtype not in allowed:
+            raise TypeError(f"cache.kv_cache_dtype: got {cache.kv_cache_dtype}; supported "
+                            f"{', '.join(sorted(allowed))}")
+
+    @staticmethod
+    def _require_single_token(meta: BatchMetadata) -> None:
+        bad = [q for q in meta.query_lens_list if q != 1]
+        if bad:
+            raise ValueError(f"meta.query_lens: got {sorted(set(meta.query_lens_list))}; supported 1 per "
+                             f"request (single-token decode)")
+
+    @staticmethod
+    def _require_heads(num_heads: int, *, max_heads: int | None = None, allowed: frozenset[int] | None = None,
+                       text: str | None = None) -> None:
+        ok = (max_heads is None or num_heads <= max_heads) and (allowed is None or num_heads in allowed)
+        if not ok:
+            listed = ", ".join(map(str, sorted(allowed or ())))
+            want = text or (f"<= {max_heads}" if max_heads is not None else listed)
+            raise ValueError(f"q_latent: got {num_heads} heads; supported {want}")
+
+
+def scale_ratio(scale: float, fixed: float) -> float:
+    """Multiplier that turns a kernel's fixed softmax scale into ``scale`` when applied to the query."""
+    return 1.0 if math.isclose(scale, fixed, rel_tol=1e-7, abs_tol=0.0) else scale / fixed

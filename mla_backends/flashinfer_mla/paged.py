@@ -1,0 +1,285 @@
+"""``FLASHINFER_MLA`` (fa2/fa3) and ``FLASHINFER_MLA_CUTLASS``: FlashInfer's paged MLA wrapper.
+
+One wrapper per (device, FlashInfer backend) and one 128 MiB workspace per (device, path), created on first
+use. ``plan()`` runs once per batch (the plan token is cached in ``meta.plans``) and ``run()`` once per layer.
+The cache is passed as the two strided views ``cache.latent [blocks, page, 512]`` and ``cache.rope [blocks,
+page, 64]`` of the one 576-wide tensor; FlashInfer reads their strides (fa2/fa3) or recognises them as
+adjacent halves of one packed row (cutlass), so nothing is copied.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import ClassVar
+
+import torch
+
+from ..backend import AttentionSpec, Capabilities, QueryLenSupport
+from ..cache import LatentKVCache
+from ..dtypes import dtype_name
+from ..metadata import BatchMetadata
+from ..mqa_inputs import check_mqa_inputs
+from . import api
+from ._common import (
+    FlashInferBackendBase,
+    PlanSlot,
+    cached_block_table,
+    ensure_planned,
+    live_pages,
+    pack_query,
+    scale_ratio,
+    workspace_for,
+)
+
+__all__ = [
+    "FlashInferMLABackend",
+    "FlashInferCutlassMLABackend",
+    "fa_backend_for",
+    "fa_plan_metadata",
+    "plan_fa",
+    "plan_cutlass",
+    "cutlass_fixed_scale",
+    "wrapper_slot",
+]
+
+_DIMS = frozenset({(512, 64)})
+_SLOTS: dict[tuple[str, str], PlanSlot] = {}
+_SLOTS_LOCK = threading.Lock()
+_ENTRY_POINTS = (("mla/_core.py", "BatchMLAPagedAttentionWrapper"), ("mla/_core.py", "MLAPlanMetadata"))
+
+
+def wrapper_slot(device: torch.device, fi_backend: str) -> PlanSlot:
+    """The shared ``BatchMLAPagedAttentionWrapper`` of ``fi_backend`` on ``device`` (built on first use)."""
+    key = (str(device), fi_backend)
+    with _SLOTS_LOCK:
+        slot = _SLOTS.get(key)
+        if slot is None:
+            path = "cutlass" if fi_backend == "cutlass" else "fa"
+            wrapper_cls = api.load_wrapper_class()
+            wrapper = wrapper_cls(**api.wrapper_init_kwargs(workspace_for(device, path), fi_backend))
+            slot = PlanSlot(wrapper)
+            _SLOTS[key] = slot
+        return slot
+
+
+def fa_backend_for(device: torch.device) -> str:
+    """``fa3`` on SM90 (Hopper), ``fa2`` elsewhere (SM80/86/89)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0):
+        return "fa3"
+    return "fa2"
+
+
+def fa_plan_metadata(meta: BatchMetadata):
+    """CSR ``MLAPlanMetadata`` of a batch (host int32 tensors; FlashInfer copies them to the device).
+
+    ``qo_indptr [B+1]`` = query offsets, ``kv_len_arr [B]`` = seq lens, ``kv_indptr [B+1]`` = cumulative live
+    page counts, ``kv_indices`` = the live block ids of every request, concatenated.
+    """
+    pages = live_pages(meta)
+    bt = meta.block_table.to("cpu", torch.int32)
+    cols = torch.arange(bt.shape[1])[None, :]
+    live = cols < torch.tensor(pages, dtype=torch.int64)[:, None]
+    kv_indices = bt[live].contiguous()
+    kv_indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
+    if pages:
+        kv_indptr[1:] = torch.tensor(pages, dtype=torch.int64).cumsum(0).to(torch.int32)
+    qo_indptr = meta.query_start_loc.to("cpu", torch.int32).contiguous()
+    kv_len_arr = meta.seq_lens.to("cpu", torch.int32).contiguous()
+    return api.load_plan_metadata_class().csr(**api.csr_metadata_kwargs(qo_indptr, kv_indptr, kv_indices,
+                                                                          kv_len_arr))
+
+
+def plan_fa(wrapper, meta: BatchMetadata, *, num_heads: int, kv_lora_rank: int, rope_dim: int, page_size: int,
+            scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    """``wrapper.plan(...)`` for fa2/fa3 on ``meta`` (host sync: FlashInfer schedules on the CPU)."""
+    wrapper.plan(**api.fa_plan_kwargs(fa_plan_metadata(meta), num_heads=num_heads, kv_lora_rank=kv_lora_rank,
+                                      rope_dim=rope_dim, page_size=page_size, sm_scale=scale, q_dtype=q_dtype,
+                                      kv_dtype=kv_dtype))
+
+
+def cutlass_fixed_scale(rope_dim: int) -> float:
+    """The softmax scale FlashInfer's cutlass MLA kernel hard-codes: ``1 / sqrt(128 + head_dim_kpe)``."""
+    return 1.0 / math.sqrt(128 + rope_dim)
+
+
+def plan_cutlass(wrapper, meta: BatchMetadata, *, kv_lora_rank: int, rope_dim: int, page_size: int,
+                 dtype: torch.dtype) -> None:
+    """``wrapper.plan(...)`` for cutlass: dense metadata whose block-table width is a multiple of
+    ``128 / page_size`` (FlashInfer's alignment rule), 128 heads, the kernel's fixed scale."""
+    table = cached_block_table(meta, align=128 // page_size)
+    metadata = api.load_plan_metadata_class().dense(**api.dense_metadata_kwargs(
+        meta.query_start_loc.to(torch.int32).contiguous(), table, meta.seq_lens.to(torch.int32).contiguous(),
+        max(1, meta.max_query_len)))
+    wrapper.plan(**api.cutlass_plan_kwargs(metadata, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                                           page_size=page_size, sm_scale=cutlass_fixed_scale(rope_dim),
+                                           dtype=dtype))
+
+
+class FlashInferMLABackend(FlashInferBackendBase):
+    """FlashInfer's paged MLA wrapper with the fa3 kernels on SM90 and fa2 on SM80/86/89.
+
+    Any page size, any head count, variable query lengths (causal, bottom-right aligned), natural-log LSE.
+    fp8_e4m3 caches only on SM90 with bfloat16 queries (FlashInfer's fa3 fp8 path, per-tensor scale).
+    """
+
+    name: ClassVar[str] = "FLASHINFER_MLA"
+    description: ClassVar[str] = "FlashInfer BatchMLAPagedAttentionWrapper (fa3 on SM90, fa2 on SM80/86/89)"
+    entry_points = _ENTRY_POINTS
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        dtypes=frozenset({torch.bfloat16, torch.float16}),
+        kv_cache_dtypes=frozenset({"bfloat16", "float16", "fp8_e4m3"}),
+        compute_capabilities=frozenset({(8, 0), (8, 6), (8, 9), (9, 0)}),
+        preferred_page_size=64,
+        dims=_DIMS,
+        query_len=QueryLenSupport.VARLEN,
+        returns_lse=True,
+        deterministic=True,
+        requires=("flashinfer",),
+        extra="flashinfer",
+    )
+
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+        reasons = cls._kv_matches_query_reason(spec)
+        if cls._resolved_kv(spec) == "fp8_e4m3":
+            if spec.device.is_cuda and spec.device.compute_capability != (9, 0):
+                c0, c1 = spec.device.compute_capability
+                reasons.append(f"fp8 cache: got SM{c0}{c1}; supported SM90 only (FlashInfer's fa3 fp8 path)")
+            if spec.dtype != torch.bfloat16:
+                reasons.append(f"fp8 cache: got {dtype_name(spec.dtype)} queries; supported bfloat16 queries")
+        return reasons
+
+    def forward_mqa(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                    meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
+                         lse_out=lse_out)
+        if topk_indices is not None:
+            raise ValueError("topk_indices: got a tensor; supported None (FLASHINFER_MLA is dense only)")
+        caps = self.capabilities
+        self._require_dtype("q_latent", q_latent.dtype, caps.dtypes)
+        self._require_kv_dtype(cache, caps.kv_cache_dtypes)
+        self._require_dims(cache, caps.dims)
+        if not cache.is_fp8 and cache.data.dtype != q_latent.dtype:
+            raise TypeError(f"cache.kv_cache_dtype: got {cache.kv_cache_dtype} with "
+                            f"{dtype_name(q_latent.dtype)} queries; supported the query dtype or fp8_e4m3")
+        self._require_cuda(cache, self.name)
+        if cache.is_fp8:
+            cc = torch.cuda.get_device_capability(cache.device)
+            if cc != (9, 0) or q_latent.dtype != torch.bfloat16:
+                raise ValueError(f"cache.kv_cache_dtype: got fp8_e4m3 on SM{cc[0]}{cc[1]} with "
+                                 f"{dtype_name(q_latent.dtype)} queries; supported SM90 with bfloat16 "
+                                 f"queries")
+        return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out)
+
+    def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
+                *, scale: float, out: torch.Tensor | None, lse_out: torch.Tensor | None,
+                fi_backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plan (once per batch) and run; inputs already validated. ``fi_backend`` overrides fa2/fa3."""
+        T, H, r = q_latent.shape
+        dev = cache.device
+        result = out if out is not None and out.is_contiguous() else torch.empty_like(q_latent,
+                                                                                      memory_format=torch.contiguous_format)
+        lse = lse_out if lse_out is not None and lse_out.is_contiguous() else torch.empty(
+            T, H, dtype=torch.float32, device=dev)
+        if T:
+            fi_backend = fi_backend or fa_backend_for(dev)
+            slot = wrapper_slot(dev, fi_backend)
+            key = (self.name, fi_backend, H, q_latent.dtype, cache.data.dtype, cache.block_size, r,
+                   cache.qk_rope_head_dim, float(scale))
+            ensure_planned(meta, key, slot, lambda: plan_fa(
+                slot.wrapper, meta, num_heads=H, kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim,
+                page_size=cache.block_size, scale=scale, q_dtype=q_latent.dtype, kv_dtype=cache.data.dtype))
+            fp8_scale = cache.scale_value if cache.is_fp8 else None  # host sync for fp8 caches only
+            slot.wrapper.run(**api.fa_run_kwargs(q_latent.contiguous(), q_rope.contiguous(), cache.latent,
+                                                 cache.rope, out=result, lse=lse, fp8_scale=fp8_scale))
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        if lse_out is not None and lse is not lse_out:
+            lse_out.copy_(lse)
+            lse = lse_out
+        return result, lse
+
+
+class FlashInferCutlassMLABackend(FlashInferBackendBase):
+    """FlashInfer's cutlass MLA decode (the wrapper's ``cutlass`` backend) on SM100/SM103/SM110.
+
+    The kernel takes exactly 128 heads: fewer heads are zero-padded to 128 and the output sliced back. It
+    hard-codes the softmax scale ``1/sqrt(192)``; the requested scale is folded into the query (multiplied
+    by ``scale * sqrt(192)`` in float32 while packing, which the padding copy does anyway). Single-token
+    decode only, no LSE.
+    """
+
+    name: ClassVar[str] = "FLASHINFER_MLA_CUTLASS"
+    description: ClassVar[str] = "FlashInfer cutlass MLA decode (SM100/103/110; heads padded to 128; no LSE)"
+    entry_points = _ENTRY_POINTS
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        dtypes=frozenset({torch.bfloat16, torch.float16}),
+        kv_cache_dtypes=frozenset({"bfloat16", "float16"}),
+        compute_capabilities=frozenset({(10, 0), (10, 3), (11, 0)}),
+        page_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
+        preferred_page_size=128,
+        dims=_DIMS,
+        max_num_heads=128,
+        query_len=QueryLenSupport.SINGLE,
+        returns_lse=False,
+        requires=("flashinfer",),
+        extra="flashinfer",
+    )
+    #: the kernel's head count; fewer heads are padded up to it
+    KERNEL_HEADS: ClassVar[int] = 128
+
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+        return cls._kv_matches_query_reason(spec)
+
+    def forward_mqa(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                    meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, None]:
+        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
+                         lse_out=lse_out)
+        if topk_indices is not None:
+            raise ValueError(f"topk_indices: got a tensor; supported None ({self.name} is dense only)")
+        if lse_out is not None:
+            raise ValueError(f"lse_out: got a tensor; supported None ({self.name} returns no LSE)")
+        caps = self.capabilities
+        self._require_dtype("q_latent", q_latent.dtype, caps.dtypes)
+        self._require_kv_dtype(cache, caps.kv_cache_dtypes)
+        if cache.data.dtype != q_latent.dtype:
+            raise TypeError(f"cache.kv_cache_dtype: got {cache.kv_cache_dtype} with "
+                            f"{dtype_name(q_latent.dtype)} queries; supported the query dtype")
+        self._require_dims(cache, caps.dims)
+        self._require_page_size(cache, caps.page_sizes)
+        self._require_heads(q_latent.shape[1], max_heads=self.KERNEL_HEADS)
+        self._require_single_token(meta)
+        if not cache.data.is_contiguous():
+            raise ValueError("cache.data: got a non-contiguous tensor; supported a contiguous "
+                             "[blocks, page, 576] tensor")
+        self._require_cuda(cache, self.name)
+        return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out)
+
+    def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
+                *, scale: float, out: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        """Pad, plan (once per batch) and run; inputs already validated."""
+        T, H, r = q_latent.shape
+        dev = cache.device
+        rope = cache.qk_rope_head_dim
+        if T == 0:
+            return (out if out is not None else torch.empty_like(q_latent)), None
+        query = pack_query(q_latent, q_rope, num_heads=self.KERNEL_HEADS, dtype=q_latent.dtype,
+                           multiplier=scale_ratio(scale, cutlass_fixed_scale(rope)))
+        slot = wrapper_slot(dev, "cutlass")
+        key = (self.name, q_latent.dtype, cache.block_size, r, rope)
+        ensure_planned(meta, key, slot, lambda: plan_cutlass(
+            slot.wrapper, meta, kv_lora_rank=r, rope_dim=rope, page_size=cache.block_size,
+            dtype=q_latent.dtype))
+        full = torch.empty(T, self.KERNEL_HEADS, r, dtype=q_latent.dtype, device=dev)
+        slot.wrapper.run(**api.cutlass_run_kwargs(query, cache.latent, cache.rope, out=full))
+        if out is not None:
+            out.copy_(full[:, :H])
+            return out, None
+        return (full if H == self.KERNEL_HEADS else full[:, :H].contiguous()), None

@@ -1,0 +1,119 @@
+"""``FLASHINFER_MLA_TRTLLM``: ``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla`` (trtllm-gen cubins).
+
+SM100/SM103 only; page size 32 or 64; at most 64 heads or exactly 128; bfloat16 queries over a bfloat16 or
+fp8_e4m3 cache; one query length shared by every request of the batch (decode or speculative decode);
+natural-log LSE. The cache tensor ``cache.data [blocks, page, 576]`` is passed as is (no copy).
+
+fp8 caches: the kernel needs query and cache in one dtype, so the query is quantised to fp8_e4m3 with a
+per-tensor scale ``amax(|q|) / 448`` computed on the device; the scales reach the kernel as float32 device
+tensors (``bmm1_scale = q_scale * kv_scale * scale``, ``bmm2_scale = kv_scale``), so there is no host sync.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..backend import AttentionSpec, Capabilities, QueryLenSupport
+from ..cache import LatentKVCache
+from ..metadata import BatchMetadata
+from ..mqa_inputs import check_mqa_inputs
+from . import api
+from ._common import FP8_E4M3_MAX, FlashInferBackendBase, cached_block_table, pack_query, workspace_for
+
+__all__ = ["FlashInferTrtllmMLABackend"]
+
+
+class FlashInferTrtllmMLABackend(FlashInferBackendBase):
+    """trtllm-gen MLA decode on SM100/SM103 (bf16 or fp8_e4m3 cache, page 32/64, heads <= 64 or 128)."""
+
+    name: ClassVar[str] = "FLASHINFER_MLA_TRTLLM"
+    description: ClassVar[str] = ("FlashInfer trtllm-gen MLA decode (SM100/SM103; page 32/64; heads <= 64 or "
+                                  "exactly 128)")
+    entry_points = (("decode.py", "trtllm_batch_decode_with_kv_cache_mla"),)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        dtypes=frozenset({torch.bfloat16}),
+        kv_cache_dtypes=frozenset({"bfloat16", "fp8_e4m3"}),
+        compute_capabilities=frozenset({(10, 0), (10, 3)}),
+        page_sizes=(32, 64),
+        preferred_page_size=64,
+        dims=frozenset({(512, 64)}),
+        max_num_heads=128,
+        query_len=QueryLenSupport.UNIFORM,
+        returns_lse=True,
+        requires=("flashinfer",),
+        extra="flashinfer",
+    )
+    HEADS_TEXT: ClassVar[str] = "<= 64 or exactly 128"
+
+    @staticmethod
+    def heads_ok(num_heads: int) -> bool:
+        """trtllm-gen rejects ``64 < heads < 128`` (FlashInfer ``_trtllm_gen_mla_incompatibility_reason``)."""
+        return 1 <= num_heads <= 64 or num_heads == 128
+
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+        if 64 < spec.num_heads < 128:
+            return [f"num_heads: got {spec.num_heads}; supported {cls.HEADS_TEXT}"]
+        return []
+
+    def forward_mqa(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                    meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
+                         lse_out=lse_out)
+        if topk_indices is not None:
+            raise ValueError(f"topk_indices: got a tensor; supported None ({self.name} is dense only)")
+        caps = self.capabilities
+        self._require_dtype("q_latent", q_latent.dtype, caps.dtypes)
+        self._require_kv_dtype(cache, caps.kv_cache_dtypes)
+        self._require_dims(cache, caps.dims)
+        self._require_page_size(cache, caps.page_sizes)
+        if not self.heads_ok(q_latent.shape[1]):
+            raise ValueError(f"q_latent: got {q_latent.shape[1]} heads; supported {self.HEADS_TEXT}")
+        if not meta.is_uniform_query_len or 0 in meta.query_lens_list:
+            raise ValueError(f"meta.query_lens: got {sorted(set(meta.query_lens_list))}; supported one "
+                             f"length >= 1 shared by every request")
+        self._require_cuda(cache, self.name)
+        return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out)
+
+    def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
+                *, scale: float, out: torch.Tensor | None, lse_out: torch.Tensor | None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Build the call and run it; inputs already validated."""
+        T, H, r = q_latent.shape
+        dev = cache.device
+        result = out if out is not None and out.is_contiguous() else torch.empty(
+            T, H, r, dtype=q_latent.dtype, device=dev)
+        lse = lse_out if lse_out is not None and lse_out.is_contiguous() else torch.empty(
+            T, H, dtype=torch.float32, device=dev)
+        if T:
+            B = meta.num_requests
+            q_len = T // B
+            bmm1: float | torch.Tensor
+            bmm2: float | torch.Tensor
+            if cache.is_fp8:
+                amax = torch.maximum(q_latent.abs().amax(), q_rope.abs().amax()).float().reshape(1)
+                q_scale = (amax / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+                query = pack_query(q_latent, q_rope, num_heads=H, dtype=cache.data.dtype,
+                                   multiplier=q_scale.reciprocal())
+                bmm1 = q_scale * cache.scale * float(scale)
+                bmm2 = cache.scale
+            else:
+                query = pack_query(q_latent, q_rope, num_heads=H, dtype=cache.data.dtype)
+                bmm1, bmm2 = float(scale), 1.0
+            fn = api.load_trtllm_decode()
+            fn(**api.trtllm_kwargs(
+                query.view(B, q_len, H, query.shape[-1]), cache.data, workspace_for(dev, "trtllm"),
+                kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim, block_tables=cached_block_table(meta),
+                seq_lens=meta.seq_lens, max_seq_len=meta.max_seq_len, out=result.view(B, q_len, H, r),
+                lse=lse, bmm1_scale=bmm1, bmm2_scale=bmm2))
+        if out is not None and result is not out:
+            out.copy_(result)
+            result = out
+        if lse_out is not None and lse is not lse_out:
+            lse_out.copy_(lse)
+            lse = lse_out
+        return result, lse

@@ -1,0 +1,105 @@
+"""``FLASHINFER_MLA_XQA``: ``flashinfer.decode.xqa_batch_decode_with_kv_cache_mla`` on SM120/SM121.
+
+The XQA MLA kernel takes exactly 128 query heads (one KV head, head-group ratio 128), one query token per
+request, query and cache in one dtype (both bfloat16 or both fp8_e4m3), page sizes 16/32/64/128 in
+flashinfer-python 0.7.4 (``gen_xqa_module_mla``), a block table whose width is a multiple of
+``128 / page_size``, and returns no LSE. Fewer heads are zero-padded to 128 and the output sliced back.
+
+fp8 caches: the query is quantised to fp8_e4m3 with the per-tensor scale ``amax(|q|) / 448``. XQA takes its
+scales as host floats here, so the fp8 path reads ``amax`` and the cache scale back (one host sync a call).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from ..backend import AttentionSpec, Capabilities, QueryLenSupport
+from ..cache import LatentKVCache
+from ..dtypes import dtype_name
+from ..metadata import BatchMetadata
+from ..mqa_inputs import check_mqa_inputs
+from . import api
+from ._common import FP8_E4M3_MAX, FlashInferBackendBase, cached_block_table, pack_query, workspace_for
+
+__all__ = ["FlashInferXqaMLABackend"]
+
+
+class FlashInferXqaMLABackend(FlashInferBackendBase):
+    """XQA MLA decode on SM120/SM121 (consumer/workstation Blackwell): bf16 or fp8, q length 1, no LSE."""
+
+    name: ClassVar[str] = "FLASHINFER_MLA_XQA"
+    description: ClassVar[str] = "FlashInfer XQA MLA decode (SM120/SM121; heads padded to 128; no LSE)"
+    entry_points = (("decode.py", "xqa_batch_decode_with_kv_cache_mla"),)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        dtypes=frozenset({torch.bfloat16}),
+        kv_cache_dtypes=frozenset({"bfloat16", "fp8_e4m3"}),
+        compute_capabilities=frozenset({(12, 0), (12, 1)}),
+        page_sizes=(16, 32, 64, 128),
+        preferred_page_size=64,
+        dims=frozenset({(512, 64)}),
+        max_num_heads=128,
+        query_len=QueryLenSupport.SINGLE,
+        returns_lse=False,
+        requires=("flashinfer",),
+        extra="flashinfer",
+    )
+    KERNEL_HEADS: ClassVar[int] = 128
+
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+        return []
+
+    def forward_mqa(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                    meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, None]:
+        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
+                         lse_out=lse_out)
+        if topk_indices is not None:
+            raise ValueError(f"topk_indices: got a tensor; supported None ({self.name} is dense only)")
+        if lse_out is not None:
+            raise ValueError(f"lse_out: got a tensor; supported None ({self.name} returns no LSE)")
+        caps = self.capabilities
+        self._require_dtype("q_latent", q_latent.dtype, caps.dtypes)
+        self._require_kv_dtype(cache, caps.kv_cache_dtypes)
+        if not cache.is_fp8 and cache.data.dtype != q_latent.dtype:
+            raise TypeError(f"cache.kv_cache_dtype: got {cache.kv_cache_dtype} with "
+                            f"{dtype_name(q_latent.dtype)} queries; supported bfloat16 or fp8_e4m3")
+        self._require_dims(cache, caps.dims)
+        self._require_page_size(cache, caps.page_sizes)
+        self._require_heads(q_latent.shape[1], max_heads=self.KERNEL_HEADS)
+        self._require_single_token(meta)
+        self._require_cuda(cache, self.name)
+        return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out)
+
+    def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
+                *, scale: float, out: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        """Pad, quantise (fp8) and run; inputs already validated."""
+        T, H, r = q_latent.shape
+        dev = cache.device
+        if T == 0:
+            return (out if out is not None else torch.empty_like(q_latent)), None
+        if cache.is_fp8:
+            amax = torch.maximum(q_latent.abs().amax(), q_rope.abs().amax()).float()
+            amax_value, kv_scale = torch.stack([amax, cache.scale[0]]).tolist()  # one host sync
+            q_scale = max(amax_value / FP8_E4M3_MAX, torch.finfo(torch.float32).tiny)
+            query = pack_query(q_latent, q_rope, num_heads=self.KERNEL_HEADS, dtype=cache.data.dtype,
+                               multiplier=1.0 / q_scale)
+            bmm1, bmm2 = q_scale * kv_scale * float(scale), kv_scale
+        else:
+            query = pack_query(q_latent, q_rope, num_heads=self.KERNEL_HEADS, dtype=cache.data.dtype)
+            bmm1, bmm2 = float(scale), 1.0
+        full = torch.empty(T, self.KERNEL_HEADS, r, dtype=torch.bfloat16, device=dev)
+        fn = api.load_xqa_decode()
+        fn(**api.xqa_kwargs(
+            query.view(T, 1, self.KERNEL_HEADS, query.shape[-1]), cache.data, workspace_for(dev, "xqa"),
+            kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim,
+            block_tables=cached_block_table(meta, align=max(1, 128 // cache.block_size)),
+            seq_lens=meta.seq_lens, max_seq_len=meta.max_seq_len, out=full, bmm1_scale=bmm1, bmm2_scale=bmm2))
+        result = full[:, :H]
+        if out is not None:
+            out.copy_(result)
+            return out, None
+        return (full if H == self.KERNEL_HEADS else result.contiguous()), None

@@ -1,0 +1,444 @@
+"""``MLAAttention``: the module a host engine puts in each DeepSeek layer.
+
+It owns the projections, RoPE, the folded weights and both attention paths; the backend supplies only the
+absorbed ``forward_mqa``::
+
+    layer = MLAAttention.from_hf_config(config, backend=None, dtype=torch.bfloat16, tp_rank=0, tp_size=1)
+    layer.load_hf_state_dict(state_dict)                 # transformers' DeepseekV2/V3Attention names
+    cache = layer.allocate_cache(num_blocks, block_size)  # LatentKVCache
+    meta = BatchMetadata.build(query_lens, context_lens, block_table, block_size)
+    out = layer(hidden_states, positions, cache, meta)   # [tokens, hidden_size], caller's token order
+
+One step, for ``T`` tokens in processing order (decodes first):
+
+- ``q = q_b_proj(rms(q_a_proj(x)))`` (or ``q_proj(x)``) -> ``[T, H, nope + rope]``;
+  ``kv_a_proj_with_mqa(x)`` -> latent ``[T, r]`` (RMS-normalised) and ``k_pe [T, rope]``; RoPE on both rope
+  slices; the new ``[latent | k_pe]`` rows are written to the cache.
+- absorbed requests: ``q_nope @ W_UK_T`` -> ``backend.forward_mqa`` -> ``@ W_UV``;
+- expanded requests: :func:`~mla_backends.prefill.forward_mha` (new tokens causal, cached context in
+  workspace-sized chunks, LSE merge);
+- ``o_proj`` over ``[T, H * v]``; with tensor parallelism this is the rank's partial sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .backend import AttentionSpec, MLABackend, QueryLenSupport
+from .cache import LatentKVCache
+from .dims import MLADims
+from .dispatch import DispatchPolicy, PerRequestPolicy, clamp_to_backend, resolve_policy
+from .dtypes import dtype_name, parse_model_dtype
+from .hf_loading import (
+    check_hf_state_dict,
+    expected_hf_shapes,
+    fold_kv_b,
+    hf_attention_bias,
+    shard_hf_tensor,
+)
+from .metadata import BatchMetadata
+from .prefill import PrefillWorkspace, default_workspace_rows, forward_mha
+from .registry import get_backend
+from .rope import RotaryEmbedding
+from .sparse.layer_support import SparseKVCache, build_indexer, take_indexer_weights
+from .validation import require_int, require_tensor
+
+__all__ = ["MLAAttention"]
+
+#: assumed concurrent requests when sizing the default prefill workspace (vLLM's default max_num_seqs)
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+def _device_info(device: torch.device) -> Any:
+    from selector.device import CPU_DEVICE, DeviceInfo
+
+    if device.type != "cuda":
+        return CPU_DEVICE
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(idx)
+    return DeviceInfo(kind="cuda", name=props.name, compute_capability=(props.major, props.minor),
+                      total_memory=props.total_memory, index=idx, sm_count=props.multi_processor_count)
+
+
+def _choose_backend(backend: Any, dims: MLADims, dtype: torch.dtype,
+                    device: torch.device) -> type[MLABackend]:
+    """A named/given backend through the registry; otherwise the selector's choice (REF_TORCH without it)."""
+    if backend is not None:
+        return get_backend(backend)
+    try:
+        from selector import select_backend
+    except (ImportError, AttributeError):
+        return get_backend("REF_TORCH")
+    dev = "cpu" if device.type != "cuda" else f"cuda:{device.index or 0}"
+    return select_backend(dims, dtype=dtype, device=dev, sparse=dims.is_sparse).backend
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as DeepSeek computes it: normalise in float32 (float64 stays float64), cast, then scale."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xf = x.to(acc)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+class MLAAttention(torch.nn.Module):
+    """Multi-head latent attention for one layer (this rank's heads).
+
+    Parameters use transformers' names (``q_a_proj``, ``kv_b_proj`` ...) with this rank's shapes; the folded
+    ``W_UK_T [H, nope, r]`` and ``W_UV [H, r, v]`` are buffers rewritten in place on every load.
+
+    Attributes:
+        dims: per-rank :class:`MLADims`.
+        backend: the ``forward_mqa`` provider (an instance).
+        dispatch: the :class:`~mla_backends.dispatch.DispatchPolicy` splitting absorbed/expanded requests.
+        workspace_rows: context rows per ``forward_mha`` chunk.
+        indexer: DeepSeek-V3.2's :class:`~mla_backends.sparse.Indexer` of this layer; None on dense layers and
+            on layers that reuse the previous layer's top-k (they take ``topk_indices`` from the caller).
+        last_topk_indices: ``[tokens, topk]`` (caller order) the indexer selected in the last step, for the
+            following layers that reuse it.
+    """
+
+    def __init__(
+        self,
+        dims: MLADims,
+        *,
+        backend: Any = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        tp_rank: int = 0,
+        attention_bias: bool = False,
+        dispatch: DispatchPolicy | str | None = None,
+        workspace_rows: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        layer_idx: int = 0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(dims, MLADims):
+            raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims")
+        require_int("tp_rank", tp_rank, minimum=0)
+        if tp_rank >= dims.tp_size:
+            raise ValueError(f"tp_rank: got {tp_rank}; supported 0..{dims.tp_size - 1} "
+                             f"(tp_size {dims.tp_size})")
+        if workspace_rows is not None:
+            require_int("workspace_rows", workspace_rows, minimum=1)
+        if max_model_len is not None:
+            require_int("max_model_len", max_model_len, minimum=1)
+        self.max_model_len = max_model_len if max_model_len is not None else dims.max_position_embeddings
+        self.max_num_seqs = require_int("max_num_seqs", max_num_seqs, minimum=1)
+        if dims.qk_rope_head_dim < 2 or dims.qk_rope_head_dim % 2:
+            raise ValueError(f"dims.qk_rope_head_dim: got {dims.qk_rope_head_dim}; "
+                             "supported an even width >= 2")
+        self.dims = dims
+        self.dtype = parse_model_dtype(dtype, default=torch.bfloat16)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.tp_rank = tp_rank
+        self.tp_size = dims.tp_size
+        self.attention_bias = bool(attention_bias)
+        self.dispatch = resolve_policy(dispatch)
+        self._workspace_rows = workspace_rows
+        self._workspace: PrefillWorkspace | None = None
+        self.layer_idx = require_int("layer_idx", layer_idx, minimum=0)
+        self.indexer = build_indexer(dims, layer_idx, dtype=self.dtype, device=self.device)  # V3.2 only
+        self.last_topk_indices: torch.Tensor | None = None
+        self.rotary = RotaryEmbedding.from_dims(dims)
+        self.scale = dims.softmax_scale
+        self._loaded = False
+
+        backend_cls = _choose_backend(backend, dims, self.dtype, self.device)
+        reasons = [r for r in backend_cls.not_supported_reasons(self._spec()) if not r.startswith("package")]
+        if reasons:
+            raise ValueError(f"backend: got {backend_cls.name}, which cannot run this layer: "
+                             + "; ".join(reasons))
+        self.backend_cls = backend_cls
+        self.backend = backend_cls()
+
+        H, P, R, V, r = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, \
+            dims.kv_lora_rank
+        hid = dims.hidden_size
+        kw = {"dtype": self.dtype, "device": self.device}
+
+        def param(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(torch.zeros(*shape, **kw), requires_grad=False)
+
+        if dims.q_lora_rank is None:
+            self.q_proj = torch.nn.Module()
+            self.q_proj.weight = param(H * (P + R), hid)
+        else:
+            self.q_a_proj = torch.nn.Module()
+            self.q_a_proj.weight = param(dims.q_lora_rank, hid)
+            self.q_a_proj.bias = param(dims.q_lora_rank) if self.attention_bias else None
+            self.q_a_layernorm = torch.nn.Module()
+            self.q_a_layernorm.weight = param(dims.q_lora_rank)
+            self.q_b_proj = torch.nn.Module()
+            self.q_b_proj.weight = param(H * (P + R), dims.q_lora_rank)
+        self.kv_a_proj_with_mqa = torch.nn.Module()
+        self.kv_a_proj_with_mqa.weight = param(r + R, hid)
+        self.kv_a_proj_with_mqa.bias = param(r + R) if self.attention_bias else None
+        self.kv_a_layernorm = torch.nn.Module()
+        self.kv_a_layernorm.weight = param(r)
+        self.kv_b_proj = torch.nn.Module()
+        self.kv_b_proj.weight = param(H * (P + V), r)
+        self.o_proj = torch.nn.Module()
+        self.o_proj.weight = param(hid, H * V)
+        self.o_proj.bias = param(hid) if self.attention_bias else None
+        self.register_buffer("W_UK_T", torch.zeros(H, P, r, **kw), persistent=False)
+        self.register_buffer("W_UV", torch.zeros(H, r, V, **kw), persistent=False)
+
+    # ---- construction ----------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Any,
+        *,
+        backend: Any = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dispatch: DispatchPolicy | str | None = None,
+        workspace_rows: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+        layer_idx: int = 0,
+    ) -> MLAAttention:
+        """Build the layer for a transformers config, a dict, a ``config.json`` path or an :class:`MLADims`.
+
+        Args:
+            backend: backend name or class; None = the selector's choice (REF_TORCH where no selector exists).
+            dtype: model dtype (default bfloat16). device: where weights live (default CPU).
+            tp_rank / tp_size: this rank and the tensor-parallel degree (heads split evenly).
+            dispatch: ``"per-request"`` (default, vLLM), ``"per-batch"`` (SGLang) or a DispatchPolicy.
+            workspace_rows: ``forward_mha`` context chunk; default ``min(max(8 * max_model_len,
+                4 * max_num_seqs * block_size), 65536)`` with ``max_model_len`` defaulting to the config's
+                ``max_position_embeddings``.
+        """
+        require_int("tp_size", tp_size, minimum=1)
+        dims = MLADims.from_hf_config(config).tensor_parallel(tp_size)
+        return cls(dims, backend=backend, dtype=dtype, device=device, tp_rank=tp_rank,
+                   attention_bias=hf_attention_bias(config), dispatch=dispatch, workspace_rows=workspace_rows,
+                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, layer_idx=layer_idx)
+
+    def _spec(self, kv_cache_dtype: str = "auto", block_size: int | None = None) -> AttentionSpec:
+        return AttentionSpec(num_heads=self.dims.num_heads, kv_lora_rank=self.dims.kv_lora_rank,
+                             qk_rope_head_dim=self.dims.qk_rope_head_dim, dtype=self.dtype,
+                             kv_cache_dtype=kv_cache_dtype, block_size=block_size, sparse=self.dims.is_sparse,
+                             device=_device_info(self.device))
+
+    # ---- weights -----------------------------------------------------------------------------------------
+    def _named_targets(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in expected_hf_shapes(self.dims, self.attention_bias):
+            mod, attr = name.rsplit(".", 1)
+            out[name] = getattr(getattr(self, mod), attr)
+        return out
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], *, prefix: str = "") -> None:
+        """Load transformers-named attention weights (full, unsharded tensors; this rank's slice is taken).
+
+        Every key is checked before anything is written: missing, unexpected and misshaped keys raise a
+        :class:`~mla_backends.hf_loading.StateDictError` listing all of them. Then ``kv_b_proj`` is folded
+        into ``W_UK_T`` / ``W_UV``. Tensors are copied in place, so their storage (and pointers) stay put.
+        ``prefix`` (e.g. ``"model.layers.3.self_attn."``) is stripped from the keys.
+        """
+        state_dict, load_indexer = take_indexer_weights(self.indexer, state_dict, prefix)  # V3.2 indexer.*
+        found = check_hf_state_dict(state_dict, expected_hf_shapes(self.dims, self.attention_bias), prefix)
+        targets = self._named_targets()
+        for name, value in found.items():
+            targets[name].copy_(shard_hf_tensor(name, value, self.dims, self.tp_rank))
+        w_uk_t, w_uv = fold_kv_b(self.kv_b_proj.weight, self.dims.num_heads, self.dims.qk_nope_head_dim,
+                                 self.dims.v_head_dim)
+        self.W_UK_T.copy_(w_uk_t)
+        self.W_UV.copy_(w_uv)
+        load_indexer()
+        self._loaded = True
+
+    # ---- cache, workspace, dispatch ----------------------------------------------------------------------
+    def allocate_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str | torch.dtype = "auto", *,
+                       scale: float = 1.0) -> LatentKVCache:
+        """A zeroed :class:`LatentKVCache` for this layer (model dtype, device), after checking that the
+        backend takes ``block_size`` and ``kv_cache_dtype``."""
+        require_int("num_blocks", num_blocks, minimum=1)
+        require_int("block_size", block_size, minimum=1)
+        reasons = [r for r in self.backend_cls.not_supported_reasons(
+            self._spec(kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype),
+                       block_size)) if not r.startswith("package")]
+        if reasons:
+            raise ValueError(f"allocate_cache: backend {self.backend_cls.name} cannot use this cache: "
+                             + "; ".join(reasons))
+        cache_cls = LatentKVCache if self.dims.indexer is None else SparseKVCache  # V3.2: + indexer keys
+        extra = {} if self.dims.indexer is None else {"layer_idx": self.layer_idx}
+        return cache_cls.allocate(self.dims, num_blocks, block_size, kv_cache_dtype, model_dtype=self.dtype,
+                                  device=self.device, scale=scale, **extra)
+
+    def workspace_rows(self, block_size: int) -> int:
+        """Context rows per ``forward_mha`` chunk for caches with pages of ``block_size``."""
+        if self._workspace_rows is not None:
+            return self._workspace_rows
+        return default_workspace_rows(self.max_model_len, self.max_num_seqs, block_size)
+
+    @property
+    def workspace(self) -> PrefillWorkspace | None:
+        """The reused prefill workspace (None until the first prefill over cached context)."""
+        return self._workspace
+
+    @property
+    def decode_threshold(self) -> int:
+        """Largest query length run absorbed under a per-request policy (build metadata with it)."""
+        pol = self.dispatch
+        if isinstance(pol, PerRequestPolicy) and pol.threshold is not None and pol.table is None:
+            if self.backend_cls.capabilities.query_len == QueryLenSupport.SINGLE:
+                return 1
+            return max(1, pol.threshold)
+        return self.backend_cls.capabilities.decode_threshold
+
+    def plan(self, meta: BatchMetadata, *, sparse: bool = False) -> list[tuple[bool, int, int]]:
+        """Runs of processing-order requests ``(absorbed, start, stop)`` for this step."""
+        caps = self.backend_cls.capabilities
+        q, c = meta.query_lens_list, meta.context_lens_list
+        if sparse:
+            flags = [True] * len(q)
+        else:
+            wanted = self.dispatch.absorbed(q, c, backend_threshold=caps.decode_threshold)
+            flags = clamp_to_backend(wanted, list(q), caps.query_len)
+        runs: list[tuple[bool, int, int]] = []
+        for b, f in enumerate(flags):
+            split_uniform = (f and caps.query_len == QueryLenSupport.UNIFORM and runs and q[b] != 0
+                             and q[runs[-1][1]] != q[b])
+            if runs and runs[-1][0] == f and not split_uniform:
+                runs[-1] = (f, runs[-1][1], b + 1)
+            else:
+                runs.append((f, b, b + 1))
+        return runs
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def _check_inputs(self, hidden_states: torch.Tensor, positions: torch.Tensor | None, cache: LatentKVCache,
+                      meta: BatchMetadata) -> None:
+        if not self._loaded:
+            raise RuntimeError("MLAAttention: weights not loaded; call load_hf_state_dict(state_dict) first")
+        if not isinstance(meta, BatchMetadata):
+            raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata")
+        if not isinstance(cache, LatentKVCache):
+            raise TypeError(f"cache: got {type(cache).__name__}; "
+                            "supported LatentKVCache (layer.allocate_cache)")
+        T = meta.num_tokens
+        require_tensor("hidden_states", hidden_states, shape=(T, self.dims.hidden_size), dtypes=(self.dtype,))
+        if positions is not None:
+            require_tensor("positions", positions, shape=(T,), dtypes=(torch.int32, torch.int64))
+        d = self.dims
+        if (cache.kv_lora_rank, cache.qk_rope_head_dim) != (d.kv_lora_rank, d.qk_rope_head_dim):
+            raise ValueError(f"cache: got rows of {cache.kv_lora_rank}+{cache.qk_rope_head_dim}; supported "
+                             f"{self.dims.kv_lora_rank}+{self.dims.qk_rope_head_dim} (this layer's dims)")
+        if meta.block_size != cache.block_size:
+            raise ValueError(f"meta.block_size: got {meta.block_size}; "
+                             f"supported the cache's {cache.block_size}")
+        for name, dev in (("hidden_states", hidden_states.device), ("cache", cache.device),
+                          ("meta", meta.device)):
+            if dev != self.weight_device:
+                raise ValueError(f"{name}: got device {dev}; "
+                                 f"supported the layer's device {self.weight_device}")
+
+    @property
+    def weight_device(self) -> torch.device:
+        return self.kv_b_proj.weight.device
+
+    def _project_q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(q [T, H * (nope + rope)], normalised query latent [T, q_lora_rank] or None)``."""
+        if self.dims.q_lora_rank is None:
+            return F.linear(x, self.q_proj.weight), None
+        qc = F.linear(x, self.q_a_proj.weight, self.q_a_proj.bias)
+        qc = _rms_norm(qc, self.q_a_layernorm.weight, self.dims.rms_norm_eps)
+        return F.linear(qc, self.q_b_proj.weight), qc
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
+                  topk_indices: torch.Tensor | None) -> torch.Tensor:
+        """``[n, H, P]``, ``[n, H, R]`` -> ``[n, H, V]`` through ``forward_mqa`` between the two folds."""
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1).contiguous()  # [n, H, r]
+        o, _ = self.backend.forward_mqa(q_latent, q_pe.contiguous(), cache, meta, scale=self.scale,
+                                        topk_indices=topk_indices)
+        return torch.bmm(o.transpose(0, 1), self.W_UV).transpose(0, 1)  # [n, H, V]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        positions: torch.Tensor | None,
+        cache: LatentKVCache,
+        meta: BatchMetadata,
+        *,
+        topk_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One step of this layer.
+
+        Args:
+            hidden_states: ``[tokens, hidden_size]`` in the layer dtype, requests concatenated in the order of
+                ``meta``'s ``query_lens`` (the caller's order).
+            positions: ``[tokens]`` int RoPE positions in the same order (None: ``context_len + j``).
+            cache: this layer's cache; the step's new rows are written before attention.
+            meta: :class:`BatchMetadata` of the step (built with ``decode_threshold=layer.decode_threshold``
+                the split is one cut; other thresholds work too).
+            topk_indices: sparse (DeepSeek-V3.2) only: ``[tokens, topk]`` positions, caller order, -1 padded;
+                every request then runs absorbed.
+
+        Returns:
+            ``[tokens, hidden_size]`` in the caller's token order; with ``tp_size > 1`` the rank's partial
+            ``o_proj`` output, to be summed across ranks.
+        """
+        self._check_inputs(hidden_states, positions, cache, meta)
+        d = self.dims
+        H, P, R, V, r = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
+        x = meta.to_processing_order(hidden_states)
+        pos = meta.token_positions if positions is None else meta.to_processing_order(positions)
+        if topk_indices is not None:
+            require_tensor("topk_indices", topk_indices, shape=(meta.num_tokens, None),
+                           dtypes=(torch.int32, torch.int64))
+            topk_indices = meta.to_processing_order(topk_indices)
+        T = x.shape[0]
+
+        q, q_resid = self._project_q(x)
+        q = q.view(T, H, P + R)
+        kv = F.linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
+        latent = _rms_norm(kv[:, :r], self.kv_a_layernorm.weight, d.rms_norm_eps)
+        cos, sin = self.rotary.cos_sin(pos, x.dtype)
+        q = torch.cat([q[..., :P], self.rotary.apply(q[..., P:], cos, sin)], dim=-1)
+        k_pe = self.rotary.apply(kv[:, r:], cos, sin)
+        cache.write(latent, k_pe, meta.slot_mapping)
+        if d.indexer is not None and topk_indices is None:  # DeepSeek-V3.2: the indexer picks the rows
+            if self.indexer is None:
+                raise ValueError(f"topk_indices: got None on layer {self.layer_idx}, which reuses the "
+                                 "previous layer's top-k; supported that layer's last_topk_indices")
+            topk_indices = self.indexer(x, q_resid, cache, meta, positions=pos)
+            self.last_topk_indices = meta.to_caller_order(topk_indices)
+
+        attn = torch.empty(T, H, V, dtype=x.dtype, device=x.device)
+        starts = [0]
+        for n in meta.query_lens_list:
+            starts.append(starts[-1] + n)
+        for absorbed, b0, b1 in self.plan(meta, sparse=topk_indices is not None):
+            t0, t1 = starts[b0], starts[b1]
+            if t0 == t1:
+                continue
+            sub = meta if (b0, b1) == (0, meta.num_requests) else meta.select_requests(b0, b1)
+            if absorbed:
+                tk = None if topk_indices is None else topk_indices[t0:t1]
+                attn[t0:t1] = self._absorbed(q[t0:t1, :, :P], q[t0:t1, :, P:], cache, sub, tk)
+            else:
+                rows = self.workspace_rows(cache.block_size)
+                if self._workspace is None or self._workspace.rows != rows:
+                    self._workspace = PrefillWorkspace(rows)
+                forward_mha(q[t0:t1], latent[t0:t1], k_pe[t0:t1], cache, sub, self.kv_b_proj.weight,
+                            scale=self.scale, workspace=self._workspace, out=attn[t0:t1])
+        bias = self.o_proj.bias if self.tp_rank == 0 else None
+        y = F.linear(attn.view(T, H * V), self.o_proj.weight, bias)
+        return meta.to_caller_order(y)
+
+    def extra_repr(self) -> str:
+        d = self.dims
+        return (f"heads={d.num_heads} (tp {self.tp_rank}/{self.tp_size}), r={d.kv_lora_rank}, "
+                f"nope={d.qk_nope_head_dim}, rope={d.qk_rope_head_dim}, v={d.v_head_dim}, "
+                f"q_lora={d.q_lora_rank}, dtype={dtype_name(self.dtype)}, backend={self.backend_cls.name}, "
+                f"dispatch={self.dispatch.name}, scale={self.scale:.6g}")
+

@@ -1,0 +1,168 @@
+"""Plugin loading: the built-ins and every ``mla_backends`` entry point, each isolated from the others.
+
+Order: the built-ins first (so no plugin can take a built-in name), then entry points sorted by name.
+Each plugin gets its own pluggy ``PluginManager`` call; its registrations are staged and committed only when
+its hook returns, so a plugin that raises half-way registers nothing. Everything a third-party plugin gets
+wrong (import error, hook raising, duplicate name, malformed capabilities, bad placement) becomes a
+:class:`~mla_backends.registry.PluginProblem`; a broken *built-in* raises, because that is a bug here.
+
+``MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD=1`` skips the entry points (the built-ins still load).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import pluggy
+
+from .hookspecs import PROJECT_NAME, MLABackendsSpec
+from .registry import PluginProblem, RegistrationError, Registry, get_registry
+
+__all__ = ["ENTRY_POINT_GROUP", "DISABLE_AUTOLOAD_ENV", "autoload_enabled", "load_registry", "run_plugin",
+           "add_plugin"]
+
+log = logging.getLogger(__name__)
+
+#: entry-point group third-party packages declare their plugin under
+ENTRY_POINT_GROUP = PROJECT_NAME
+DISABLE_AUTOLOAD_ENV = "MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD"
+BUILTIN_PLUGIN = "builtin"
+
+
+def autoload_enabled() -> bool:
+    """False when ``MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD`` is set to 1/true/yes/on."""
+    return os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+
+
+class _NotBuilt(Exception):
+    """A ``module:Class`` target whose module is absent from this installation."""
+
+
+def _resolve(target: Any) -> Any:
+    """``"pkg.module:Class"`` -> the class (imported now); anything else is returned unchanged."""
+    if not isinstance(target, str):
+        return target
+    mod_name, sep, attr = target.partition(":")
+    if not sep or not mod_name or not attr:
+        raise RegistrationError(f"backend: got {target!r}; supported a class or 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as exc:
+        # only the target module (or a parent of it) being absent counts as "not built"; a missing
+        # dependency inside it is a real error
+        if exc.name and (mod_name == exc.name or mod_name.startswith(exc.name + ".")):
+            raise _NotBuilt(f"module {mod_name} is not part of this installation") from exc
+        raise
+    if not hasattr(module, attr) and getattr(module, "__file__", None) is None:
+        raise _NotBuilt(f"module {mod_name} is an empty package (no {attr} yet)")
+    return getattr(module, attr)
+
+
+@dataclass
+class _Staged:
+    backend: Any
+    name: str | None
+    before: str | None
+    after: str | None
+    archs: Any
+
+
+def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: bool = False) -> bool:
+    """Run one plugin's ``register_mla_backends`` hook into ``registry``; True when it loaded cleanly.
+
+    With ``strict`` (the built-ins) errors propagate instead of being recorded.
+    """
+    def fail(stage: str, exc: BaseException | str) -> bool:
+        text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        if strict:
+            if isinstance(exc, BaseException):
+                raise exc
+            raise RegistrationError(text)
+        log.warning("mla_backends plugin %r failed (%s): %s", plugin_name, stage, text)
+        registry.record(PluginProblem(plugin=plugin_name, stage=stage, error=text))
+        return False
+
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(MLABackendsSpec)
+    try:
+        pm.register(plugin, name=plugin_name)
+    except Exception as exc:  # pluggy.PluginValidationError: wrong hook signature ...
+        return fail("hook", exc)
+    if not pm.hook.register_mla_backends.get_hookimpls():
+        return fail("hook", "no @hookimpl register_mla_backends(register) found in the plugin")
+
+    staged: list[_Staged] = []
+
+    def register(backend: Any, *, name: str | None = None, before: str | None = None,
+                 after: str | None = None, archs: Any = None) -> None:
+        staged.append(_Staged(backend, name, before, after, archs))
+
+    try:
+        pm.hook.register_mla_backends(register=register)
+    except Exception as exc:
+        return fail("hook", exc)
+
+    clean = True
+    for item in staged:
+        try:
+            cls = _resolve(item.backend)
+            registry.add(cls, source=plugin_name, name=item.name, before=item.before, after=item.after,
+                         archs=item.archs)
+        except _NotBuilt as exc:
+            log.debug("backend %s not registered: %s", item.name or item.backend, exc)
+            registry.record(PluginProblem(plugin=plugin_name, stage="missing",
+                                          error=f"{item.name or item.backend}: {exc}"))
+            clean = False
+        except Exception as exc:  # RegistrationError, or an import error of a 'module:Class' target
+            label = item.name or getattr(item.backend, "__name__", item.backend)
+            fail("register", f"{label}: {type(exc).__name__}: {exc}" if not strict else exc)
+            clean = False
+    registry.mark_loaded(plugin_name)
+    return clean
+
+
+def _entry_points() -> list[Any]:
+    from importlib.metadata import entry_points
+
+    eps = entry_points(group=ENTRY_POINT_GROUP)
+    seen: dict[str, Any] = {}
+    for ep in eps:
+        seen.setdefault(ep.name, ep)  # the first distribution on sys.path wins, as for imports
+    return [seen[k] for k in sorted(seen)]
+
+
+def load_registry(*, autoload: bool | None = None) -> Registry:
+    """A new registry with the built-ins and (unless disabled) every entry-point plugin."""
+    from . import builtin_backends
+
+    registry = Registry()
+    run_plugin(registry, BUILTIN_PLUGIN, builtin_backends, strict=True)
+    if autoload is None:
+        autoload = autoload_enabled()
+    if not autoload:
+        log.debug("plugin autoload disabled (%s)", DISABLE_AUTOLOAD_ENV)
+        return registry
+    for ep in _entry_points():
+        try:
+            plugin = ep.load()
+        except (Exception, SystemExit) as exc:
+            log.warning("mla_backends plugin %r failed to import: %s: %s", ep.name, type(exc).__name__, exc)
+            registry.record(PluginProblem(plugin=ep.name, stage="import", error=f"{type(exc).__name__}: {exc}"))
+            continue
+        run_plugin(registry, ep.name, plugin)
+    return registry
+
+
+def add_plugin(plugin: object, name: str | None = None) -> bool:
+    """Run a plugin object (module or instance with the hook) into the process-wide registry now.
+
+    For engines that ship backends without an entry point. Problems are recorded like entry-point ones.
+    """
+    if name is None:
+        name = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__name__
+    return run_plugin(get_registry(), name, plugin)

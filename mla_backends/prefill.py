@@ -1,0 +1,301 @@
+"""The shared expanded (MHA) prefill path of MLA: :func:`forward_mha`.
+
+Every backend shares it; backends only supply the absorbed ``forward_mqa``. For each prefill request:
+
+1. the new tokens' latents are up-projected with ``kv_b_proj`` to per-head ``k_nope`` (``qk_nope_head_dim``)
+   and ``v`` (``v_head_dim``); the shared roped ``k_pe`` completes the 192-wide key of every head;
+2. the new tokens attend to each other causally;
+3. the cached context (positions ``0 .. context_len - 1``) is read from the paged cache (fp8 dequantised) in
+   chunks of at most ``workspace_rows`` rows, across requests (a request's context may span chunks), each
+   chunk up-projected into a reused workspace and attended without a mask;
+4. the partial results are merged by their log-sum-exp; an empty part has LSE ``-inf`` and weight 0.
+
+Scores are computed as ``q_nope . k_nope + q_pe . k_pe`` (the rope term shared by the heads), which is the
+192-wide dot product without materialising the broadcast key. Softmax and accumulation run in float32 (float64
+for float64 inputs). The attention itself is :func:`prefill_attention`, plain torch with bounded memory, so
+the path runs on any device torch supports.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import LatentKVCache
+from .metadata import BatchMetadata
+from .validation import require_int, require_tensor
+
+__all__ = [
+    "forward_mha",
+    "prefill_attention",
+    "merge_attention_states",
+    "context_chunks",
+    "default_workspace_rows",
+    "PrefillWorkspace",
+    "MAX_WORKSPACE_ROWS",
+]
+
+#: cap of the default workspace (vLLM's 64k rows)
+MAX_WORKSPACE_ROWS = 64 * 1024
+#: most score elements one :func:`prefill_attention` call materialises at once (64 MiB in float32)
+SCORE_BUDGET = 1 << 24
+
+
+def default_workspace_rows(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
+    """``min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 65536)``: room for eight full-length
+    requests or four pages per running request, capped at 64k rows (vLLM's sizing)."""
+    require_int("max_model_len", max_model_len, minimum=1)
+    require_int("max_num_seqs", max_num_seqs, minimum=1)
+    require_int("block_size", block_size, minimum=1)
+    return min(max(8 * max_model_len, 4 * max_num_seqs * block_size), MAX_WORKSPACE_ROWS)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class PrefillWorkspace:
+    """Buffers for one context chunk, allocated on first use and reused while shape, dtype and device stay.
+
+    ``latent``: ``[rows, kv_lora_rank + qk_rope_head_dim]`` gathered cache rows (model dtype; used directly
+    when the cache stores the model dtype, else the dequantised read is used). ``kv``: ``[rows, heads *
+    (qk_nope + v)]`` up-projected keys/values, the large buffer (``rows * heads * 256`` values for DeepSeek).
+    ``allocations`` counts (re)allocations.
+    """
+
+    def __init__(self, rows: int) -> None:
+        require_int("workspace_rows", rows, minimum=1)
+        self.rows = rows
+        self.latent: torch.Tensor | None = None
+        self.kv: torch.Tensor | None = None
+        self.allocations = 0
+
+    def buffers(self, row_width: int, kv_width: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.kv
+        if (kv is None or self.latent is None or kv.shape != (self.rows, kv_width) or kv.dtype != dtype
+                or kv.device != device or self.latent.shape[1] != row_width):
+            self.latent = torch.empty(self.rows, row_width, dtype=dtype, device=device)
+            self.kv = torch.empty(self.rows, kv_width, dtype=dtype, device=device)
+            self.allocations += 1
+        assert self.latent is not None and self.kv is not None
+        return self.latent, self.kv
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.latent, self.kv) if t is not None)
+
+
+def merge_attention_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two attention results over disjoint key sets.
+
+    ``o_* [n, H, V]``, ``lse_* [n, H]`` (natural log). A part with LSE ``-inf`` (no keys) gets weight 0; when
+    both are empty the output is 0 and the LSE ``-inf`` (never NaN).
+    """
+    m = torch.maximum(lse_a, lse_b)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    total = w_a + w_b
+    denom = torch.where(total > 0, total, torch.ones_like(total))
+    o = (o_a * (w_a / denom).unsqueeze(-1)) + (o_b * (w_b / denom).unsqueeze(-1))
+    return o, m + torch.log(total)
+
+
+def prefill_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool,
+    budget: int = SCORE_BUDGET,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expanded attention of ``n`` queries over ``m`` keys of the same heads (the CPU prefill kernel).
+
+    Args:
+        q_nope ``[n, H, P]``, q_pe ``[n, H, R]``: queries (may be strided views).
+        k_nope ``[m, H, P]``, v ``[m, H, V]``: per-head keys/values; k_pe ``[m, R]``: the rope key all heads
+            share.
+        causal: query ``i`` sees keys ``0 .. i + (m - n)`` (new tokens of one request attending each other).
+        budget: most score elements held at once; queries are processed in slices to respect it.
+
+    Returns:
+        ``(o [n, H, V], lse [n, H])`` in float32 (float64 for float64 inputs).
+    """
+    n, H, _ = q_nope.shape
+    m = k_nope.shape[0]
+    acc = _acc_dtype(q_nope.dtype)
+    kn = k_nope.to(acc).permute(1, 2, 0)  # [H, P, m]
+    kp = k_pe.to(acc).t()  # [R, m]
+    vv = v.to(acc).transpose(0, 1)  # [H, m, V]
+    o = torch.empty(n, H, v.shape[-1], dtype=acc, device=q_nope.device)
+    lse = torch.empty(n, H, dtype=acc, device=q_nope.device)
+    step = max(1, budget // max(1, H * m))
+    for i0 in range(0, n, step):
+        i1 = min(n, i0 + step)
+        qn = q_nope[i0:i1].to(acc).transpose(0, 1)  # [H, c, P]
+        s = torch.bmm(qn, kn)  # [H, c, m]
+        s += torch.matmul(q_pe[i0:i1].to(acc), kp).transpose(0, 1)  # [H, c, m]
+        s *= scale
+        if causal:
+            rows = torch.arange(i0, i1, device=s.device)[:, None] + (m - n)
+            hidden = torch.arange(m, device=s.device)[None, :] > rows  # [c, m]
+            s.masked_fill_(hidden[None], float("-inf"))
+        part_lse = torch.logsumexp(s, dim=-1)  # [H, c]
+        safe = torch.where(torch.isfinite(part_lse), part_lse, torch.zeros_like(part_lse))
+        p = torch.exp(s - safe.unsqueeze(-1))
+        o[i0:i1] = torch.bmm(p, vv).transpose(0, 1)
+        lse[i0:i1] = part_lse.t()
+    return o, lse
+
+
+def context_chunks(context_lens: tuple[int, ...] | list[int],
+                   workspace_rows: int) -> list[list[tuple[int, int, int]]]:
+    """Pack every request's cached positions into chunks of at most ``workspace_rows`` rows.
+
+    Returns a list of chunks, each a list of ``(request, start, stop)`` position ranges; requests are taken in
+    order and split across chunks when they do not fit.
+    """
+    require_int("workspace_rows", workspace_rows, minimum=1)
+    chunks: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    room = workspace_rows
+    for b, ctx in enumerate(context_lens):
+        start = 0
+        while start < ctx:
+            take = min(room, ctx - start)
+            cur.append((b, start, start + take))
+            start += take
+            room -= take
+            if room == 0:
+                chunks.append(cur)
+                cur, room = [], workspace_rows
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
+def forward_mha(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache: LatentKVCache,
+    meta: BatchMetadata,
+    kv_b_weight: torch.Tensor,
+    *,
+    scale: float,
+    workspace_rows: int | None = None,
+    workspace: PrefillWorkspace | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Expanded attention for the requests of ``meta`` (new tokens causal + chunked cached context).
+
+    Args:
+        q: ``[T, H, qk_nope + qk_rope]`` queries (rope slice already rotated), processing order.
+        kv_c: ``[T, kv_lora_rank]`` the new tokens' normalised latents.
+        k_pe: ``[T, qk_rope]`` their roped keys.
+        cache: holds every request's cached context (positions ``0 .. context_len - 1``).
+        meta: the batch these tokens form (its requests are all run expanded here).
+        kv_b_weight: ``[H * (qk_nope + v_head_dim), kv_lora_rank]``, head-major rows (``kv_b_proj.weight``).
+        scale: the unabsorbed softmax scale.
+        workspace_rows: chunk size; defaults to ``workspace.rows``, else 65536.
+        workspace: reused buffers (a fresh one is made when absent).
+        out: optional ``[T, H, v_head_dim]`` output in ``q``'s dtype.
+
+    Returns:
+        ``[T, H, v_head_dim]`` in ``q``'s dtype.
+    """
+    if not isinstance(cache, LatentKVCache):
+        raise TypeError(f"cache: got {type(cache).__name__}; supported LatentKVCache")
+    if not isinstance(meta, BatchMetadata):
+        raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata")
+    r, R = cache.kv_lora_rank, cache.qk_rope_head_dim
+    T = meta.num_tokens
+    require_tensor("q", q, shape=(T, None, None), dtypes=(torch.bfloat16, torch.float16, torch.float32,
+                                                         torch.float64))
+    T, H, D = q.shape
+    P = D - R
+    if P <= 0:
+        raise ValueError(f"q: got width {D}; supported qk_nope_head_dim + {R} (the cache's rope width)")
+    require_tensor("kv_c", kv_c, shape=(T, r), dtypes=(q.dtype,))
+    require_tensor("k_pe", k_pe, shape=(T, R), dtypes=(q.dtype,))
+    require_tensor("kv_b_weight", kv_b_weight, shape=(None, r), dtypes=(q.dtype,))
+    if kv_b_weight.shape[0] % H or kv_b_weight.shape[0] // H <= P:
+        raise ValueError(f"kv_b_weight: got {kv_b_weight.shape[0]} rows; supported heads ({H}) * "
+                         f"(qk_nope {P} + v_head_dim)")
+    V = kv_b_weight.shape[0] // H - P
+    if meta.block_size != cache.block_size:
+        raise ValueError(f"meta.block_size: got {meta.block_size}; supported the cache's {cache.block_size}")
+    for name, t in (("q", q), ("kv_c", kv_c), ("k_pe", k_pe), ("kv_b_weight", kv_b_weight)):
+        if t.device != cache.device:
+            raise ValueError(f"{name}: got device {t.device}; supported the cache's device {cache.device}")
+    if workspace is None:
+        workspace = PrefillWorkspace(workspace_rows if workspace_rows is not None else MAX_WORKSPACE_ROWS)
+    elif workspace_rows is not None and workspace_rows != workspace.rows:
+        raise ValueError(f"workspace_rows: got {workspace_rows}; supported the workspace's {workspace.rows}")
+    if out is None:
+        out = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
+    else:
+        require_tensor("out", out, shape=(T, H, V), dtypes=(q.dtype,))
+    if T == 0:
+        return out
+
+    q_nope, q_pe = q[..., :P], q[..., P:]
+    w_t = kv_b_weight.t()  # [r, H * (P + V)]
+    new_kv = torch.matmul(kv_c, w_t).view(T, H, P + V)
+    starts = [0]
+    for n in meta.query_lens_list:
+        starts.append(starts[-1] + n)
+
+    # 1) new tokens among themselves, causally: this initialises every request's running (o, lse)
+    acc_o: list[torch.Tensor | None] = []
+    acc_lse: list[torch.Tensor | None] = []
+    for b, n in enumerate(meta.query_lens_list):
+        if n == 0:
+            acc_o.append(None)
+            acc_lse.append(None)
+            continue
+        s0, s1 = starts[b], starts[b + 1]
+        o_b, lse_b = prefill_attention(q_nope[s0:s1], q_pe[s0:s1], new_kv[s0:s1, :, :P], k_pe[s0:s1],
+                                       new_kv[s0:s1, :, P:], scale, causal=True)
+        acc_o.append(o_b)
+        acc_lse.append(lse_b)
+
+    # 2) cached context in workspace-sized chunks, merged by LSE
+    ctx = [c if n else 0 for c, n in zip(meta.context_lens_list, meta.query_lens_list, strict=True)]
+    chunks = context_chunks(ctx, workspace.rows) if any(ctx) else []
+    if chunks:
+        latent_buf, kv_buf = workspace.buffers(r + R, H * (P + V), q.dtype, q.device)
+        bt = meta.block_table.long()
+        bs = cache.block_size
+        flat = cache.data.view(-1, cache.row_width)
+        direct = flat.dtype == q.dtype  # no dequantisation needed: gather straight into the workspace
+        for chunk in chunks:
+            pos = torch.cat([torch.arange(a, z, device=q.device) for _, a, z in chunk])
+            req = torch.cat([torch.full((z - a,), b, dtype=torch.long, device=q.device) for b, a, z in chunk])
+            slots = bt[req, pos // bs] * bs + pos % bs
+            rows = pos.numel()
+            if direct:
+                torch.index_select(flat, 0, slots, out=latent_buf[:rows])
+                latent = latent_buf[:rows]
+            else:
+                latent = cache.read_slots(slots, q.dtype)
+            kv = torch.matmul(latent[:, :r], w_t, out=kv_buf[:rows]).view(rows, H, P + V)
+            k_pe_ctx = latent[:, r:]
+            off = 0
+            for b, a, z in chunk:
+                seg = slice(off, off + (z - a))
+                off += z - a
+                s0, s1 = starts[b], starts[b + 1]
+                o_c, lse_c = prefill_attention(q_nope[s0:s1], q_pe[s0:s1], kv[seg, :, :P], k_pe_ctx[seg],
+                                               kv[seg, :, P:], scale, causal=False)
+                prev_o, prev_lse = acc_o[b], acc_lse[b]
+                assert prev_o is not None and prev_lse is not None
+                acc_o[b], acc_lse[b] = merge_attention_states(prev_o, prev_lse, o_c, lse_c)
+
+    for b, o_b in enumerate(acc_o):
+        if o_b is not None:
+            out[starts[b]: starts[b + 1]] = o_b.to(out.dtype)
+    return out

@@ -1,0 +1,37 @@
+"""The conformance suite shipped with mla-backends: prove a backend correct before an engine trusts it.
+
+Subclass :class:`BackendConformance` in a pytest module (``backend = "MY_BACKEND"``), or run
+``mla-backends conformance MY_BACKEND [--quick]``. The pieces:
+
+- :mod:`.reference`: an independent float64 naive *expanded* MLA (the expected values);
+- :mod:`.cases`: cases generated from the backend's declared capabilities (full and quick matrices);
+- :mod:`.checks`: the checks as plain functions raising ``AssertionError``;
+- :mod:`.suite`: :class:`BackendConformance`, the pytest test class (needs pytest);
+- :mod:`.plugin`: the opt-in pytest plugin (``-p mla_backends.testing.plugin``), never auto-loaded;
+- :mod:`.broken`: deliberately broken backends the suite must catch (its own self-test).
+
+Importing this package does not import pytest; ``BackendConformance`` loads on first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["BackendConformance", "resolve_backend", "build_plan", "reference_mqa"]
+
+_LAZY = {
+    "BackendConformance": ".suite",
+    "resolve_backend": ".suite",
+    "build_plan": ".cases",
+    "reference_mqa": ".reference",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'mla_backends.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,143 @@
+"""Deliberately broken backends: the suite's self-test. Each one must be reported by the conformance suite.
+
+Every class wraps :class:`~mla_backends.ref_torch.RefTorchBackend` and breaks exactly one thing a real
+kernel can get wrong. None is registered: pass the class itself (``backend = NextPageBackend``) or its
+import path (``mla-backends conformance mla_backends.testing.broken:NextPageBackend``).
+
+=========================  ==================================================  ==============================
+class                      bug                                                 caught by
+=========================  ==================================================  ==============================
+``NextPageBackend``        reads block-table entry ``i + 1`` for page ``i``     ``test_output_matches_reference``
+``LatentScaleBackend``     uses ``kv_lora_rank ** -0.5`` instead of ``scale``   ``test_output_matches_reference``
+``Base2LseBackend``        returns a base-2 LSE                                ``test_output_matches_reference``
+``IgnoresFp8ScaleBackend`` reads fp8 caches as if the scale were 1              ``test_output_matches_reference``
+``WritesCacheBackend``     overwrites the new tokens' cache rows               ``test_inputs_not_written``
+``WritesPastOutBackend``   stores one row past the end of ``out=``             ``test_out_rows_outside_batch_untouched``
+``NondeterministicBackend`` perturbs the output by an ulp at random            ``test_deterministic``
+``LyingDeclarationsBackend`` says yes to every request                          ``test_undeclared_combinations_rejected``
+=========================  ==================================================  ==============================
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import ClassVar
+
+import torch
+
+from ..backend import AttentionSpec
+from ..cache import LatentKVCache
+from ..metadata import BatchMetadata
+from ..ref_torch import RefTorchBackend
+
+__all__ = [
+    "NextPageBackend", "LatentScaleBackend", "Base2LseBackend", "IgnoresFp8ScaleBackend", "WritesCacheBackend",
+    "WritesPastOutBackend", "NondeterministicBackend", "LyingDeclarationsBackend", "BROKEN_BACKENDS",
+]
+
+Result = tuple[torch.Tensor, torch.Tensor]
+
+
+class NextPageBackend(RefTorchBackend):
+    """Off-by-one in the page walk: page ``i`` of a sequence is read from block-table entry ``i + 1``."""
+
+    name: ClassVar[str] = "BROKEN_NEXT_PAGE"
+
+    def forward_mqa(self, q_latent, q_rope, cache, meta: BatchMetadata, **kw) -> Result:  # type: ignore[override]
+        shifted = torch.roll(meta.block_table, shifts=-1, dims=1)
+        shifted = torch.where(shifted >= 0, shifted, torch.zeros_like(shifted))  # -1 entries read block 0
+        return super().forward_mqa(q_latent, q_rope, cache, dataclasses.replace(meta, block_table=shifted), **kw)
+
+
+class LatentScaleBackend(RefTorchBackend):
+    """Uses the absorbed width's ``kv_lora_rank ** -0.5`` instead of the unabsorbed scale it is given."""
+
+    name: ClassVar[str] = "BROKEN_LATENT_SCALE"
+
+    def forward_mqa(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float, **kw) -> Result:  # type: ignore[override]
+        return super().forward_mqa(q_latent, q_rope, cache, meta, scale=cache.kv_lora_rank ** -0.5, **kw)
+
+
+class Base2LseBackend(RefTorchBackend):
+    """Returns ``log2(sum(exp(s)))`` (FlashInfer's default) instead of the natural-log LSE."""
+
+    name: ClassVar[str] = "BROKEN_BASE2_LSE"
+
+    def forward_mqa(self, *args, **kw) -> Result:  # type: ignore[override]
+        out, lse = super().forward_mqa(*args, **kw)
+        lse.div_(math.log(2.0))
+        return out, lse
+
+
+class IgnoresFp8ScaleBackend(RefTorchBackend):
+    """Dequantises fp8 caches without multiplying by the per-tensor scale."""
+
+    name: ClassVar[str] = "BROKEN_IGNORES_FP8_SCALE"
+
+    def forward_mqa(self, q_latent, q_rope, cache: LatentKVCache, meta, **kw) -> Result:  # type: ignore[override]
+        if cache.is_fp8:
+            unscaled = copy.copy(cache)  # shares the data, not the scale
+            unscaled.scale = torch.ones_like(cache.scale)
+            cache = unscaled
+        return super().forward_mqa(q_latent, q_rope, cache, meta, **kw)
+
+
+class WritesCacheBackend(RefTorchBackend):
+    """Correct output, but then zeroes the cache rows of the step's new tokens (a stray fused write)."""
+
+    name: ClassVar[str] = "BROKEN_WRITES_CACHE"
+
+    def forward_mqa(self, q_latent, q_rope, cache: LatentKVCache, meta: BatchMetadata, **kw) -> Result:  # type: ignore[override]
+        result = super().forward_mqa(q_latent, q_rope, cache, meta, **kw)
+        cache.data.view(-1, cache.row_width)[meta.slot_mapping] = 0
+        return result
+
+
+class WritesPastOutBackend(RefTorchBackend):
+    """Correct output, plus one extra row stored past the end of a caller-provided ``out`` (grid off by one)."""
+
+    name: ClassVar[str] = "BROKEN_WRITES_PAST_OUT"
+
+    def forward_mqa(self, q_latent, q_rope, cache, meta, *, out=None, **kw) -> Result:  # type: ignore[override]
+        result = super().forward_mqa(q_latent, q_rope, cache, meta, out=out, **kw)
+        if out is not None and out.shape[0]:
+            T = out.shape[0]
+            end = (out.storage_offset() + (T + 1) * out.stride(0)) * out.element_size()
+            if end <= out.untyped_storage().nbytes():
+                past = torch.as_strided(out, (T + 1, *out.shape[1:]), out.stride(), out.storage_offset())
+                past[T] = out[T - 1]
+        return result
+
+
+class NondeterministicBackend(RefTorchBackend):
+    """Output perturbed at random by about one unit in the last place (an unordered atomic reduction)."""
+
+    name: ClassVar[str] = "BROKEN_NONDETERMINISTIC"
+
+    def forward_mqa(self, *args, **kw) -> Result:  # type: ignore[override]
+        out, lse = super().forward_mqa(*args, **kw)
+        eps = torch.finfo(out.dtype).eps
+        noise = 1 + 2 * eps * (2 * torch.rand(out.shape, device=out.device) - 1)
+        out.copy_((out.double() * noise).to(out.dtype))
+        return out, lse
+
+
+class LyingDeclarationsBackend(RefTorchBackend):
+    """Declares bf16/fp16/fp32 queries and page sizes that are multiples of 8, but accepts every request."""
+
+    name: ClassVar[str] = "BROKEN_LYING_DECLARATIONS"
+    capabilities = dataclasses.replace(
+        RefTorchBackend.capabilities,
+        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        page_size_multiple=8,
+    )
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec) -> list[str]:
+        return []
+
+
+BROKEN_BACKENDS = (NextPageBackend, LatentScaleBackend, Base2LseBackend, IgnoresFp8ScaleBackend,
+                   WritesCacheBackend, WritesPastOutBackend, NondeterministicBackend, LyingDeclarationsBackend)

@@ -1,0 +1,406 @@
+"""The checks of the conformance suite, as plain functions that raise ``AssertionError`` with a diagnosis.
+
+:class:`~mla_backends.testing.suite.BackendConformance` wraps each one in a pytest test; they can also be
+called directly (``check_output(MyBackend, case, torch.device("cpu"))``).
+
+Inputs are built from the case alone: random queries, random latent rows written into a fresh
+:class:`~mla_backends.cache.LatentKVCache` through a scattered block table whose unused trailing entries
+are ``-1`` (even requests) or valid-looking ids of other pages (odd requests), and whose unused pages and
+page tails hold finite junk. The expected values come from :mod:`mla_backends.testing.reference`, fed with
+the rows exactly as stored (dequantised in float64 with the cache's scale) and the queries exactly as the
+backend received them, so the tolerance measures only the kernel's own arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from selector.device import CPU_DEVICE, DeviceInfo
+
+from ..backend import DEFAULT_TOLERANCES, MLABackend, Tolerance
+from ..cache import LatentKVCache
+from ..dims import MLADims
+from ..dtypes import dtype_name
+from ..metadata import BatchMetadata
+from .cases import Case, UnsupportedProbe, declared_reasons
+from .reference import reference_mqa
+
+__all__ = [
+    "Prepared", "prepare", "expected", "tolerance_for", "device_info", "run_reasons", "make_backend",
+    "check_output", "check_out_rows_untouched", "check_inputs_not_written", "check_deterministic",
+    "check_declared_accepted", "check_unsupported_rejected", "check_rejects_bad_inputs", "assert_close",
+]
+
+#: rows of guard band on each side of the ``out`` / ``lse_out`` slices
+GUARD_ROWS = 3
+#: the value guard rows are filled with (exactly representable in every float dtype)
+SENTINEL = -1234.5
+#: extra block-table entries past each request's last page
+TRAILING = 2
+
+
+@dataclass
+class Prepared:
+    """The inputs of one case on one device (tokens in processing order, as ``forward_mqa`` takes them)."""
+
+    case: Case
+    cache: LatentKVCache
+    meta: BatchMetadata
+    q_latent: torch.Tensor  # [T, H, r]
+    q_rope: torch.Tensor  # [T, H, rope]
+    topk: torch.Tensor | None  # [T, K] int32
+    scale: float
+    rows: list[torch.Tensor]  # per caller request: [S_b, r + rope] float64 as stored
+    visible: list[torch.Tensor]  # per caller request: [q_b, S_b] bool
+
+    def call(self, backend: MLABackend, **kw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return backend.forward_mqa(self.q_latent, self.q_rope, self.cache, self.meta, scale=self.scale,
+                                   topk_indices=self.topk, **kw)
+
+
+# ---- devices ---------------------------------------------------------------------------------------------
+def device_info(device: torch.device) -> DeviceInfo:
+    """:class:`DeviceInfo` of a real torch device (read from torch; no NVML needed)."""
+    if device.type != "cuda":
+        return CPU_DEVICE
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(idx)
+    return DeviceInfo(kind="cuda", name=props.name, compute_capability=(props.major, props.minor),
+                      total_memory=props.total_memory, index=idx, sm_count=props.multi_processor_count)
+
+
+def pick_device(cls: type[MLABackend], preference: str = "auto") -> torch.device:
+    """Where the suite runs ``cls``: ``auto`` is CUDA when present and declared fitting, else the CPU."""
+    if preference not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device: got {preference!r}; supported 'auto', 'cpu', 'cuda'")
+    if preference == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+        if preference == "cuda" or not cls.device_reasons(device_info(dev)):
+            return dev
+    if preference == "cuda":
+        return torch.device("cuda")  # not available: run_reasons reports it
+    return torch.device("cpu")
+
+
+def run_reasons(cls: type[MLABackend], case: Case, device: torch.device) -> list[str]:
+    """Why ``case`` cannot run here (empty when it can): CUDA missing, or the backend's own reasons."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return ["device: got no CUDA device (torch.cuda.is_available() is False); supported a CUDA device"]
+    if case.rejected:
+        return [f"declared but rejected by not_supported_reasons ({'; '.join(case.rejected)}); "
+                "see test_declared_values_accepted"]
+    return cls.not_supported_reasons(case.spec(device_info(device)))
+
+
+_INSTANCES: dict[tuple[type[MLABackend], str], MLABackend] = {}
+
+
+def make_backend(cls: type[MLABackend], device: torch.device) -> MLABackend:
+    """One instance per backend class and device (constructed with no arguments)."""
+    key = (cls, str(device))
+    if key not in _INSTANCES:
+        _INSTANCES[key] = cls()
+    return _INSTANCES[key]
+
+
+# ---- inputs -------------------------------------------------------------------------------------------------
+def prepare(case: Case, device: torch.device) -> Prepared:
+    """Build the cache, block table, metadata, queries and (for sparse cases) top-k lists of ``case``."""
+    gen = torch.Generator().manual_seed(case.seed)
+    P, r, rope, H = case.block_size, case.kv_lora_rank, case.qk_rope_head_dim, case.num_heads
+    W = r + rope
+    pages = [-(-s // P) for s in case.seq_lens]
+    num_blocks = sum(pages) + 3 + sum(pages) // 4  # some pages no request owns
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(pages) + TRAILING
+    table = torch.full((len(pages), width), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = torch.tensor(perm[used:used + n], dtype=torch.int32)
+        used += n
+        if b % 2:  # garbage after the used pages: ids of pages the request does not own
+            table[b, n:] = torch.randint(0, num_blocks, (width - n,), generator=gen, dtype=torch.int32)
+
+    cache = LatentKVCache(num_blocks, P, r, rope, kv_cache_dtype=case.kv_cache_dtype, model_dtype=case.dtype,
+                          device=device, scale=case.fp8_scale)
+    junk = (torch.rand(num_blocks, P, W, generator=gen, dtype=torch.float32) * 6 - 3)
+    cache.data.copy_(junk.to(cache.data.dtype).to(device))
+    scale_value = float(cache.scale.item())
+    rows: list[torch.Tensor] = []
+    flat = cache.data.view(-1, W)
+    for b, s in enumerate(case.seq_lens):
+        pos = torch.arange(s)
+        slots = table[b].long()[pos // P] * P + pos % P
+        values = torch.randn(s, W, generator=gen, dtype=torch.float64).to(case.dtype)
+        cache.write(values[:, :r].to(device), values[:, r:].to(device), slots.to(device))
+        stored = flat[slots.to(device)].cpu().to(torch.float64)
+        rows.append(stored * scale_value if cache.is_fp8 else stored)
+
+    meta = BatchMetadata.build(list(case.query_lens), list(case.context_lens), table.to(device), P,
+                               decode_threshold=case.decode_threshold, num_blocks=num_blocks)
+    T = sum(case.query_lens)
+    q_latent = torch.randn(T, H, r, generator=gen, dtype=torch.float64).to(case.dtype)
+    q_rope = torch.randn(T, H, rope, generator=gen, dtype=torch.float64).to(case.dtype)
+
+    visible: list[torch.Tensor] = []
+    topk_rows: list[torch.Tensor] = []
+    for b, (s, c, q) in enumerate(zip(case.seq_lens, case.context_lens, case.query_lens, strict=True)):
+        mask = torch.zeros(q, s, dtype=torch.bool)
+        for j in range(q):
+            window = c + j + 1  # causal: token j sees positions 0 .. c + j
+            if case.topk is None:
+                mask[j, :window] = True
+                continue
+            K = case.topk
+            k_valid = max(1, min(K - (1 + (b + j) % 3), window))  # always some -1 padding
+            chosen = torch.randperm(window, generator=gen)[:k_valid]
+            mask[j, chosen] = True
+            row = torch.full((K,), -1, dtype=torch.int32)
+            row[:k_valid] = chosen.to(torch.int32)
+            topk_rows.append(row)
+        visible.append(mask)
+    topk = None
+    if case.topk is not None:
+        topk = meta.to_processing_order(torch.stack(topk_rows)).to(device)
+    dims = MLADims(num_heads=H, kv_lora_rank=r, qk_rope_head_dim=rope)
+    return Prepared(case=case, cache=cache, meta=meta,
+                    q_latent=meta.to_processing_order(q_latent).to(device),
+                    q_rope=meta.to_processing_order(q_rope).to(device),
+                    topk=topk, scale=dims.softmax_scale, rows=rows, visible=visible)
+
+
+def expected(p: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference ``(out [T, H, r], lse [T, H])`` in float64 on the CPU, tokens in processing order."""
+    q_caller = p.meta.to_caller_order(p.q_latent.cpu())
+    qr_caller = p.meta.to_caller_order(p.q_rope.cpu())
+    outs, lses = [], []
+    start = 0
+    for rows, vis, q in zip(p.rows, p.visible, p.case.query_lens, strict=True):
+        o, lse = reference_mqa(q_caller[start:start + q], qr_caller[start:start + q], rows, vis, p.scale)
+        outs.append(o)
+        lses.append(lse)
+        start += q
+    order = p.meta.token_order.cpu()
+    return torch.cat(outs)[order], torch.cat(lses)[order]
+
+
+# ---- comparisons --------------------------------------------------------------------------------------------
+def tolerance_for(cls: type[MLABackend], dtype: torch.dtype, kv_cache_dtype: str) -> tuple[str, Tolerance]:
+    """The declared tolerance for a case: ``"<dtype>/<cache>"``, then ``"<cache>"`` (fp8 only), then
+    ``"<dtype>"`` in ``capabilities.tolerances``, falling back to the package defaults."""
+    tols = cls.capabilities.tolerances or {}
+    name = dtype_name(dtype)
+    keys = [f"{name}/{kv_cache_dtype}"] + ([kv_cache_dtype] if kv_cache_dtype.startswith("fp8") else []) + [name]
+    for key in keys:
+        if key in tols:
+            return key, tols[key]
+    if name in DEFAULT_TOLERANCES:
+        return f"{name} (default)", DEFAULT_TOLERANCES[name]
+    raise ValueError(f"capabilities.tolerances: got no entry for {', '.join(keys)}; supported one per "
+                     "declared dtype")
+
+
+def lse_tolerance(tol: Tolerance) -> Tolerance:
+    """The LSE is float32 by contract: its tolerance is the declared one, but never tighter than float32's."""
+    f32 = DEFAULT_TOLERANCES["float32"]
+    return Tolerance(max(tol.atol, f32.atol), max(tol.rtol, f32.rtol))
+
+
+def assert_close(what: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance, tol_key: str,
+                 where: str, meta: BatchMetadata | None = None) -> None:
+    """``|got - ref| <= atol + rtol * |ref|`` elementwise (and finite), else an ``AssertionError`` that
+    names the worst element."""
+    g = got.detach().cpu().to(torch.float64)
+    if g.shape != ref.shape:
+        raise AssertionError(f"{what}: got shape {list(g.shape)}; expected {list(ref.shape)} [{where}]")
+    err = (g - ref).abs()
+    allowed = tol.atol + tol.rtol * ref.abs()
+    bad = ~(err <= allowed)  # NaN counts as bad
+    if not bool(bad.any()):
+        return
+    score = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err - allowed)
+    idx = tuple(int(i) for i in torch.unravel_index(torch.argmax(score), score.shape))
+    token = idx[0]
+    req = ""
+    if meta is not None:
+        caller_req = int(meta.order[int(meta.token_request[token])])
+        req = f" (caller request {caller_req}, position {int(meta.token_positions[token])})"
+    hint = ""
+    if what.startswith("LSE"):
+        finite = torch.isfinite(g) & torch.isfinite(ref)
+        if bool(finite.any()) and torch.allclose(g[finite] * math.log(2.0), ref[finite], rtol=1e-3, atol=1e-3):
+            hint = " -- looks like a base-2 LSE (it must be the natural log)"
+    raise AssertionError(
+        f"{what}: {int(bad.sum())} of {bad.numel()} elements outside |x - ref| <= {tol.atol:g} + {tol.rtol:g} "
+        f"* |ref| (tolerance {tol_key}); worst at index {list(idx)}, token {token}{req}: got {g[idx].item():.6g}, "
+        f"expected {ref[idx].item():.6g}, max error {float(err.nan_to_num(math.inf).max()):.3g}{hint} [{where}]"
+    )
+
+
+def _check_result(cls: type[MLABackend], p: Prepared, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    case = p.case
+    T = sum(case.query_lens)
+    where = case.describe()
+    if not isinstance(out, torch.Tensor):
+        raise AssertionError(f"forward_mqa returned {type(out).__name__} as out; expected a tensor [{where}]")
+    if tuple(out.shape) != (T, case.num_heads, case.kv_lora_rank) or out.dtype != case.dtype:
+        raise AssertionError(f"out: got shape {list(out.shape)} dtype {out.dtype}; expected "
+                             f"[{T}, {case.num_heads}, {case.kv_lora_rank}] {case.dtype} [{where}]")
+    if out.device != p.q_latent.device:
+        raise AssertionError(f"out: got device {out.device}; expected the query's {p.q_latent.device} [{where}]")
+    ref_out, ref_lse = expected(p)
+    key, tol = tolerance_for(cls, case.dtype, case.kv_cache_dtype)
+    assert_close("output (latent space)", out, ref_out, tol, key, where, p.meta)
+    if not cls.capabilities.returns_lse:
+        return
+    if lse is None:
+        raise AssertionError(f"LSE: got None, but capabilities.returns_lse is True [{where}]")
+    if tuple(lse.shape) != (T, case.num_heads) or lse.dtype != torch.float32:
+        raise AssertionError(f"LSE: got shape {list(lse.shape)} dtype {lse.dtype}; expected "
+                             f"[{T}, {case.num_heads}] torch.float32 [{where}]")
+    assert_close("LSE (natural log)", lse, ref_lse, lse_tolerance(tol), key, where, p.meta)
+
+
+# ---- the checks ---------------------------------------------------------------------------------------------
+def check_output(cls: type[MLABackend], case: Case, device: torch.device) -> None:
+    """Output and LSE match the float64 expanded reference within the declared tolerance."""
+    p = prepare(case, device)
+    out, lse = p.call(make_backend(cls, device))
+    _check_result(cls, p, out, lse)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a tensor (so NaNs and signed zeros compare exactly)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    t = t.detach().contiguous()
+    return t.view(ints[t.element_size()]) if t.is_floating_point() else t
+
+
+def check_out_rows_untouched(cls: type[MLABackend], case: Case, device: torch.device) -> None:
+    """With ``out=``/``lse_out=`` slices of larger buffers, rows outside the batch keep their sentinel values,
+    and the result lands in the given buffers."""
+    p = prepare(case, device)
+    T, H, r = p.q_latent.shape
+    G = GUARD_ROWS
+    big = torch.full((G + T + G, H, r), SENTINEL, dtype=p.q_latent.dtype, device=device)
+    big_lse = torch.full((G + T + G, H), SENTINEL, dtype=torch.float32, device=device)
+    before, before_lse = _bits(big).clone(), _bits(big_lse).clone()
+    kw = {"out": big[G:G + T]}
+    if cls.capabilities.returns_lse:
+        kw["lse_out"] = big_lse[G:G + T]
+    out, lse = p.call(make_backend(cls, device), **kw)
+    where = case.describe()
+    for name, buf, ref in (("out", big, before), ("lse_out", big_lse, before_lse)):
+        changed = (_bits(buf) != ref).reshape(G + T + G, -1).any(dim=1).tolist()
+        rows = [i - G for i, c in enumerate(changed) if c and not G <= i < G + T]
+        if rows:
+            raise AssertionError(f"{name}: rows {rows} relative to the batch's first token were written, but only "
+                                 f"rows 0..{T - 1} belong to the batch (guard band of {G} rows) [{where}]")
+    if not torch.equal(_bits(out), _bits(big[G:G + T])):
+        raise AssertionError(f"out: the returned tensor differs from the out= buffer it was given [{where}]")
+    if cls.capabilities.returns_lse and (lse is None or not torch.equal(_bits(lse), _bits(big_lse[G:G + T]))):
+        raise AssertionError(f"lse_out: the returned LSE differs from the lse_out= buffer it was given [{where}]")
+    _check_result(cls, p, out, lse)
+
+
+def check_inputs_not_written(cls: type[MLABackend], case: Case, device: torch.device) -> None:
+    """``forward_mqa`` never writes the cache (data or scale), the queries, the top-k lists or the metadata."""
+    p = prepare(case, device)
+    watched = {"cache.data": p.cache.data, "cache.scale": p.cache.scale, "q_latent": p.q_latent,
+               "q_rope": p.q_rope, "meta.block_table": p.meta.block_table, "meta.seq_lens": p.meta.seq_lens,
+               "meta.slot_mapping": p.meta.slot_mapping}
+    if p.topk is not None:
+        watched["topk_indices"] = p.topk
+    before = {k: _bits(v).clone() for k, v in watched.items()}
+    p.call(make_backend(cls, device))
+    for name, t in watched.items():
+        changed = _bits(t) != before[name]
+        if bool(changed.any()):
+            first = [int(i) for i in changed.nonzero()[0]]
+            raise AssertionError(f"{name}: {int(changed.sum())} elements were modified by forward_mqa (first at "
+                                 f"index {first}); the call must only read it [{case.describe()}]")
+
+
+def check_deterministic(cls: type[MLABackend], case: Case, device: torch.device) -> None:
+    """The same inputs twice give bitwise-equal output and LSE (within tolerance if declared
+    non-deterministic)."""
+    p = prepare(case, device)
+    backend = make_backend(cls, device)
+    out1, lse1 = p.call(backend)
+    out1, lse1 = out1.clone(), (lse1.clone() if lse1 is not None else None)
+    out2, lse2 = p.call(backend)
+    where = case.describe()
+    pairs = [("output", out1, out2)]
+    if cls.capabilities.returns_lse and lse1 is not None and lse2 is not None:
+        pairs.append(("LSE", lse1, lse2))
+    for name, a, b in pairs:
+        if cls.capabilities.deterministic:
+            diff = _bits(a) != _bits(b)
+            if bool(diff.any()):
+                raise AssertionError(
+                    f"{name}: {int(diff.sum())} of {diff.numel()} elements differ bitwise between two runs on the "
+                    "same inputs; declare capabilities.deterministic=False if that is intended [{where}]"
+                    .replace("{where}", where))
+        else:
+            key, tol = tolerance_for(cls, case.dtype, case.kv_cache_dtype)
+            assert_close(f"{name} (second run vs first)", b, a.cpu().to(torch.float64), tol, key, where)
+
+
+def check_declared_accepted(cls: type[MLABackend], axis: str, value: str, case: Case) -> None:
+    """A declared value is accepted by ``not_supported_reasons`` in at least one combination."""
+    if case.rejected:
+        raise AssertionError(
+            f"{cls.name} declares {axis} {value}, but not_supported_reasons rejected every combination tried "
+            f"with it; first reasons: {'; '.join(case.rejected)}")
+    reasons = declared_reasons(cls, case.spec())
+    if reasons:
+        raise AssertionError(f"{cls.name}: not_supported_reasons rejects its declared {axis} {value} "
+                             f"({case.id} on {case.device.describe()}): {'; '.join(reasons)}")
+
+
+def check_unsupported_rejected(cls: type[MLABackend], probe: UnsupportedProbe) -> None:
+    """A combination outside the declarations gets at least one non-empty reason."""
+    reasons = cls.not_supported_reasons(probe.spec)
+    if not reasons and probe.label == "device-cpu" and not cls.device_reasons(probe.spec.device):
+        pytest.skip(f"{cls.name} declares cpu=False but accepts the CPU at run time (an interpreter or testing "
+                    "mode); the output tests run it there instead")
+    if not isinstance(reasons, list) or not reasons:
+        raise AssertionError(f"{cls.name}: not_supported_reasons returned {reasons!r} for {probe.label}, which "
+                             f"its capabilities do not declare ({probe.spec}); expected at least one reason")
+    bad = [r for r in reasons if not isinstance(r, str) or not r.strip()]
+    if bad:
+        raise AssertionError(f"{cls.name}: not_supported_reasons for {probe.label} contains empty or non-str "
+                             f"reasons {bad!r}; expected readable 'got X; supported Y' strings")
+
+
+def check_rejects_bad_inputs(cls: type[MLABackend], case: Case, device: torch.device) -> None:
+    """Mismatched inputs raise ``ValueError``/``TypeError`` before any kernel runs (and write nothing)."""
+    p = prepare(case, device)
+    backend = make_backend(cls, device)
+    before = _bits(p.cache.data).clone()
+    T, H, _ = p.q_latent.shape
+    bad_inputs = {
+        "q_rope with a different head count": dict(q_rope=p.q_rope[:, : max(H - 1, 0)] if H > 1
+                                                    else p.q_rope.repeat(1, 2, 1)),
+        "q_latent of a different width": dict(q_latent=p.q_latent[..., :-1]),
+        "a non-positive scale": dict(scale=-1.0),
+    }
+    for label, change in bad_inputs.items():
+        args = {"q_latent": p.q_latent, "q_rope": p.q_rope, "scale": p.scale}
+        args.update(change)
+        try:
+            backend.forward_mqa(args["q_latent"], args["q_rope"], p.cache, p.meta, scale=args["scale"],
+                                topk_indices=p.topk)
+        except (ValueError, TypeError):
+            pass
+        else:
+            raise AssertionError(f"forward_mqa accepted {label}; expected ValueError or TypeError naming the "
+                                 f"argument [{case.describe()}]")
+    if not torch.equal(_bits(p.cache.data), before):
+        raise AssertionError(f"cache.data: modified by a call that was rejected [{case.describe()}]")

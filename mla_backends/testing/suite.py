@@ -1,0 +1,147 @@
+"""``BackendConformance``: subclass it in a test module and pytest runs the whole suite on your backend.
+
+    from mla_backends.testing import BackendConformance
+
+    class TestMyBackend(BackendConformance):
+        backend = "MY_BACKEND"        # a registered name, "package.module:Class", or the class itself
+        quick = False                 # optional: True for the reduced matrix (default: --conformance-quick)
+        device = "auto"               # optional: "auto" | "cpu" | "cuda" (default: --conformance-device)
+
+The class parametrises its own tests (a class-level ``pytest_generate_tests``), so it works without the
+plugin; the opt-in plugin (``-p mla_backends.testing.plugin``) only adds command-line options.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from ..backend import MLABackend
+from . import checks
+from .cases import Case, DeclaredProbe, Plan, UnsupportedProbe, build_plan
+
+__all__ = ["BackendConformance", "resolve_backend"]
+
+
+def resolve_backend(backend: Any) -> type[MLABackend]:
+    """A backend class from a registered name, an ``"module:Class"`` import path, or the class itself."""
+    if isinstance(backend, type) and issubclass(backend, MLABackend):
+        return backend
+    if isinstance(backend, str) and ":" in backend:
+        module_name, _, attr = backend.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"backend: got {backend!r}, which cannot be imported ({exc}); supported "
+                             "'package.module:Class' naming an MLABackend subclass") from exc
+        if not (isinstance(obj, type) and issubclass(obj, MLABackend)):
+            raise TypeError(f"backend: got {backend!r} -> {obj!r}; supported an MLABackend subclass")
+        return obj
+    if backend is None:
+        raise ValueError("backend: got None; supported a registered backend name, 'module:Class' or an "
+                         "MLABackend subclass (set `backend = ...` on the class or pass --conformance-backend)")
+    from ..registry import get_backend
+
+    return get_backend(backend)
+
+
+class BackendConformance:
+    """The conformance suite as a pytest test class (not collected itself: its name lacks the ``Test`` prefix).
+
+    Tests (each parametrised over cases generated from the backend's declared capabilities):
+
+    - ``test_output_matches_reference``: output and natural-log LSE against the float64 expanded reference;
+    - ``test_out_rows_outside_batch_untouched``: guard rows around ``out=``/``lse_out=`` slices stay intact;
+    - ``test_inputs_not_written``: the cache, queries, top-k lists and metadata are only read;
+    - ``test_deterministic``: two runs on the same inputs agree bitwise (unless declared non-deterministic);
+    - ``test_declared_values_accepted`` / ``test_undeclared_combinations_rejected``: honest declarations;
+    - ``test_rejects_bad_inputs``: mismatched arguments raise ``ValueError``/``TypeError``.
+    """
+
+    backend: ClassVar[str | type[MLABackend] | None] = None
+    quick: ClassVar[bool | None] = None
+    device: ClassVar[str | None] = None
+
+    # ---- configuration ---------------------------------------------------------------------------------
+    @classmethod
+    def _settings(cls, config: pytest.Config) -> tuple[type[MLABackend], bool, str]:
+        backend = cls.backend if cls.backend is not None else config.getoption("conformance_backend", None)
+        quick = cls.quick if cls.quick is not None else bool(config.getoption("conformance_quick", False))
+        device = cls.device or config.getoption("conformance_device", None) or "auto"
+        return resolve_backend(backend), quick, device
+
+    @classmethod
+    def conformance_plan(cls, config: pytest.Config) -> Plan:
+        backend, quick, _ = cls._settings(config)
+        return build_plan(backend, quick)
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        plan = self.conformance_plan(metafunc.config)
+        params: dict[str, tuple[Case, ...] | tuple[DeclaredProbe, ...] | tuple[UnsupportedProbe, ...]] = {
+            "output_case": plan.output,
+            "guard_case": plan.guard,
+            "repeat_case": plan.determinism,
+            "declared_probe": plan.declared,
+            "unsupported_probe": plan.unsupported,
+        }
+        for name, values in params.items():
+            if name in metafunc.fixturenames:
+                metafunc.parametrize(name, values, ids=[v.id for v in values])
+
+    @pytest.fixture
+    def conformance_backend(self, request: pytest.FixtureRequest) -> type[MLABackend]:
+        return self._settings(request.config)[0]
+
+    @pytest.fixture
+    def conformance_device(self, request: pytest.FixtureRequest, conformance_backend: type[MLABackend]
+                           ) -> torch.device:
+        return checks.pick_device(conformance_backend, self._settings(request.config)[2])
+
+    @staticmethod
+    def _require_runnable(cls: type[MLABackend], case: Case, device: torch.device) -> None:
+        reasons = checks.run_reasons(cls, case, device)
+        if reasons:
+            pytest.skip(f"{cls.name} cannot run {case.id} on {device}: {'; '.join(reasons)}")
+
+    # ---- numerics ------------------------------------------------------------------------------------------
+    def test_output_matches_reference(self, conformance_backend: type[MLABackend], conformance_device: torch.device,
+                                      output_case: Case) -> None:
+        self._require_runnable(conformance_backend, output_case, conformance_device)
+        checks.check_output(conformance_backend, output_case, conformance_device)
+
+    # ---- guard bands ---------------------------------------------------------------------------------------
+    def test_out_rows_outside_batch_untouched(self, conformance_backend: type[MLABackend],
+                                              conformance_device: torch.device, guard_case: Case) -> None:
+        self._require_runnable(conformance_backend, guard_case, conformance_device)
+        checks.check_out_rows_untouched(conformance_backend, guard_case, conformance_device)
+
+    def test_inputs_not_written(self, conformance_backend: type[MLABackend], conformance_device: torch.device,
+                                guard_case: Case) -> None:
+        self._require_runnable(conformance_backend, guard_case, conformance_device)
+        checks.check_inputs_not_written(conformance_backend, guard_case, conformance_device)
+
+    # ---- determinism ---------------------------------------------------------------------------------------
+    def test_deterministic(self, conformance_backend: type[MLABackend], conformance_device: torch.device,
+                           repeat_case: Case) -> None:
+        self._require_runnable(conformance_backend, repeat_case, conformance_device)
+        checks.check_deterministic(conformance_backend, repeat_case, conformance_device)
+
+    # ---- honest declarations -------------------------------------------------------------------------------
+    def test_declared_values_accepted(self, conformance_backend: type[MLABackend],
+                                      declared_probe: DeclaredProbe) -> None:
+        checks.check_declared_accepted(conformance_backend, declared_probe.axis, declared_probe.value,
+                                       declared_probe.case)
+
+    def test_undeclared_combinations_rejected(self, conformance_backend: type[MLABackend],
+                                              unsupported_probe: UnsupportedProbe) -> None:
+        checks.check_unsupported_rejected(conformance_backend, unsupported_probe)
+
+    # ---- input validation ----------------------------------------------------------------------------------
+    def test_rejects_bad_inputs(self, request: pytest.FixtureRequest, conformance_backend: type[MLABackend],
+                                conformance_device: torch.device) -> None:
+        case = self.conformance_plan(request.config).guard[0]
+        self._require_runnable(conformance_backend, case, conformance_device)
+        checks.check_rejects_bad_inputs(conformance_backend, case, conformance_device)

@@ -1,0 +1,294 @@
+"""``TRITON_MLA``: the portable GPU backend, a split-KV paged absorbed-MLA decode written in Triton.
+
+The kernels live in :mod:`.kernels` and are imported on the first :meth:`TritonMLABackend.forward_mqa` call,
+so importing this module (and selecting backends) never imports triton. See ``docs/triton.md``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import ClassVar
+
+import torch
+
+from selector.device import DeviceInfo
+
+from ..backend import Capabilities, MLABackend, QueryLenSupport
+from ..cache import LatentKVCache
+from ..dtypes import dtype_name
+from ..metadata import BatchMetadata
+from ..mqa_inputs import check_mqa_inputs
+from .plan import BLOCK_H, MAX_KV_SPLITS, SCRATCH, choose_num_kv_splits, next_pow2, sm_count
+
+__all__ = ["TritonMLABackend", "interpreter_enabled", "PAGE_SIZES"]
+
+#: page sizes the tests cover (the kernel maps every position through the block table, so any size works)
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: positions per stage-1 tile on a GPU / under the interpreter (bigger tiles mean fewer interpreted steps)
+BLOCK_N_GPU = 32
+BLOCK_N_INTERPRET = 64
+
+_CPU_TAIL = "requires a CUDA device — set TRITON_INTERPRET=1 to run interpreted, for testing only"
+
+
+def interpreter_enabled() -> bool:
+    """True when ``TRITON_INTERPRET`` asks Triton to interpret kernels on the CPU (testing only)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _torch_cc(device: torch.device) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
+
+
+@functools.cache
+def _smem_bytes_cached(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
+
+
+def _smem_bytes(device: torch.device) -> int:
+    """Shared memory one program may use (opt-in limit; 99 KiB, the smallest SM80+ value, when unknown)."""
+    return _smem_bytes_cached(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class TritonMLABackend(MLABackend):
+    """Split-KV paged MLA decode in Triton: dense and sparse (top-k), any query length, LSE returned.
+
+    Args:
+        num_kv_splits: pin the number of KV splits (1..64) instead of the heuristic
+            (:func:`~mla_backends.triton_mla.plan.choose_num_kv_splits`). Pin it for CUDA-graph capture so the
+            eager and captured paths launch the same grid.
+    """
+
+    name: ClassVar[str] = "TRITON_MLA"
+    description: ClassVar[str] = (
+        "Triton split-KV paged MLA decode (CUDA SM80+, fp8 caches SM89+); on a CPU only under "
+        "TRITON_INTERPRET=1, for testing"
+    )
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
+        kv_cache_dtypes=frozenset({"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"}),
+        cpu=False,
+        min_compute_capability=(8, 0),
+        fp8_min_compute_capability=(8, 9),
+        page_sizes=PAGE_SIZES,
+        preferred_page_size=64,
+        dims=None,
+        query_len=QueryLenSupport.VARLEN,
+        decode_threshold=1,
+        dense=True,
+        sparse=True,
+        returns_lse=True,
+        deterministic=True,
+        requires=("triton",),
+        extra="triton",
+    )
+
+    def __init__(self, num_kv_splits: int | None = None) -> None:
+        if num_kv_splits is not None:
+            if isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int):
+                raise TypeError(f"num_kv_splits: got {type(num_kv_splits).__name__}; supported int or None")
+            if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
+                raise ValueError(f"num_kv_splits: got {num_kv_splits}; supported 1..{MAX_KV_SPLITS} or None")
+        self.num_kv_splits = num_kv_splits
+
+    # ---- capability checks -------------------------------------------------------------------------------
+    @classmethod
+    def device_reasons(cls, device: DeviceInfo) -> list[str]:
+        """The base checks, plus: the CPU is accepted only under ``TRITON_INTERPRET=1`` (testing only)."""
+        reasons = super().device_reasons(device)
+        if device.is_cuda:
+            return reasons
+        if interpreter_enabled():
+            return []
+        return [f"{r}; {_CPU_TAIL}" for r in reasons]
+
+    # ---- planning -----------------------------------------------------------------------------------------
+    def plan_num_kv_splits(
+        self, meta: BatchMetadata, num_heads: int, device: torch.device, topk_width: int | None = None
+    ) -> int:
+        """Splits this call would use (host values only: ``meta.max_seq_len`` or the top-k width)."""
+        if self.num_kv_splits is not None:
+            return self.num_kv_splits
+        max_len = topk_width if topk_width is not None else meta.max_seq_len
+        return choose_num_kv_splits(max_len, meta.num_tokens, num_heads, sm_count(device))
+
+    # ---- the kernel --------------------------------------------------------------------------------------
+    def forward_mqa(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        cache: LatentKVCache,
+        meta: BatchMetadata,
+        *,
+        scale: float,
+        topk_indices: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        lse_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed attention over the paged latent cache (see :meth:`MLABackend.forward_mqa`).
+
+        Returns ``(out [tokens, heads, kv_lora_rank] in q's dtype, lse [tokens, heads] float32 natural log)``.
+        """
+        check_mqa_inputs(
+            q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out, lse_out=lse_out
+        )
+        self._check_supported(q_latent, q_rope, cache, out)
+        T, H, R = q_latent.shape
+        if out is None:
+            out = torch.empty_like(q_latent)
+        if lse_out is None:
+            lse_out = torch.empty(T, H, dtype=torch.float32, device=q_latent.device)
+        if T == 0:
+            return out, lse_out
+
+        from . import kernels  # first call only: imports triton
+
+        if cache.device.type != "cuda" and not kernels.INTERPRET:
+            raise ValueError(
+                f"device: got CPU tensors, but the Triton kernels were imported without "
+                f"TRITON_INTERPRET=1; supported a CUDA device ({_CPU_TAIL}, set before first use)"
+            )
+        sparse = topk_indices is not None
+        K = int(topk_indices.shape[1]) if sparse else 0
+        splits = self.plan_num_kv_splits(meta, H, cache.device, K if sparse else None)
+        part_o, part_lse = SCRATCH.get(cache.device, T, H, splits, R)
+        P = cache.qk_rope_head_dim
+        rank_pad, rope_pad = max(16, next_pow2(R)), max(16, next_pow2(P))
+        dot_dtype, precision, block_n, stages = self._launch_config(
+            q_latent.dtype, cache.data.dtype, rank_pad, rope_pad, cache.device, kernels
+        )
+        kv = cache.data
+        topk = topk_indices if sparse else meta.token_positions  # any int tensor; unused when dense
+        head_blocks = -(-H // BLOCK_H)
+        kernels.mla_decode_stage1[(head_blocks, T, splits)](
+            q_latent,
+            q_rope,
+            kv,
+            cache.scale,
+            meta.block_table,
+            meta.token_request,
+            meta.token_positions,
+            topk,
+            part_o,
+            part_lse,
+            float(scale) * 1.4426950408889634,
+            H,
+            K,
+            splits,
+            q_latent.stride(0),
+            q_latent.stride(1),
+            q_rope.stride(0),
+            q_rope.stride(1),
+            kv.stride(0),
+            kv.stride(1),
+            meta.block_table.stride(0),
+            topk.stride(0),
+            topk.stride(-1),
+            part_o.stride(0),
+            part_o.stride(1),
+            part_o.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            PAGE_SIZE=cache.block_size,
+            RANK=R,
+            RANK_PAD=rank_pad,
+            ROPE=P,
+            ROPE_PAD=rope_pad,
+            BLOCK_H=BLOCK_H,
+            BLOCK_N=block_n,
+            SPARSE=sparse,
+            IS_FP8=cache.is_fp8,
+            DOT_DTYPE=dot_dtype,
+            DOT_PRECISION=precision,
+            num_warps=4,
+            num_stages=stages,
+        )
+        kernels.mla_decode_stage2[(head_blocks, T)](
+            part_o,
+            part_lse,
+            out,
+            lse_out,
+            H,
+            splits,
+            part_o.stride(0),
+            part_o.stride(1),
+            part_o.stride(2),
+            part_lse.stride(0),
+            part_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            lse_out.stride(0),
+            lse_out.stride(1),
+            RANK=R,
+            RANK_PAD=rank_pad,
+            BLOCK_H=BLOCK_H,
+            num_warps=4,
+        )
+        return out, lse_out
+
+    # ---- helpers -----------------------------------------------------------------------------------------
+    def _check_supported(
+        self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, out: torch.Tensor | None
+    ) -> None:
+        """Reject what the kernel does not run, naming the argument (after the shared checks)."""
+        caps = self.capabilities
+        if q_latent.dtype not in caps.dtypes:
+            names = ", ".join(sorted(dtype_name(d) for d in caps.dtypes))
+            raise TypeError(f"q_latent: got dtype {dtype_name(q_latent.dtype)}; supported {names}")
+        if cache.kv_cache_dtype not in caps.kv_cache_dtypes:
+            raise TypeError(
+                f"cache: got kv cache dtype {cache.kv_cache_dtype}; "
+                f"supported {', '.join(sorted(caps.kv_cache_dtypes))}"
+            )
+        if cache.data.stride(-1) != 1:
+            raise ValueError(
+                f"cache.data: got last-dim stride {cache.data.stride(-1)}; supported 1 (contiguous rows)"
+            )
+        for name, t in (("q_latent", q_latent), ("q_rope", q_rope), ("out", out)):
+            if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
+                raise ValueError(f"{name}: got last-dim stride {t.stride(-1)}; supported 1 (rows contiguous)")
+        dev = cache.device
+        if dev.type == "cuda":
+            cc = _torch_cc(dev)
+            if cc < caps.min_compute_capability:
+                raise ValueError(f"device: got SM{cc[0]}{cc[1]}; supported SM80+")
+            if cache.is_fp8 and cc < caps.fp8_min_compute_capability:
+                raise ValueError(
+                    f"cache: got an {cache.kv_cache_dtype} cache on SM{cc[0]}{cc[1]}; supported "
+                    "SM89+ (native fp8 conversion)"
+                )
+        elif not interpreter_enabled():
+            raise ValueError(f"device: got CPU; supported a CUDA device (SM80+); {_CPU_TAIL}")
+
+    @staticmethod
+    def _launch_config(
+        q_dtype: torch.dtype,
+        cache_dtype: torch.dtype,
+        rank_pad: int,
+        rope_pad: int,
+        device: torch.device,
+        kernels,
+    ) -> tuple[object, str, int, int]:
+        """``(dot operand dtype, dot precision, BLOCK_N, num_stages)`` for stage 1.
+
+        On a GPU the dot operands are the query's 16-bit dtype (fp8 rows convert to it exactly), float32
+        ("ieee", not TF32) for float32 queries or caches; ``BLOCK_N`` 32 with two pipeline stages when the
+        tiles fit the device's shared memory, else fewer stages / a smaller tile. Under the interpreter the
+        operands are always float32 (its bf16 dot is wrong) and the tile is 64 rows (fewer interpreted steps).
+        """
+        import triton.language as tl
+
+        if kernels.INTERPRET:
+            return tl.float32, "ieee", BLOCK_N_INTERPRET, 1
+        if q_dtype == torch.float32 or cache_dtype == torch.float32:
+            dot_dtype, precision, elem = tl.float32, "ieee", 4
+        else:
+            dot_dtype, precision, elem = (tl.bfloat16 if q_dtype == torch.bfloat16 else tl.float16), "tf32", 2
+        limit = _smem_bytes(device)
+        for block_n, stages in ((BLOCK_N_GPU, 2), (BLOCK_N_GPU, 1), (16, 1)):
+            need = elem * (BLOCK_H * (rank_pad + rope_pad) + stages * block_n * (rank_pad + rope_pad))
+            if need <= 0.75 * limit:
+                return dot_dtype, precision, block_n, stages
+        return dot_dtype, precision, 16, 1

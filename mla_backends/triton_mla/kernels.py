@@ -1,0 +1,211 @@
+"""Triton kernels of ``TRITON_MLA``: split-KV paged absorbed-MLA decode in two stages.
+
+Imported only on the first ``forward_mqa`` call (``import mla_backends`` never imports triton).
+
+Stage 1 (:func:`mla_decode_stage1`), grid ``(head_blocks, tokens, num_kv_splits)``: one program takes
+``BLOCK_H`` heads of one query token and one contiguous slice of that token's visible positions (dense) or of
+its top-k list (sparse). It walks the slice ``BLOCK_N`` positions at a time, maps positions to cache rows
+through the block table, loads each ``[BLOCK_N, kv_lora_rank]`` latent tile once (it is K for the score and V
+for the output) plus the ``[BLOCK_N, qk_rope_head_dim]`` rope tile, and keeps an online softmax in base 2.
+It writes the slice's normalised partial output ``[BLOCK_H, kv_lora_rank]`` (fp32) and its base-2 LSE
+(``-inf`` for an empty slice) to the scratch buffers.
+
+Stage 2 (:func:`mla_decode_stage2`), grid ``(head_blocks, tokens)``: merges the splits of each token by their
+LSE and writes the output in the output's dtype plus the natural-log LSE (float32).
+
+Head blocks are the fastest grid axis so the programs that read the same cache rows (same token, same split,
+different heads) are launched together and share those rows through L2.
+
+Interpreter (``TRITON_INTERPRET=1``) workarounds, active only when ``INTERPRET`` is set: dot operands are
+upcast to float32 (the interpreter multiplies bf16 as integers). Compiled code keeps bf16/fp16 dot operands.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+__all__ = ["INTERPRET", "mla_decode_stage1", "mla_decode_stage2"]
+
+#: the decorator reads TRITON_INTERPRET when this module is imported; the workarounds follow the same value
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def mla_decode_stage1(
+    QL,
+    QR,
+    KV,
+    KV_SCALE,
+    BT,
+    TOK_REQ,
+    TOK_POS,
+    TOPK,
+    PART_O,
+    PART_LSE,
+    sm_scale_log2,  # softmax scale * log2(e)
+    num_heads,
+    topk_width,
+    num_splits,
+    s_ql_t,
+    s_ql_h,
+    s_qr_t,
+    s_qr_h,
+    s_kv_b,
+    s_kv_p,
+    s_bt_b,
+    s_topk_t,
+    s_topk_k,
+    s_po_t,
+    s_po_h,
+    s_po_s,
+    s_pl_t,
+    s_pl_h,
+    PAGE_SIZE: tl.constexpr,
+    RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    ROPE: tl.constexpr,
+    ROPE_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPARSE: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    t = tl.program_id(1)
+    split = tl.program_id(2)
+    req = tl.load(TOK_REQ + t).to(tl.int64)
+    pos = tl.load(TOK_POS + t).to(tl.int32)  # positions fit in int32; row offsets below are int64
+    if SPARSE:
+        length = pos * 0 + topk_width  # a tensor even when topk_width == 1 arrives as a constexpr
+    else:
+        length = pos + 1  # causal: positions 0 .. context_len + j are visible
+    per_split = tl.cdiv(length, num_splits)
+    start = split * per_split
+    end = tl.minimum(start + per_split, length)
+
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_d = tl.arange(0, RANK_PAD)
+    mask_d = offs_d < RANK
+    t64 = t.to(tl.int64)
+    q = tl.load(
+        QL + t64 * s_ql_t + offs_h[:, None] * s_ql_h + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
+    if ROPE > 0:
+        offs_r = tl.arange(0, ROPE_PAD)
+        mask_r = offs_r < ROPE
+        qr = tl.load(
+            QR + t64 * s_qr_t + offs_h[:, None] * s_qr_h + offs_r[None, :],
+            mask=mask_h[:, None] & mask_r[None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)
+
+    qk_scale = sm_scale_log2
+    if IS_FP8:
+        # stored = value / scale: fold the scale into the scores and the output instead of each element
+        kv_scale = tl.load(KV_SCALE)
+        qk_scale = qk_scale * kv_scale
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, RANK_PAD], tl.float32)
+    bt_row = BT + req * s_bt_b
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        if SPARSE:
+            kpos = tl.load(TOPK + t64 * s_topk_t + offs_n * s_topk_k, mask=mask_n, other=-1).to(tl.int32)
+            mask_n = mask_n & (kpos >= 0)
+            kpos = tl.where(mask_n, kpos, 0)
+        else:
+            kpos = offs_n
+        page = tl.load(bt_row + kpos // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        row = page * s_kv_b + (kpos % PAGE_SIZE) * s_kv_p
+        kv = tl.load(
+            KV + row[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0
+        ).to(DOT_DTYPE)
+        qk = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+        if ROPE > 0:
+            kr = tl.load(
+                KV + row[:, None] + RANK + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0
+            ).to(DOT_DTYPE)
+            qk += tl.dot(qr, tl.trans(kr), input_precision=DOT_PRECISION)
+        qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row must not give NaN
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    if IS_FP8:
+        o = o * kv_scale
+    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+    po = PART_O + t64 * s_po_t + offs_h[:, None] * s_po_h + split * s_po_s + offs_d[None, :]
+    tl.store(po, o, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(PART_LSE + t64 * s_pl_t + offs_h * s_pl_h + split, lse2, mask=mask_h)
+
+
+@triton.jit
+def mla_decode_stage2(
+    PART_O,
+    PART_LSE,
+    OUT,
+    LSE,
+    num_heads,
+    num_splits,
+    s_po_t,
+    s_po_h,
+    s_po_s,
+    s_pl_t,
+    s_pl_h,
+    s_o_t,
+    s_o_h,
+    s_lse_t,
+    s_lse_h,
+    RANK: tl.constexpr,
+    RANK_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    hb = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_d = tl.arange(0, RANK_PAD)
+    mask = mask_h[:, None] & (offs_d < RANK)[None, :]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, RANK_PAD], tl.float32)
+    for s in range(0, num_splits):
+        lse_s = tl.load(PART_LSE + t * s_pl_t + offs_h * s_pl_h + s, mask=mask_h, other=float("-inf"))
+        o_s = tl.load(
+            PART_O + t * s_po_t + offs_h[:, None] * s_po_h + s * s_po_s + offs_d[None, :],
+            mask=mask,
+            other=0.0,
+        )
+        m_new = tl.maximum(m, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse_s - m_safe)  # 0 for an empty split
+        acc = acc * alpha[:, None] + w[:, None] * o_s
+        l_sum = l_sum * alpha + w
+        m = m_new
+    empty = l_sum == 0.0
+    l_safe = tl.where(empty, 1.0, l_sum)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m + tl.log2(l_safe)) * 0.6931471805599453)
+    tl.store(
+        OUT + t * s_o_t + offs_h[:, None] * s_o_h + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask
+    )
+    tl.store(LSE + t * s_lse_t + offs_h * s_lse_h, lse, mask=mask_h)

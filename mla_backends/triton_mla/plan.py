@@ -1,0 +1,139 @@
+"""Host-side planning for ``TRITON_MLA`` (no triton import): the split heuristic and the reusable scratch.
+
+Split heuristic (:func:`choose_num_kv_splits`). Stage 1 runs ``tokens * ceil(heads / 16) * splits`` programs.
+More splits fill more SMs when the batch is small, but each split adds a partial ``[heads, kv_lora_rank]``
+fp32 write and read for the merge. The count is the smallest of
+
+* ``next_pow2(max(1, max_len // 512))``: a split covers at least ~512 positions (by context length);
+* ``next_pow2(ceil(4 * sm_count / (tokens * head_blocks)))``: enough programs for ~4 per SM, no more
+  (once the batch fills the GPU, splitting only adds merge traffic and scratch);
+* ``2 * sm_count`` and :data:`MAX_KV_SPLITS` (64).
+
+Powers of two keep the number of distinct launch shapes small. Only host values are used (``meta``'s host
+tuples, the tensor shapes and the SM count read once per device), so no call synchronises with the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+__all__ = [
+    "BLOCK_H",
+    "MAX_KV_SPLITS",
+    "MIN_SPLIT_LEN",
+    "CPU_NOMINAL_SM_COUNT",
+    "next_pow2",
+    "choose_num_kv_splits",
+    "sm_count",
+    "SplitScratch",
+    "SCRATCH",
+]
+
+#: heads handled by one program
+BLOCK_H = 16
+#: upper bound on the number of KV splits
+MAX_KV_SPLITS = 64
+#: positions a split should cover at least
+MIN_SPLIT_LEN = 512
+#: SM count assumed for CPU (interpreted) runs, where there are no SMs to fill
+CPU_NOMINAL_SM_COUNT = 4
+#: scratch grows in steps of this many float32 elements (4 MiB)
+SCRATCH_GRANULE = 1 << 20
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def choose_num_kv_splits(
+    max_len: int, num_tokens: int, num_heads: int, sm_count: int, *, block_h: int = BLOCK_H
+) -> int:
+    """Number of KV splits for one call.
+
+    Args:
+        max_len: longest list of positions a token attends (``meta.max_seq_len`` dense, top-k width sparse).
+        num_tokens: query tokens in the call (one stage-1 program row each).
+        num_heads: query heads.
+        sm_count: streaming multiprocessors of the device (:func:`sm_count`).
+    """
+    by_len = next_pow2(max(1, max_len // MIN_SPLIT_LEN))
+    programs = max(1, num_tokens) * math.ceil(max(1, num_heads) / block_h)
+    by_occupancy = next_pow2(math.ceil(4 * max(1, sm_count) / programs))
+    return max(1, min(by_len, by_occupancy, 2 * max(1, sm_count), MAX_KV_SPLITS))
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of a CUDA device (read once per device; a host query, no sync), or the nominal CPU count."""
+    if device.type != "cuda":
+        return CPU_NOMINAL_SM_COUNT
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+class SplitScratch:
+    """Per-device float32 scratch holding stage 1's partial outputs and LSEs.
+
+    One flat buffer per device, shared by every layer and backend instance, grown (never shrunk) when a call
+    needs more than ``tokens * heads * splits * (kv_lora_rank + 1)`` elements, and otherwise reused as is.
+    Calls on one device must be ordered on one stream (they are, within a forward pass).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    @staticmethod
+    def elements(tokens: int, heads: int, splits: int, rank: int) -> int:
+        """float32 elements for ``tokens x heads x splits`` partial rows of width ``rank`` plus their LSEs."""
+        return tokens * heads * splits * (rank + 1)
+
+    def buffer(self, device: torch.device | str) -> torch.Tensor | None:
+        """The current flat buffer for ``device`` (None before the first call there)."""
+        return self._buffers.get(torch.device(device))
+
+    def reserve(
+        self, device: torch.device | str, tokens: int, heads: int, splits: int, rank: int
+    ) -> torch.Tensor:
+        """Make sure the buffer for ``device`` holds at least that much; call before CUDA-graph capture."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        need = self.elements(tokens, heads, splits, rank)
+        buf = self._buffers.get(device)
+        if buf is None or buf.numel() < need:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                have = 0 if buf is None else buf.numel()
+                raise RuntimeError(
+                    f"TRITON_MLA scratch: got a request for {need} float32 elements during CUDA-graph "
+                    f"capture with {have} reserved; supported growth outside capture only: run one eager "
+                    "call of the largest shape (or SCRATCH.reserve(...)) before capturing"
+                )
+            size = -(-need // SCRATCH_GRANULE) * SCRATCH_GRANULE
+            buf = torch.empty(size, dtype=torch.float32, device=device)
+            self._buffers[device] = buf
+        return buf
+
+    def get(
+        self, device: torch.device, tokens: int, heads: int, splits: int, rank: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``(partial_out [tokens, heads, splits, rank], partial_lse [tokens, heads, splits])``."""
+        buf = self.reserve(device, tokens, heads, splits, rank)
+        n_o = tokens * heads * splits * rank
+        part_o = buf[:n_o].view(tokens, heads, splits, rank)
+        part_lse = buf[n_o : n_o + tokens * heads * splits].view(tokens, heads, splits)
+        return part_o, part_lse
+
+    def clear(self) -> None:
+        """Drop every buffer (frees memory; the next call allocates again)."""
+        self._buffers.clear()
+
+
+#: the process-wide scratch used by :class:`~mla_backends.triton_mla.TritonMLABackend`
+SCRATCH = SplitScratch()

@@ -1,0 +1,153 @@
+"""Readable tables and JSON documents for selections and selection failures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from mla_backends.backend import AttentionSpec
+from mla_backends.dtypes import dtype_name
+from mla_backends.registry import PluginProblem
+
+from .device import DeviceInfo
+
+if TYPE_CHECKING:
+    from .select import Selection, SelectionError, Verdict
+
+__all__ = ["format_selection", "format_failure", "selection_dict", "failure_dict", "device_dict",
+           "format_problems", "capability_summary"]
+
+
+def _request_line(spec: AttentionSpec) -> str:
+    kv = spec.kv_cache_dtype
+    kv_text = f"{spec.resolved_kv_cache_dtype} (auto)" if kv == "auto" else kv
+    page = "backend's preferred" if spec.block_size is None else str(spec.block_size)
+    q = f"max query len {spec.max_query_len}" + ("" if spec.uniform_query_len else " (varying)")
+    return (f"{spec.num_heads} heads, kv_lora_rank {spec.kv_lora_rank}, rope {spec.qk_rope_head_dim}, "
+            f"dtype {dtype_name(spec.dtype)}, kv cache {kv_text}, page size {page}, "
+            f"{'sparse' if spec.sparse else 'dense'}, {q}" + (", needs LSE" if spec.need_lse else ""))
+
+
+def _device_line(device: DeviceInfo) -> str:
+    mem = f", {device.total_memory / 2**30:.0f} GiB" if device.total_memory else ""
+    return device.describe() + mem
+
+
+def _table(verdicts: Iterable[Verdict]) -> list[str]:
+    rows = list(verdicts)
+    width = max([len("backend")] + [len(v.name) for v in rows])
+    src_w = max([len("source")] + [len(v.source) for v in rows])
+    head = f"  {'#':>2}  {'backend':<{width}}  {'source':<{src_w}}  {'verdict':<8}  {'page':>4}  reasons"
+    lines = [head]
+    pad = " " * (len(head) - len("reasons"))
+    for i, v in enumerate(rows, 1):
+        verdict = "SELECTED" if v.selected else ("fits" if v.fits else "rejected")
+        page = "-" if v.block_size is None else str(v.block_size)
+        reasons = list(v.reasons) or (["-"] if v.selected else ["fits, lower priority"])
+        lines.append(f"  {i:>2}  {v.name:<{width}}  {v.source:<{src_w}}  {verdict:<8}  {page:>4}  {reasons[0]}")
+        lines += [pad + r for r in reasons[1:]]
+    return lines
+
+
+def _page_notes(verdicts: Iterable[Verdict], spec: AttentionSpec) -> list[str]:
+    return [f"Note: {v.name} ranks higher and was rejected only because of block_size={spec.block_size}; "
+            f"block_size={v.page_size_hint} would select it." for v in verdicts if v.page_size_hint is not None]
+
+
+def format_problems(problems: Iterable[PluginProblem]) -> list[str]:
+    """Plugin problems as lines (empty when there are none)."""
+    problems = list(problems)
+    if not problems:
+        return []
+    return ["Plugin problems (ignored; selection is unaffected):"] + [f"  - {p.describe()}" for p in problems]
+
+
+def format_selection(sel: Selection) -> str:
+    """Header (device, request, ladder), the verdict table, the choice, page-size notes, plugin problems."""
+    asked = replace(sel.spec, block_size=sel.requested_block_size)
+    lines = [f"Device:  {_device_line(sel.device)}", f"Request: {_request_line(asked)}", f"Ladder:  {sel.ladder}"]
+    lines += _table(sel.verdicts)
+    why = "its preferred page size" if sel.requested_block_size is None else "as requested"
+    how = ""
+    if sel.forced_by:
+        how = ("forced by the MLA_BACKEND environment variable; " if sel.forced_by == "MLA_BACKEND"
+               else "forced by the backend argument; ")
+    lines.append(f"Chosen: {sel.name}, block_size {sel.block_size} ({how}{why})")
+    lines += _page_notes(sel.verdicts, asked)
+    lines += format_problems(sel.plugin_problems)
+    return "\n".join(lines)
+
+
+def format_failure(device: DeviceInfo, spec: AttentionSpec, verdicts: tuple[Verdict, ...], ladder: str,
+                   problems: Iterable[PluginProblem], footer: str) -> str:
+    """The message of :class:`NoBackendError` / :class:`BackendNotSupportedError`."""
+    lead = ("No MLA backend fits this request." if ladder != "forced"
+            else f"The forced backend {verdicts[0].name} does not fit this request.")
+    lines = [lead, f"Device:  {_device_line(device)}", f"Request: {_request_line(spec)}", f"Ladder:  {ladder}"]
+    lines += _table(verdicts)
+    lines += _page_notes(verdicts, spec)
+    lines.append(footer)
+    lines += format_problems(problems)
+    return "\n".join(lines)
+
+
+def device_dict(device: DeviceInfo) -> dict[str, Any]:
+    cc = device.compute_capability
+    return {"kind": device.kind, "name": device.name, "arch": device.arch_label,
+            "compute_capability": None if cc is None else list(cc), "total_memory": device.total_memory,
+            "index": device.index, "sm_count": device.sm_count, "simulated": device.simulated}
+
+
+def _candidates(verdicts: Iterable[Verdict]) -> list[dict[str, Any]]:
+    return [{"name": v.name, "source": v.source, "selected": v.selected, "fits": v.fits,
+             "reasons": list(v.reasons), "block_size": v.block_size, "page_size_hint": v.page_size_hint}
+            for v in verdicts]
+
+
+def _request_dict(spec: AttentionSpec) -> dict[str, Any]:
+    return {"num_heads": spec.num_heads, "kv_lora_rank": spec.kv_lora_rank,
+            "qk_rope_head_dim": spec.qk_rope_head_dim, "dtype": dtype_name(spec.dtype),
+            "kv_cache_dtype": spec.resolved_kv_cache_dtype, "block_size": spec.block_size, "sparse": spec.sparse,
+            "max_query_len": spec.max_query_len, "need_lse": spec.need_lse}
+
+
+def selection_dict(sel: Selection) -> dict[str, Any]:
+    """``{"backend", "block_size", "device", "candidates", ...}`` (the ``--json`` format)."""
+    return {"backend": sel.name, "block_size": sel.block_size, "device": device_dict(sel.device),
+            "candidates": _candidates(sel.verdicts), "ladder": sel.ladder, "forced_by": sel.forced_by,
+            "request": _request_dict(sel.spec),
+            "plugin_problems": [p.describe() for p in sel.plugin_problems]}
+
+
+def failure_dict(err: SelectionError) -> dict[str, Any]:
+    """The ``--json`` document when nothing fits: ``backend`` and ``block_size`` are null."""
+    return {"backend": None, "block_size": None, "device": device_dict(err.device),
+            "candidates": _candidates(err.verdicts), "ladder": err.ladder,
+            "forced_by": getattr(err, "forced_by", None), "request": _request_dict(err.spec),
+            "error": str(err).splitlines()[0], "hint": getattr(err, "hint", None),
+            "plugin_problems": [p.describe() for p in err.plugin_problems]}
+
+
+def capability_summary(cls: type) -> dict[str, Any]:
+    """The declarations of one backend as plain data (shared by ``list`` and ``docs/selection.md``)."""
+    caps = cls.capabilities
+    cc = caps.compute_capability_text()
+    heads = ("any" if caps.num_heads is None and caps.max_num_heads is None else
+             ", ".join(map(str, sorted(caps.num_heads))) if caps.num_heads is not None else f"<= {caps.max_num_heads}")
+    return {
+        "devices": (f"CPU; CUDA {cc}" if caps.cpu else f"CUDA {cc}"),
+        "dtypes": sorted(dtype_name(d) for d in caps.dtypes),
+        "kv_cache_dtypes": sorted(caps.kv_cache_dtypes),
+        "fp8_min_compute_capability": caps.fp8_min_compute_capability,
+        "page_sizes": caps.supported_page_sizes_text(),
+        "preferred_page_size": caps.preferred_page_size,
+        "dims": "any" if caps.dims is None else ", ".join(f"{a}/{b}" for a, b in sorted(caps.dims)),
+        "num_heads": heads,
+        "query_len": caps.query_len.name.lower(),
+        "decode_threshold": caps.decode_threshold,
+        "attention": "/".join(k for k, on in (("dense", caps.dense), ("sparse", caps.sparse)) if on),
+        "returns_lse": caps.returns_lse,
+        "requires": list(caps.requires),
+        "extra": caps.extra,
+    }

@@ -1,0 +1,132 @@
+"""``mla-backends kv-cache`` and ``mla-backends crossover``, with and without ``--json``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mla_backends.cli import main
+from mla_backends.dims import MLADims
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_kv_cache_json_v3(capsys):
+    rc, out, _ = _run(capsys, "kv-cache", "--model", "deepseek-v3", "--json")
+    assert rc == 0
+    rep = json.loads(out)
+    assert rep["bytes_per_token_per_layer"] == 1_152
+    assert rep["bytes_per_token"] == 70_272
+    assert rep["expanded_bytes_per_token"] == 4_997_120
+    assert round(rep["expanded_ratio"], 2) == 71.11
+    assert rep["indexer_bytes_per_token"] == 0
+    assert rep["gqa_bytes_per_token"] == 327_680
+    assert round(rep["decode_arithmetic_intensity"]) == 242
+
+
+def test_kv_cache_json_v32_with_memory(capsys):
+    rc, out, _ = _run(
+        capsys, "kv-cache", "--model", "deepseek-v3.2", "--context", "4096", "--gpu-memory", "80", "--json"
+    )
+    assert rc == 0
+    rep = json.loads(out)
+    assert rep["indexer_bytes_per_token"] == 8_052
+    assert rep["tokens_that_fit"] == 80 * 2**30 // (70_272 + 8_052)
+    assert rep["sequences_that_fit"] == 80 * 2**30 // (4096 * 78_324)
+
+
+def test_kv_cache_text_fp8_tp8(capsys):
+    rc, out, _ = _run(capsys, "kv-cache", "--kv-cache-dtype", "fp8", "--tp", "8", "--gpu-memory", "40")
+    assert rc == 0
+    assert "576 B/token/layer" in out and "35,136 B/token" in out
+    assert "fp8_e4m3" in out and "TP=8" in out
+    assert f"{40 * 2**30 // 35_136:,} tokens" in out
+    assert "4.7" in out  # TP break-even (fp8 on both sides)
+    assert round(278_528 / 8 / 576) == 60 and "60 FLOP/B" in out
+
+
+def test_kv_cache_from_config_json(tmp_path, capsys):
+    cfg = {
+        "num_attention_heads": 16,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "hidden_size": 2048,
+        "num_hidden_layers": 27,
+        "model_type": "deepseek_v2",
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, out, _ = _run(capsys, "kv-cache", "--model", str(path), "--json")
+    assert rc == 0
+    rep = json.loads(out)
+    assert rep["bytes_per_token"] == 27 * 1_152
+    assert rep["expanded_bytes_per_token"] == 27 * 16 * 320 * 2
+
+
+def test_kv_cache_counts_only_indexing_layers(tmp_path, capsys):
+    base = MLADims.deepseek_v32()
+    cfg = {
+        "num_attention_heads": 128,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "hidden_size": 7168,
+        "num_hidden_layers": base.num_layers,
+        "index_topk": 2048,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk_pattern": "FS" * 30 + "F",
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    rc, out, _ = _run(capsys, "kv-cache", "--model", str(path), "--json")
+    assert rc == 0
+    rep = json.loads(out)
+    assert rep["indexing_layers"] == 31
+    assert rep["indexer_bytes_per_token"] == 31 * 132
+
+
+def test_crossover_json_and_text(capsys):
+    rc, out, _ = _run(capsys, "crossover", "--model", "v3", "--json")
+    assert rc == 0
+    rep = json.loads(out)
+    assert round(rep["asymptotic_query_threshold"]) == 171
+    assert rep["up_projection_flops_per_context_token"] == 33_554_432
+    assert rep["absorbed_core_flops_per_context_token"] == 278_528
+    assert rep["min_context_for_single_query_absorption"] == 2
+    rc, out, _ = _run(capsys, "crossover", "--context", "512,4096", "--query-lens", "1,128,200")
+    assert rc == 0
+    assert "170.67" in out and "3.4x" in out
+    assert out.count("abs") >= 3  # Q=1 absorbed at both contexts, Q=128 absorbed at 4096
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["kv-cache", "--model", "gpt-2"], "--model: got 'gpt-2'"),
+        (["kv-cache", "--model", "missing/config.json"], "does not exist"),
+        (["kv-cache", "--tp", "3"], "--tp: got 3"),
+        (["kv-cache", "--kv-cache-dtype", "int4"], "kv_cache_dtype: got 'int4'"),
+        (["kv-cache", "--gpu-memory", "0"], "--gpu-memory: got 0"),
+        (["kv-cache", "--context", "-5"], "--context: got -5"),
+        (["crossover", "--tp", "0"], "--tp: got 0"),
+    ],
+)
+def test_errors(capsys, argv, message):
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 2
+    assert message in err
+
+
+def test_bad_list_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["crossover", "--context", "4096,abc"])
+    assert "comma-separated positive ints" in capsys.readouterr().err

@@ -1,0 +1,381 @@
+"""The FlashInfer backends against the installed flashinfer-python, on the CPU.
+
+* importing ``mla_backends.flashinfer_mla`` (and selecting) never imports flashinfer;
+* every keyword the project passes to FlashInfer exists in the installed signatures (and every string value
+  is one of the ``Literal`` choices the signature declares), so API drift fails here;
+* the real wrapper, built with a CPU workspace, accepts our ``plan()`` arguments up to the point where it
+  needs a GPU ("device must be a cuda device"); the cutlass contract facts we rely on (128 heads, fixed
+  scale) are FlashInfer's own checks;
+* plan caching, zero-copy cache views, CSR metadata, block-table alignment, head padding and scale folding,
+  checked with a recording stand-in for the wrapper (the GPU numerics are in test_flashinfer_gpu.py);
+* ``forward_mqa`` rejects bad inputs with errors naming the argument before touching FlashInfer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import subprocess
+import sys
+import traceback
+import typing
+
+import pytest
+import torch
+
+from mla_backends.cache import LatentKVCache
+from mla_backends.flashinfer_mla import (
+    FlashInferCutlassMLABackend,
+    FlashInferMLABackend,
+    FlashInferTrtllmMLABackend,
+    FlashInferXqaMLABackend,
+    _common,
+    api,
+    paged,
+)
+from mla_backends.metadata import BatchMetadata
+from mla_backends.registry import BackendName, get_backend
+
+pytest.importorskip("flashinfer",
+                    reason="flashinfer-python is not installed (pip install 'mla-backends[flashinfer]')")
+
+ALL = (FlashInferMLABackend, FlashInferCutlassMLABackend, FlashInferTrtllmMLABackend, FlashInferXqaMLABackend)
+
+
+def make_batch(*, block_size=16, num_blocks=12, heads=4, dtype=torch.bfloat16, kv="auto", q_lens=(1, 1, 1),
+               ctx=(20, 3, 40)):
+    """A small cache with random rows and a batch whose block tables are scattered and -1 padded."""
+    gen = torch.Generator().manual_seed(0)
+    cache = LatentKVCache(num_blocks, block_size, kv_cache_dtype=kv, model_dtype=dtype)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen).to(cache.data.dtype))
+    width = max(4, max(-(-(q + c) // block_size) for q, c in zip(q_lens, ctx, strict=True)))
+    rows, next_block = [], num_blocks - 1
+    for q, c in zip(q_lens, ctx, strict=True):
+        need = -(-(q + c) // block_size)
+        row = list(range(next_block, next_block - need, -1)) + [-1] * (width - need)
+        next_block -= need
+        rows.append(row)
+    meta = BatchMetadata.build(list(q_lens), list(ctx), rows, block_size, num_blocks=num_blocks)
+    T = meta.num_tokens
+    q_latent = torch.randn(T, heads, 512, generator=gen).to(dtype)
+    q_rope = torch.randn(T, heads, 64, generator=gen).to(dtype)
+    return cache, meta, q_latent, q_rope
+
+
+# ---- lazy import ------------------------------------------------------------------------------------------
+def test_package_import_and_selection_do_not_import_flashinfer():
+    code = (
+        "import sys\n"
+        "import mla_backends.flashinfer_mla as m\n"
+        "from mla_backends.backend import AttentionSpec\n"
+        "from selector.device import DeviceInfo\n"
+        "for cls in m.BACKENDS:\n"
+        "    for cc in [(8, 0), (9, 0), (10, 0), (12, 0)]:\n"
+        "        d = DeviceInfo(kind='cuda', name='x', compute_capability=cc, simulated=True)\n"
+        "        cls.not_supported_reasons(AttentionSpec(num_heads=16, device=d))\n"
+        "try:\n"
+        "    from selector.select import select_backend\n"
+        "    for dev in ('sm90', 'sm100', 'sm120'):\n"
+        "        select_backend('deepseek_v3', device=dev)\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "bad = sorted(k for k in sys.modules if k == 'flashinfer' or k.startswith('flashinfer.'))\n"
+        "print('LOADED', bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "LOADED []" in res.stdout
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.name)
+def test_every_backend_imports_and_is_registered(cls):
+    assert cls.name in {b.value for b in BackendName}
+    assert get_backend(cls.name) is cls
+    assert cls().__class__ is cls  # constructible without arguments, no kernel loaded
+
+
+# ---- keywords against the installed signatures -----------------------------------------------------------
+def _sample_calls() -> dict[str, dict]:
+    t = torch.zeros(1, dtype=torch.int32)
+    x = torch.zeros(1, 1, 1)
+    return {
+        "csr_metadata_kwargs": dict(qo_indptr=t, kv_indptr=t, kv_indices=t, kv_len_arr=t),
+        "dense_metadata_kwargs": dict(cum_seq_lens_q=t, block_tables=t, seq_lens=t, max_q_len=1),
+        "wrapper_init_kwargs": dict(workspace=t, fi_backend="fa2"),
+        "fa_plan_kwargs": dict(metadata=None, num_heads=16, kv_lora_rank=512, rope_dim=64, page_size=16,
+                               sm_scale=0.1, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16),
+        "fa_run_kwargs": dict(q_latent=x, q_rope=x, ckv=x, kpe=x, out=x, lse=x, fp8_scale=0.5),
+        "cutlass_plan_kwargs": dict(metadata=None, kv_lora_rank=512, rope_dim=64, page_size=64, sm_scale=0.1,
+                                    dtype=torch.bfloat16),
+        "cutlass_run_kwargs": dict(query=x, ckv=x, kpe=x, out=x),
+        "trtllm_kwargs": dict(query=x, kv_cache=x, workspace=t, kv_lora_rank=512, rope_dim=64, block_tables=t,
+                              seq_lens=t, max_seq_len=8, out=x, lse=x, bmm1_scale=0.1, bmm2_scale=1.0),
+        "xqa_kwargs": dict(query=x, kv_cache=x, workspace=t, kv_lora_rank=512, rope_dim=64, block_tables=t,
+                           seq_lens=t, max_seq_len=8, out=x, bmm1_scale=0.1, bmm2_scale=1.0),
+    }
+
+
+def test_every_keyword_builder_is_checked():
+    builders = {n for n in api.__all__ if n.endswith("_kwargs")}
+    assert builders == set(api.KWARG_TARGETS) == set(_sample_calls())
+
+
+def _literal_choices(annotation) -> set | None:
+    """The allowed values of a ``Literal[...]`` (possibly inside ``Optional``), else None."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return set(typing.get_args(annotation))
+    if typing.get_origin(annotation) is typing.Union:
+        for arg in typing.get_args(annotation):
+            found = _literal_choices(arg)
+            if found is not None:
+                return found
+    return None
+
+
+@pytest.mark.parametrize("builder", sorted(api.KWARG_TARGETS))
+def test_keywords_exist_in_installed_signatures(builder):
+    loader, attr = api.KWARG_TARGETS[builder]
+    target = loader()
+    fn = getattr(target, attr) if attr else target
+    sig = inspect.signature(fn)
+    hints = typing.get_type_hints(fn)
+    params = sig.parameters
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()), \
+        f"{fn.__qualname__} takes **kwargs: keyword names could not be checked"
+    kwargs = getattr(api, builder)(**_sample_calls()[builder])
+    for key, value in kwargs.items():
+        assert key in params, f"{builder}: {fn.__qualname__} has no parameter {key!r} in flashinfer " \
+                              f"{_common._install.installed_version()}"
+        assert params[key].kind is not inspect.Parameter.POSITIONAL_ONLY
+        choices = _literal_choices(hints.get(key))
+        if choices is not None and isinstance(value, str):
+            assert value in choices, f"{builder}: {key}={value!r} not in {sorted(choices)}"
+
+
+def test_lse_is_requested_in_natural_log_everywhere():
+    x = torch.zeros(1)
+    assert api.fa_plan_kwargs(None, num_heads=1, kv_lora_rank=512, rope_dim=64, page_size=1, sm_scale=1.0,
+                              q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)["lse_mode"] == "basee"
+    assert api.fa_run_kwargs(x, x, x, x, out=x, lse=x, fp8_scale=None)["return_lse_base_on_e"] is True
+    trt = api.trtllm_kwargs(x, x, x, kv_lora_rank=512, rope_dim=64, block_tables=x, seq_lens=x, max_seq_len=1,
+                            out=x, lse=x, bmm1_scale=1.0, bmm2_scale=1.0)
+    assert trt["return_lse_base"] == "basee" and trt["backend"] == "trtllm-gen"
+
+
+# ---- the real wrapper up to the GPU ----------------------------------------------------------------------
+def _cpu_wrapper(fi_backend: str):
+    wrapper_cls = api.load_wrapper_class()
+    return wrapper_cls(**api.wrapper_init_kwargs(torch.zeros(1024, dtype=torch.uint8), fi_backend))
+
+
+@pytest.mark.parametrize("fi_backend", ["fa2", "fa3"])
+def test_fa_plan_reaches_the_device_check(fi_backend):
+    cache, meta, q, _ = make_batch(q_lens=(1, 3, 2))
+    with pytest.raises(ValueError, match="^device must be a cuda device$"):
+        paged.plan_fa(_cpu_wrapper(fi_backend), meta, num_heads=q.shape[1], kv_lora_rank=512, rope_dim=64,
+                      page_size=cache.block_size, scale=0.1, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("page", [1, 16, 64, 128])
+def test_cutlass_plan_reaches_the_device_check(page):
+    cache, meta, _, _ = make_batch(block_size=page, num_blocks=80 if page < 16 else 12)
+    with pytest.raises(ValueError, match="^device must be a cuda device$"):
+        paged.plan_cutlass(_cpu_wrapper("cutlass"), meta, kv_lora_rank=512, rope_dim=64, page_size=page,
+                           dtype=torch.bfloat16)
+
+
+def test_flashinfer_itself_enforces_the_cutlass_contract_we_declare():
+    """128 heads and the fixed 1/sqrt(192) scale are FlashInfer's rules (checked before the device)."""
+    cache, meta, _, _ = make_batch(block_size=64)
+    md = api.load_plan_metadata_class().dense(**api.dense_metadata_kwargs(
+        meta.query_start_loc, _common.dense_block_table(meta, align=2), meta.seq_lens, 1))
+    wrapper = _cpu_wrapper("cutlass")
+    good = api.cutlass_plan_kwargs(md, kv_lora_rank=512, rope_dim=64, page_size=64,
+                                   sm_scale=paged.cutlass_fixed_scale(64), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="fixed MLA softmax scale"):
+        wrapper.plan(**{**good, "sm_scale": 0.1})
+    with pytest.raises(ValueError, match="Expected 128 heads"):
+        wrapper.plan(**{**good, "num_heads": 64})
+    with pytest.raises(ValueError, match="device must be a cuda device"):
+        wrapper.plan(**good)
+    assert math.isclose(paged.cutlass_fixed_scale(64), 192 ** -0.5)
+
+
+@pytest.mark.parametrize("cls", [FlashInferMLABackend, FlashInferCutlassMLABackend, FlashInferXqaMLABackend],
+                         ids=lambda c: c.name)
+def test_backend_launch_reaches_the_device_check(cls):
+    cache, meta, q, qr = make_batch(block_size=32, heads=16)
+    kwargs = {"lse_out": None} if cls is FlashInferMLABackend else {}
+    with pytest.raises(ValueError, match="^device must be a cuda device$"):
+        cls()._launch(q, qr, cache, meta, scale=0.1, out=None, **kwargs)
+
+
+def test_trtllm_launch_reaches_the_device_query():
+    cache, meta, q, qr = make_batch(block_size=32, heads=16)
+    with pytest.raises((AssertionError, RuntimeError, ValueError)) as info:
+        FlashInferTrtllmMLABackend()._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None)
+    frames = [f.filename for f in traceback.extract_tb(info.value.__traceback__)]
+    assert any("flashinfer" in f and "mla" in f for f in frames), frames  # inside FlashInfer's MLA code
+    assert "No module named" not in str(info.value)
+
+
+# ---- plan caching, views and metadata (recording stand-in for the wrapper) ---------------------------------
+class RecordingWrapper:
+    """Stands in for BatchMLAPagedAttentionWrapper: records plan()/run() keywords, writes per-head outputs."""
+
+    instances: list = []
+
+    def __init__(self, float_workspace_buffer, backend="auto"):
+        self.backend = backend
+        self.workspace = float_workspace_buffer
+        self.plans: list[dict] = []
+        self.runs: list[dict] = []
+        RecordingWrapper.instances.append(self)
+
+    def plan(self, **kwargs):
+        self.plans.append(kwargs)
+
+    def run(self, *, query, kv_cache, out, lse=None, **kwargs):
+        self.runs.append(dict(query=query, kv_cache=kv_cache, out=out, lse=lse, **kwargs))
+        heads = out.shape[1]
+        out.copy_(torch.arange(heads, dtype=torch.float32)[None, :, None].expand(out.shape).to(out.dtype))
+        if lse is not None:
+            lse.fill_(1.5)
+        return (out, lse) if kwargs.get("return_lse") else out
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    monkeypatch.setattr(api, "load_wrapper_class", lambda: RecordingWrapper)
+    monkeypatch.setattr(paged, "_SLOTS", {})
+    RecordingWrapper.instances = []
+    return RecordingWrapper
+
+
+def test_fa_plans_once_per_batch_and_replans_when_another_batch_intervenes(recording):
+    cache, meta, q, qr = make_batch(q_lens=(1, 4, 2), ctx=(20, 3, 40), heads=8)
+    backend = FlashInferMLABackend()
+    for _ in range(3):  # three layers of one step
+        out, lse = backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa2")
+    (wrapper,) = recording.instances
+    assert wrapper.backend == "fa2" and len(wrapper.plans) == 1 and len(wrapper.runs) == 3
+    assert wrapper.workspace.numel() == api.WORKSPACE_BYTES
+    cache2, meta2, q2, qr2 = make_batch(q_lens=(1, 1, 1), heads=8)
+    backend._launch(q2, qr2, cache2, meta2, scale=0.1, out=None, lse_out=None, fi_backend="fa2")
+    backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa2")
+    assert len(wrapper.plans) == 3  # meta -> meta2 -> meta again: the wrapper holds one plan at a time
+    assert torch.equal(lse, torch.full_like(lse, 1.5)) and out.dtype == q.dtype
+
+
+def test_fa_passes_zero_copy_cache_views_and_csr_metadata(recording):
+    cache, meta, q, qr = make_batch(q_lens=(1, 4, 2), ctx=(20, 3, 40), heads=8)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], dtype=torch.float32)
+    got_out, got_lse = FlashInferMLABackend()._launch(q, qr, cache, meta, scale=0.25, out=out, lse_out=lse,
+                                                      fi_backend="fa2")
+    assert got_out is out and got_lse is lse
+    (wrapper,) = recording.instances
+    plan, run = wrapper.plans[0], wrapper.runs[0]
+    ckv, kpe = run["kv_cache"]
+    assert ckv.data_ptr() == cache.data.data_ptr() and ckv.shape == (12, 16, 512) and ckv.stride() == (
+        16 * 576, 576, 1)
+    assert kpe.data_ptr() == cache.data.data_ptr() + 512 * cache.data.element_size() and kpe.shape[-1] == 64
+    assert run["out"] is out and run["lse"] is lse and run["return_lse_base_on_e"] is True
+    assert "ckv_scale" not in run  # bf16 cache: no fp8 scales
+    assert plan["num_heads"] == 8 and plan["sm_scale"] == 0.25 and plan["causal"] is True
+    md = plan["metadata"]
+    pages = [-(-s // 16) for s in meta.seq_lens_list]
+    assert md.kv_indptr.tolist() == [0, pages[0], pages[0] + pages[1], sum(pages)]
+    assert md.kv_len_arr.tolist() == list(meta.seq_lens_list)
+    assert md.qo_indptr.tolist() == meta.query_start_loc.tolist()
+    expected = [int(meta.block_table[b, i]) for b in range(3) for i in range(pages[b])]
+    assert md.kv_indices.tolist() == expected and -1 not in expected
+
+
+def test_cutlass_pads_heads_folds_scale_aligns_table_and_slices_back(recording):
+    cache, meta, q, qr = make_batch(block_size=32, heads=16, ctx=(20, 3, 40))
+    scale = 0.07
+    out, lse = FlashInferCutlassMLABackend()._launch(q, qr, cache, meta, scale=scale, out=None)
+    assert lse is None and out.shape == q.shape and out.is_contiguous()
+    # the recorder writes head index h into head h's output: the slice kept heads 0..15
+    assert torch.equal(out[:, :, 0], torch.arange(16, dtype=out.dtype).expand(3, 16))
+    (wrapper,) = recording.instances
+    plan, run = wrapper.plans[0], wrapper.runs[0]
+    query = run["query"]
+    assert query.shape == (3, 128, 576) and query.is_contiguous() and query.dtype == torch.bfloat16
+    assert torch.count_nonzero(query[:, 16:]) == 0
+    factor = scale / paged.cutlass_fixed_scale(64)
+    ref = (torch.cat([q, qr], -1).float() * factor).to(torch.bfloat16)
+    assert torch.equal(query[:, :16], ref)
+    assert plan["num_heads"] == 128 and plan["lse_mode"] == "none"
+    assert math.isclose(plan["sm_scale"], 192 ** -0.5)
+    table = plan["metadata"].block_tables
+    assert table.shape[1] % (128 // 32) == 0 and table.dtype == torch.int32
+    assert int(table.min()) >= 0  # -1 padding replaced by a valid page id
+    ckv, kpe = run["kv_cache"]
+    assert ckv.data_ptr() == cache.data.data_ptr() and kpe.data_ptr() == ckv.data_ptr() + 1024
+
+
+def test_pack_query_and_block_table_helpers():
+    q = torch.randn(2, 3, 512)
+    qr = torch.randn(2, 3, 64)
+    packed = _common.pack_query(q, qr, num_heads=3, dtype=torch.float32)
+    assert torch.equal(packed, torch.cat([q, qr], -1))
+    with pytest.raises(ValueError, match="num_heads: got 2"):
+        _common.pack_query(q, qr, num_heads=2, dtype=torch.float32)
+    meta = BatchMetadata.build([1, 1], [0, 40], [[5, -1, -1], [1, 2, 3]], 16)
+    table = _common.dense_block_table(meta, align=4)
+    assert table.tolist() == [[5, 0, 0, 0], [1, 2, 3, 0]]
+    assert _common.cached_block_table(meta, align=4) is _common.cached_block_table(meta, align=4)
+
+
+# ---- input validation before FlashInfer -------------------------------------------------------------------
+def test_forward_rejects_cpu_tensors_naming_the_cache():
+    cache, meta, q, qr = make_batch(block_size=64, heads=16)
+    for cls in ALL:
+        with pytest.raises(ValueError, match=r"^cache: got device cpu; supported a CUDA device"):
+            cls().forward_mqa(q, qr, cache, meta, scale=0.1)
+
+
+@pytest.mark.parametrize("cls,change,exc,message", [
+    (FlashInferMLABackend, dict(dtype=torch.float32), TypeError, "q_latent: got dtype float32"),
+    (FlashInferMLABackend, dict(kv="fp8_e5m2"), TypeError, "cache.kv_cache_dtype: got fp8_e5m2"),
+    (FlashInferMLABackend, dict(kv="float16"), TypeError, "cache.kv_cache_dtype: got float16 with bfloat16"),
+    (FlashInferCutlassMLABackend, dict(heads=129), ValueError, "q_latent: got 129 heads; supported <= 128"),
+    (FlashInferCutlassMLABackend, dict(q_lens=(1, 2, 1)), ValueError, "meta.query_lens: got [1, 2]"),
+    (FlashInferCutlassMLABackend, dict(block_size=48), ValueError, "cache.block_size: got 48"),
+    (FlashInferTrtllmMLABackend, dict(heads=96), ValueError, "q_latent: got 96 heads; supported <= 64 or "
+                                                             "exactly 128"),
+    (FlashInferTrtllmMLABackend, dict(q_lens=(1, 2, 1)), ValueError,
+     "meta.query_lens: got [1, 2]; supported one"),
+    (FlashInferTrtllmMLABackend, dict(block_size=16), ValueError,
+     "cache.block_size: got 16; supported 32, 64"),
+    (FlashInferTrtllmMLABackend, dict(dtype=torch.float16), TypeError, "q_latent: got dtype float16"),
+    (FlashInferXqaMLABackend, dict(q_lens=(2, 2, 2)), ValueError, "meta.query_lens: got [2]; supported 1"),
+    (FlashInferXqaMLABackend, dict(kv="float16", dtype=torch.bfloat16), TypeError,
+     "cache.kv_cache_dtype: got float16"),
+])
+def test_forward_rejects_what_the_kernel_cannot_run(cls, change, exc, message):
+    kw = dict(block_size=64, heads=16)
+    kw.update(change)
+    cache, meta, q, qr = make_batch(**kw)
+    with pytest.raises(exc) as info:
+        cls().forward_mqa(q, qr, cache, meta, scale=0.1)
+    assert str(info.value).startswith(message), str(info.value)
+
+
+@pytest.mark.parametrize("cls", [FlashInferCutlassMLABackend, FlashInferXqaMLABackend], ids=lambda c: c.name)
+def test_no_lse_backends_refuse_an_lse_buffer(cls):
+    cache, meta, q, qr = make_batch(block_size=64, heads=16)
+    with pytest.raises(ValueError, match=r"^lse_out: got a tensor; supported None"):
+        cls().forward_mqa(q, qr, cache, meta, scale=0.1, lse_out=torch.empty(q.shape[:2]))
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.name)
+def test_shared_input_checks_run_first(cls):
+    cache, meta, q, qr = make_batch(block_size=64, heads=16)
+    with pytest.raises(ValueError, match="^scale: got -1.0"):
+        cls().forward_mqa(q, qr, cache, meta, scale=-1.0)
+    with pytest.raises(ValueError, match="^q_rope: got shape"):
+        cls().forward_mqa(q, qr[:, :8], cache, meta, scale=0.1)

@@ -1,0 +1,128 @@
+"""The decode/prefill split: both dispatch policies, the threshold table, backend clamping, and which path the
+layer actually runs for each request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from layer_cases import tiny_config
+
+import mla_backends.layer as layer_mod
+from mla_backends.backend import QueryLenSupport
+from mla_backends.dispatch import (
+    PerBatchPolicy,
+    PerRequestPolicy,
+    ThresholdTable,
+    clamp_to_backend,
+    resolve_policy,
+)
+from mla_backends.hf_loading import random_hf_state_dict
+from mla_backends.layer import MLAAttention
+from mla_backends.metadata import BatchMetadata
+
+
+def test_per_request_policy_uses_backend_or_own_threshold():
+    q, c = [1, 4, 1, 7, 2], [9, 9, 9, 0, 5]
+    assert PerRequestPolicy().absorbed(q, c, backend_threshold=1) == [True, False, True, False, False]
+    assert PerRequestPolicy().absorbed(q, c, backend_threshold=4) == [True, True, True, False, True]
+    assert PerRequestPolicy(threshold=2).absorbed(q, c, backend_threshold=128) == \
+        [True, False, True, False, True]
+
+
+def test_per_batch_policy_follows_sglang_rule():
+    pol = PerBatchPolicy()
+    assert pol.prefix_threshold == 8192
+    assert pol.absorbed([1, 1, 1], [0, 5000, 9000], backend_threshold=1) == [True] * 3  # decode batch
+    assert pol.absorbed([5, 7], [0, 0], backend_threshold=1) == [False, False]  # cold prefill
+    assert pol.absorbed([5, 1], [100, 3000], backend_threshold=1) == [True, True]  # short prefix: absorbed
+    assert pol.absorbed([5, 1], [5000, 3192], backend_threshold=1) == [False, False]  # sum 8192: expanded
+    # threshold 0 makes every extend batch expanded; it does not force absorption
+    assert PerBatchPolicy(0).absorbed([5, 1], [100, 3000], backend_threshold=1) == [False, False]
+    assert PerBatchPolicy(0).absorbed([1, 1], [100, 3000], backend_threshold=1) == [True, True]
+
+
+def test_threshold_table(tmp_path):
+    table = ThresholdTable(((512, 2), (4096, 16), (65536, 64)))
+    assert [table.threshold(c) for c in (0, 512, 513, 4096, 10**6)] == [2, 2, 16, 16, 64]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table.to_dict()))
+    pol = PerRequestPolicy.from_table(path)
+    assert pol.table == table
+    assert pol.absorbed([3, 3, 20, 1], [100, 1000, 1000, 0], backend_threshold=1) == \
+        [False, True, False, True]
+    # a 0 entry still lets single tokens decode
+    assert PerRequestPolicy(table=ThresholdTable(((10, 0),))).absorbed([1, 2], [0, 0], backend_threshold=4) \
+        == [True, False]
+    with pytest.raises(ValueError, match="increasing"):
+        ThresholdTable(((10, 1), (5, 2)))
+    with pytest.raises(ValueError, match="entries"):
+        ThresholdTable.from_dict({"rows": []})
+    with pytest.raises(ValueError, match="threshold/table"):
+        PerRequestPolicy(threshold=3, table=table)
+
+
+def test_resolve_and_clamp():
+    assert isinstance(resolve_policy("sglang"), PerBatchPolicy)
+    assert isinstance(resolve_policy("per-request"), PerRequestPolicy)
+    with pytest.raises(TypeError, match="dispatch: got int"):
+        resolve_policy(3)
+    flags = [True, True, False, True]
+    assert clamp_to_backend(flags, [1, 5, 0, 2], QueryLenSupport.SINGLE) == [True, False, False, False]
+    assert clamp_to_backend(flags, [1, 5, 0, 2], QueryLenSupport.VARLEN) == [True, True, True, True]
+
+
+class _Recorder:
+    """Counts the query rows each path receives."""
+
+    def __init__(self, monkeypatch, layer):
+        self.mqa_rows: list[int] = []
+        self.mha_rows: list[int] = []
+        real_mqa, real_mha = layer.backend.forward_mqa, layer_mod.forward_mha
+
+        def mqa(q_latent, *a, **k):
+            self.mqa_rows.append(q_latent.shape[0])
+            return real_mqa(q_latent, *a, **k)
+
+        def mha(q, *a, **k):
+            self.mha_rows.append(q.shape[0])
+            return real_mha(q, *a, **k)
+
+        monkeypatch.setattr(layer.backend, "forward_mqa", mqa)
+        monkeypatch.setattr(layer_mod, "forward_mha", mha)
+
+
+def _step(layer, qlens, ctx, decode_threshold=1):
+    cache = layer.allocate_cache(64, 4)
+    bt = torch.arange(64, dtype=torch.int32).view(4, 16)[: len(qlens)]
+    meta = BatchMetadata.build(qlens, ctx, bt, 4, decode_threshold=decode_threshold)
+    x = torch.randn(sum(qlens), 32, dtype=torch.float64)
+    return layer(x, None, cache, meta)
+
+
+@pytest.mark.parametrize("dispatch, qlens, ctx, mqa, mha", [
+    (None, [3, 1, 6, 1], [4, 9, 0, 2], [2], [9]),  # REF_TORCH threshold 1: decodes absorbed, one cut
+    (PerRequestPolicy(threshold=4), [3, 1, 6, 1], [4, 9, 0, 2], [5], [6]),
+    # metadata ordered with threshold 1 puts [1, 6, 3]: the layer runs absorbed, expanded, absorbed
+    (PerRequestPolicy(threshold=4), [6, 1, 3], [4, 9, 2], [1, 3], [6]),
+    ("per-batch", [3, 1, 6, 1], [4, 9, 0, 2], [11], []),  # summed prefix 15 < 8192: all absorbed
+    ("per-batch", [3, 1, 6], [0, 0, 0], [], [10]),  # cold prefill: all expanded
+    (PerBatchPolicy(10), [3, 1, 6, 1], [4, 9, 0, 2], [], [11]),  # prefix 15 >= 10: all expanded
+    ("per-batch", [1, 1], [7, 3], [2], []),  # decode batch
+])
+def test_layer_routes_requests(monkeypatch, dispatch, qlens, ctx, mqa, mha):
+    layer = MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64, dispatch=dispatch)
+    layer.load_hf_state_dict(random_hf_state_dict(layer.dims, dtype=torch.float64))
+    rec = _Recorder(monkeypatch, layer)
+    out = _step(layer, qlens, ctx)
+    assert out.shape == (sum(qlens), 32) and torch.isfinite(out).all()
+    assert rec.mqa_rows == mqa and rec.mha_rows == mha
+
+
+def test_layer_threshold_follows_policy():
+    layer = MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64)
+    assert layer.decode_threshold == 1  # REF_TORCH declares 1
+    layer = MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64,
+                                        dispatch=PerRequestPolicy(threshold=8))
+    assert layer.decode_threshold == 8

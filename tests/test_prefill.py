@@ -1,0 +1,157 @@
+"""The shared expanded prefill path: forward_mha against a plain float64 expanded reference, context chunking,
+the LSE merge and the workspace."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_backends.cache import LatentKVCache
+from mla_backends.metadata import BatchMetadata
+from mla_backends.prefill import (
+    PrefillWorkspace,
+    context_chunks,
+    default_workspace_rows,
+    forward_mha,
+    merge_attention_states,
+)
+
+H, P, R, V, r = 3, 8, 4, 6, 10
+
+
+def _reference(q, kv_b, rows_per_req, new_counts, scale):
+    """Naive expanded MLA per request: up-project every visible latent, causal softmax, weighted sum."""
+    outs = []
+    w = kv_b.view(H, P + V, r)
+    t = 0
+    for rows, n in zip(rows_per_req, new_counts, strict=True):
+        S = rows.shape[0]
+        c, kpe = rows[:, :r], rows[:, r:]
+        for j in range(n):
+            visible = S - n + j + 1
+            out_h = []
+            for h in range(H):
+                k = torch.cat([c[:visible] @ w[h, :P].T, kpe[:visible]], dim=1)  # [S, P + R]
+                v = c[:visible] @ w[h, P:].T  # [S, V]
+                s = (k @ q[t, h]) * scale
+                p = torch.softmax(s, dim=0)
+                out_h.append(p @ v)
+            outs.append(torch.stack(out_h))
+            t += 1
+    return torch.stack(outs)
+
+
+def _setup(ctx, new, block_size=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B = len(ctx)
+    pages = -(-max(c + n for c, n in zip(ctx, new, strict=True)) // block_size)
+    nb = B * pages + 3
+    bt = torch.randperm(nb, generator=g)[: B * pages].view(B, pages).int()
+    cache = LatentKVCache(nb, block_size, r, R, model_dtype=torch.float64)
+    rows = [torch.randn(c + n, r + R, generator=g, dtype=torch.float64)
+            for c, n in zip(ctx, new, strict=True)]
+    for b, rw in enumerate(rows):  # context rows of every request
+        pos = torch.arange(ctx[b])
+        slots = bt[b, pos // block_size].long() * block_size + pos % block_size
+        cache.write(rw[: ctx[b], :r], rw[: ctx[b], r:], slots)
+    meta = BatchMetadata.build(new, ctx, bt, block_size, decode_threshold=0)
+    cache.write(torch.cat([rw[c:, :r] for rw, c in zip(rows, ctx, strict=True)]),
+                torch.cat([rw[c:, r:] for rw, c in zip(rows, ctx, strict=True)]), meta.slot_mapping)
+    new_rows = torch.cat([rw[c:] for rw, c in zip(rows, ctx, strict=True)])
+    q = torch.randn(meta.num_tokens, H, P + R, generator=g, dtype=torch.float64)
+    kv_b = torch.randn(H * (P + V), r, generator=g, dtype=torch.float64) * 0.5
+    return cache, meta, rows, new_rows, q, kv_b
+
+
+@pytest.mark.parametrize("workspace_rows", [3, 64, 100000])
+def test_forward_mha_matches_expanded_reference(workspace_rows):
+    ctx, new = [0, 9, 23], [5, 4, 3]
+    cache, meta, rows, new_rows, q, kv_b = _setup(ctx, new)
+    scale = (P + R) ** -0.5
+    out = forward_mha(q, new_rows[:, :r], new_rows[:, r:], cache, meta, kv_b, scale=scale,
+                      workspace_rows=workspace_rows)
+    ref = _reference(q, kv_b, rows, new, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-11, atol=1e-11)
+
+
+def test_chunked_context_equals_unchunked_and_workspace_is_reused():
+    ctx, new = [150, 90, 0, 70], [5, 9, 4, 3]
+    cache, meta, rows, new_rows, q, kv_b = _setup(ctx, new, block_size=16, seed=3)
+    args = (q, new_rows[:, :r], new_rows[:, r:], cache, meta, kv_b)
+    assert len(context_chunks(meta.context_lens_list, 64)) == 5  # 310 rows in chunks of 64, requests split
+    whole = forward_mha(*args, scale=0.3, workspace_rows=1 << 16)
+    ws = PrefillWorkspace(64)
+    first = forward_mha(*args, scale=0.3, workspace=ws)
+    ptr = ws.kv.data_ptr()
+    second = forward_mha(*args, scale=0.3, workspace=ws)
+    torch.testing.assert_close(first, whole, rtol=1e-12, atol=1e-12)
+    assert torch.equal(first, second)
+    assert ws.allocations == 1 and ws.kv.data_ptr() == ptr and ws.kv.shape[0] == 64
+
+
+def test_fp8_context_is_dequantised():
+    # the context read from an fp8 cache must be scaled back: compare against the reference on the
+    # dequantised rows (the new tokens are attended at full precision, as written)
+    ctx, new = [12, 7], [3, 2]
+    cache, meta, rows, new_rows, q, kv_b = _setup(ctx, new)
+    fp8 = LatentKVCache(cache.num_blocks, cache.block_size, r, R, kv_cache_dtype="fp8_e4m3",
+                        model_dtype=torch.float64, scale=0.05)
+    fp8.write(cache.data.view(-1, r + R)[:, :r], cache.data.view(-1, r + R)[:, r:],
+              torch.arange(cache.num_slots))
+    deq = fp8.read_slots(torch.arange(cache.num_slots)).view_as(cache.data)
+    cache.data.copy_(deq)
+    rows_deq = [torch.cat([cache.gather(meta.block_table[b], c), rw[c:]]) for b, (rw, c) in
+                enumerate(zip(rows, ctx, strict=True))]
+    out = forward_mha(q, new_rows[:, :r], new_rows[:, r:], fp8, meta, kv_b, scale=0.3, workspace_rows=5)
+    torch.testing.assert_close(out, _reference(q, kv_b, rows_deq, new, 0.3), rtol=1e-10, atol=1e-10)
+
+
+def test_context_chunks_split_requests():
+    assert context_chunks([5, 0, 7], 4) == [[(0, 0, 4)], [(0, 4, 5), (2, 0, 3)], [(2, 3, 7)]]
+    assert context_chunks([0, 0], 4) == []
+    assert context_chunks([3, 1], 64) == [[(0, 0, 3), (1, 0, 1)]]
+    with pytest.raises(ValueError, match="workspace_rows"):
+        context_chunks([3], 0)
+
+
+def test_merge_handles_empty_parts():
+    o = torch.randn(2, 3, 4, dtype=torch.float64)
+    lse = torch.randn(2, 3, dtype=torch.float64)
+    empty_o = torch.zeros_like(o)
+    empty_lse = torch.full_like(lse, -math.inf)
+    mo, ml = merge_attention_states(o, lse, empty_o, empty_lse)
+    torch.testing.assert_close(mo, o)
+    torch.testing.assert_close(ml, lse)
+    mo, ml = merge_attention_states(empty_o, empty_lse, empty_o, empty_lse)
+    assert torch.isfinite(mo).all() and (mo == 0).all() and (ml == -math.inf).all()
+    # two halves of one softmax merge into the whole
+    s = torch.randn(6, dtype=torch.float64)
+    v = torch.randn(6, 4, dtype=torch.float64)
+    halves = [(torch.softmax(s[i:i + 3], 0) @ v[i:i + 3], torch.logsumexp(s[i:i + 3], 0)) for i in (0, 3)]
+    mo, ml = merge_attention_states(halves[0][0][None, None], halves[0][1][None, None],
+                                    halves[1][0][None, None], halves[1][1][None, None])
+    torch.testing.assert_close(mo[0, 0], torch.softmax(s, 0) @ v)
+    torch.testing.assert_close(ml[0, 0], torch.logsumexp(s, 0))
+
+
+def test_default_workspace_rows():
+    assert default_workspace_rows(163840, 256, 16) == 65536  # capped at 64k rows
+    assert default_workspace_rows(2048, 256, 16) == 16384
+    assert default_workspace_rows(100, 64, 16) == 4096  # four pages per request beats eight full requests
+    assert default_workspace_rows(1000, 8, 16) == 8000
+    with pytest.raises(ValueError, match="max_model_len"):
+        default_workspace_rows(0, 8, 16)
+
+
+def test_forward_mha_rejects_bad_inputs():
+    cache, meta, rows, new_rows, q, kv_b = _setup([2], [3])
+    with pytest.raises(ValueError, match="q: got shape"):
+        forward_mha(q[:2], new_rows[:, :r], new_rows[:, r:], cache, meta, kv_b, scale=0.3)
+    with pytest.raises(ValueError, match="kv_b_weight"):
+        forward_mha(q, new_rows[:, :r], new_rows[:, r:], cache, meta, kv_b[:-1], scale=0.3)
+    with pytest.raises(TypeError, match="kv_c: got dtype"):
+        forward_mha(q, new_rows[:, :r].float(), new_rows[:, r:], cache, meta, kv_b, scale=0.3)
+    with pytest.raises(TypeError, match="cache"):
+        forward_mha(q, new_rows[:, :r], new_rows[:, r:], None, meta, kv_b, scale=0.3)
