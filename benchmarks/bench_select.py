@@ -1,4 +1,4 @@
-"""Selector overhead: import + first ``select_backend()`` on top of a bare ``import torch``, and a cached call.
+"""Selector overhead: import + first ``select_backend()`` on top of ``import torch``, and a cached call.
 
 Targets (issue 4): under 100 ms added by ``import mla_backends`` + the first selection (no triton or
 flashinfer import), under 20 microseconds for a cached selection.
@@ -54,7 +54,8 @@ def main() -> int:
         imp = statistics.median(r["import"] for r in runs) * 1e3
         first = statistics.median(r["first_select"] for r in runs) * 1e3
         heavy = sorted({m for r in runs for m in r["heavy"]})
-        print(f"  device={device:<6} plugins={'on ' if autoload else 'off'}  import {imp:6.1f} ms  first select "
+        plugins = "on " if autoload else "off"
+        print(f"  device={device:<6} plugins={plugins}  import {imp:6.1f} ms  first select "
               f"{first:6.1f} ms  total {imp + first:6.1f} ms = {(imp + first) / 100:.2f}x the 100 ms target  "
               f"-> {runs[0]['backend']}; triton/flashinfer imported: {heavy or 'none'}")
 

@@ -33,16 +33,31 @@ def plot_bytes(path: str) -> None:
     ctx = np.logspace(np.log10(1024), np.log10(163_840), 60)
     series = [
         ("DeepSeek-V3 expanded K+V, bf16", costs.expanded_bytes_per_token(v3, 2), "tab:red", "--"),
-        (f"{costs.LLAMA3_70B.name} GQA-8, bf16", costs.gqa_bytes_per_token(costs.LLAMA3_70B, 2), "tab:orange", "-"),
-        ("DeepSeek-V3.2 latent + indexer, bf16",
-         costs.latent_bytes_per_token(v32, 2) + costs.indexer_bytes_per_token(v32), "tab:purple", ":"),
+        (
+            f"{costs.LLAMA3_70B.name} GQA-8, bf16",
+            costs.gqa_bytes_per_token(costs.LLAMA3_70B, 2),
+            "tab:orange",
+            "-",
+        ),
+        (
+            "DeepSeek-V3.2 latent + indexer, bf16",
+            costs.latent_bytes_per_token(v32, 2) + costs.indexer_bytes_per_token(v32),
+            "tab:purple",
+            ":",
+        ),
         ("DeepSeek-V3 latent, bf16", costs.latent_bytes_per_token(v3, 2), "tab:blue", "-"),
         ("DeepSeek-V3 latent, fp8", costs.latent_bytes_per_token(v3, 1), "tab:cyan", "-"),
     ]
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, per_token, color, style in series:
-        ax.plot(ctx, ctx * per_token / GiB, style, color=color, lw=2,
-                label=f"{label}: {per_token / 1024:,.2f} KiB/token")
+        ax.plot(
+            ctx,
+            ctx * per_token / GiB,
+            style,
+            color=color,
+            lw=2,
+            label=f"{label}: {per_token / 1024:,.2f} KiB/token",
+        )
     for gib in (80, 141):
         ax.axhline(gib, color="grey", lw=0.8, ls=":")
         ax.text(ctx[0], gib * 1.08, f"{gib} GiB", color="grey", fontsize=8)
@@ -52,7 +67,7 @@ def plot_bytes(path: str) -> None:
     ax.set_ylabel("KV cache for the sequence, all layers (GiB, one rank at TP=1)")
     ax.set_title("Cache per sequence: MLA latent vs expanded heads vs GQA")
     ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -67,10 +82,21 @@ def plot_crossover(path: str, table_path: str) -> None:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
 
     s = np.logspace(np.log10(16), np.log10(1 << 20), 200)
-    ax.plot(s, [costs.crossover_query_len(dims, int(x), causal=True) for x in s], color="black", lw=2,
-            label="modelled (FLOPs, causal block)")
-    ax.plot(s, [costs.crossover_query_len(dims, int(x)) for x in s], color="grey", lw=1, ls="--",
-            label="modelled (FLOPs, rectangular block)")
+    ax.plot(
+        s,
+        [costs.crossover_query_len(dims, int(x), causal=True) for x in s],
+        color="black",
+        lw=2,
+        label="modelled (FLOPs, causal block)",
+    )
+    ax.plot(
+        s,
+        [costs.crossover_query_len(dims, int(x)) for x in s],
+        color="grey",
+        lw=1,
+        ls="--",
+        label="modelled (FLOPs, rectangular block)",
+    )
     asym = costs.asymptotic_query_threshold(dims)
     ax.axhline(asym, color="grey", ls=":", lw=1)
     ax.text(s[0], asym * 1.04, f"asymptote {asym:.1f}", color="grey", fontsize=8)
@@ -82,27 +108,45 @@ def plot_crossover(path: str, table_path: str) -> None:
         ax.plot(xs, ys, mk + "-", ms=8, label=f"measured: {name}")
         for c in res["crossovers"]:
             if c["bound"]:
-                ax.annotate(">" if c["bound"] == "above" else "<", (c["context_len"], c["threshold"]),
-                            textcoords="offset points", xytext=(6, 6))
+                ax.annotate(
+                    ">" if c["bound"] == "above" else "<",
+                    (c["context_len"], c["threshold"]),
+                    textcoords="offset points",
+                    xytext=(6, 6),
+                )
     ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set_ylim(
+        0,
+        max(
+            [asym * 1.3] + [c["threshold"] * 1.2 for r in table["backends"].values() for c in r["crossovers"]]
+        ),
+    )
     ax.set_xlabel("cached context S (tokens)")
     ax.set_ylabel("query length Q where both paths cost the same")
     ax.set_title("Absorbed/expanded crossover: absorbed wins below the line")
     ax.grid(True, which="both", alpha=0.25)
     ax.legend(fontsize=8, loc="lower right")
 
-    name, res = next(iter(table["backends"].items()))
+    name = "REF_TORCH" if "REF_TORCH" in table["backends"] else next(iter(table["backends"]))
+    res = table["backends"][name]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, sctx in enumerate(grid["contexts"]):
         rows = [t for t in res["timings"] if t["context_len"] == sctx]
         qs = [t["query_len"] for t in rows]
         col = colors[i % len(colors)]
-        ax2.plot(qs, [t["absorbed_s"] / t["expanded_s"] for t in rows], "o-", color=col,
-                 label=f"measured, S={sctx}")
+        ax2.plot(
+            qs,
+            [t["absorbed_s"] / t["expanded_s"] for t in rows],
+            "o-",
+            color=col,
+            label=f"measured, S={sctx}",
+        )
         qq = np.array(sorted(set(qs)))
-        model = [costs.absorbed_path_flops(dims, int(q), sctx, causal=True)
-                 / costs.expanded_path_flops(dims, int(q), sctx, causal=True) for q in qq]
+        model = [
+            costs.absorbed_path_flops(dims, int(q), sctx, causal=True)
+            / costs.expanded_path_flops(dims, int(q), sctx, causal=True)
+            for q in qq
+        ]
         ax2.plot(qq, model, "--", color=col, alpha=0.7, label=f"FLOP model, S={sctx}")
     ax2.axhline(1.0, color="black", lw=1)
     ax2.set_xscale("log")
@@ -113,9 +157,12 @@ def plot_crossover(path: str, table_path: str) -> None:
     ax2.grid(True, which="both", alpha=0.25)
     ax2.legend(fontsize=7, ncol=2)
     dev = table["device"]
-    fig.suptitle(f"{m['name']} at TP={m['tp']} ({m['num_heads']} heads), {m['dtype']}, on {dev['name']} "
-                 f"({dev.get('cpu_count', '?')} cores, {dev.get('torch_threads', '?')} threads), "
-                 f"{table['date'][:10]}", fontsize=10)
+    fig.suptitle(
+        f"{m['name']} at TP={m['tp']} ({m['num_heads']} heads), {m['dtype']}, on {dev['name']} "
+        f"({dev.get('cpu_count', '?')} cores, {dev.get('torch_threads', '?')} threads), "
+        f"{table['date'][:10]}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -123,16 +170,22 @@ def plot_crossover(path: str, table_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--table", default=os.path.join(HERE, "data", "tune-cpu.json"),
-                   help="threshold table from `mla-backends tune --output` (default docs/data/tune-cpu.json)")
+    p.add_argument(
+        "--table",
+        default=os.path.join(HERE, "data", "tune-cpu.json"),
+        help="threshold table from `mla-backends tune --output` (default docs/data/tune-cpu.json)",
+    )
     p.add_argument("--out-dir", default=HERE, help="where the PNGs go (default docs/)")
     args = p.parse_args(argv)
     plot_bytes(os.path.join(args.out_dir, "kv-cache-bytes.png"))
     if os.path.isfile(args.table):
         plot_crossover(os.path.join(args.out_dir, "crossover.png"), args.table)
     else:
-        print(f"no threshold table at {args.table}; skipped crossover.png (run `mla-backends tune --output "
-              f"{args.table}`)", file=sys.stderr)
+        print(
+            f"no threshold table at {args.table}; skipped crossover.png (run `mla-backends tune --output "
+            f"{args.table}`)",
+            file=sys.stderr,
+        )
     return 0
 
 

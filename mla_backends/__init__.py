@@ -29,6 +29,9 @@ _LAZY = {
     "NoBackendError": "selector",
     "BackendNotSupportedError": "selector",
     "DeviceInfo": "selector.device",
+    "Indexer": ".sparse",
+    "IndexerKeyCache": ".sparse",
+    "SparseKVCache": ".sparse",
 }
 
 __all__ = [

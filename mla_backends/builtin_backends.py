@@ -24,6 +24,6 @@ BUILTIN_BACKENDS: dict[BackendName, str] = {
 
 @hookimpl
 def register_mla_backends(register: RegisterFn) -> None:
-    """Register every built-in backend by import path (their ladder positions live in ``selector.ladders``)."""
+    """Register every built-in backend by import path (ladder positions live in ``selector.ladders``)."""
     for name, target in BUILTIN_BACKENDS.items():
         register(target, name=name.value)

@@ -167,11 +167,10 @@ def random_hf_state_dict(dims: MLADims, *, attention_bias: bool = False, dtype: 
                          seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
     """A random full-size checkpoint for ``dims`` (normal(0, std) weights, norms near 1): demos, tests."""
     g = torch.Generator().manual_seed(seed)
+    gen_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     out = {}
     for name, shape in expected_hf_shapes(dims, attention_bias).items():
-        if name.endswith("layernorm.weight"):
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64)
-        else:
-            t = std * torch.randn(shape, generator=g, dtype=torch.float64)
+        t = torch.randn(shape, generator=g, dtype=gen_dtype)
+        t = 1.0 + 0.1 * t if name.endswith("layernorm.weight") else t.mul_(std)
         out[name] = t.to(dtype)
     return out

@@ -115,6 +115,7 @@ class MLAAttention(torch.nn.Module):
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         layer_idx: int = 0,
+        threshold_table: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(dims, MLADims):
@@ -155,6 +156,13 @@ class MLAAttention(torch.nn.Module):
                              + "; ".join(reasons))
         self.backend_cls = backend_cls
         self.backend = backend_cls()
+        # a measured threshold table (`mla-backends tune`; argument or MLA_BACKENDS_THRESHOLD_TABLE) replaces
+        # the backend's constant decode threshold
+        from .tuning import layer_policy
+
+        table_policy = layer_policy(threshold_table, dispatch, backend_cls.name)
+        if table_policy is not None:
+            self.dispatch = table_policy
 
         H, P, R, V, r = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, \
             dims.kv_lora_rank
@@ -204,6 +212,7 @@ class MLAAttention(torch.nn.Module):
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         layer_idx: int = 0,
+        threshold_table: Any = None,
     ) -> MLAAttention:
         """Build the layer for a transformers config, a dict, a ``config.json`` path or an :class:`MLADims`.
 
@@ -212,6 +221,9 @@ class MLAAttention(torch.nn.Module):
             dtype: model dtype (default bfloat16). device: where weights live (default CPU).
             tp_rank / tp_size: this rank and the tensor-parallel degree (heads split evenly).
             dispatch: ``"per-request"`` (default, vLLM), ``"per-batch"`` (SGLang) or a DispatchPolicy.
+            threshold_table: a ``mla-backends tune --output`` file (or ``tuning.ThresholdTable``) whose
+                measured thresholds replace the backend's constant; default ``$MLA_BACKENDS_THRESHOLD_TABLE``
+                when no ``dispatch`` is given.
             workspace_rows: ``forward_mha`` context chunk; default ``min(max(8 * max_model_len,
                 4 * max_num_seqs * block_size), 65536)`` with ``max_model_len`` defaulting to the config's
                 ``max_position_embeddings``.
@@ -220,7 +232,8 @@ class MLAAttention(torch.nn.Module):
         dims = MLADims.from_hf_config(config).tensor_parallel(tp_size)
         return cls(dims, backend=backend, dtype=dtype, device=device, tp_rank=tp_rank,
                    attention_bias=hf_attention_bias(config), dispatch=dispatch, workspace_rows=workspace_rows,
-                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, layer_idx=layer_idx)
+                   max_model_len=max_model_len, max_num_seqs=max_num_seqs, layer_idx=layer_idx,
+                   threshold_table=threshold_table)
 
     def _spec(self, kv_cache_dtype: str = "auto", block_size: int | None = None) -> AttentionSpec:
         return AttentionSpec(num_heads=self.dims.num_heads, kv_lora_rank=self.dims.kv_lora_rank,
@@ -406,12 +419,15 @@ class MLAAttention(torch.nn.Module):
         q = torch.cat([q[..., :P], self.rotary.apply(q[..., P:], cos, sin)], dim=-1)
         k_pe = self.rotary.apply(kv[:, r:], cos, sin)
         cache.write(latent, k_pe, meta.slot_mapping)
-        if d.indexer is not None and topk_indices is None:  # DeepSeek-V3.2: the indexer picks the rows
-            if self.indexer is None:
+        if d.indexer is not None:  # DeepSeek-V3.2: the indexer caches its keys and picks the rows
+            if self.indexer is not None and topk_indices is None:
+                topk_indices = self.indexer(x, q_resid, cache, meta, positions=pos)
+                self.last_topk_indices = meta.to_caller_order(topk_indices)
+            elif self.indexer is not None:  # the caller's top-k; this step's indexer keys are still cached
+                self.indexer.write_keys(x, cache, meta, positions=pos)
+            elif topk_indices is None:
                 raise ValueError(f"topk_indices: got None on layer {self.layer_idx}, which reuses the "
                                  "previous layer's top-k; supported that layer's last_topk_indices")
-            topk_indices = self.indexer(x, q_resid, cache, meta, positions=pos)
-            self.last_topk_indices = meta.to_caller_order(topk_indices)
 
         attn = torch.empty(T, H, V, dtype=x.dtype, device=x.device)
         starts = [0]

@@ -152,7 +152,8 @@ def load_registry(*, autoload: bool | None = None) -> Registry:
             plugin = ep.load()
         except (Exception, SystemExit) as exc:
             log.warning("mla_backends plugin %r failed to import: %s: %s", ep.name, type(exc).__name__, exc)
-            registry.record(PluginProblem(plugin=ep.name, stage="import", error=f"{type(exc).__name__}: {exc}"))
+            error = f"{type(exc).__name__}: {exc}"
+            registry.record(PluginProblem(plugin=ep.name, stage="import", error=error))
             continue
         run_plugin(registry, ep.name, plugin)
     return registry

@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-class BackendName(str, enum.Enum):
+class BackendName(enum.StrEnum):
     """Built-in backend names (case-insensitive on input: ``BackendName("triton_mla")`` works)."""
 
     REF_TORCH = "REF_TORCH"
@@ -185,7 +185,8 @@ class Registry:
             raise RegistrationError("; ".join(problems))
         key = cls.name.strip().upper()
         if name is not None and name.strip().upper() != key:
-            raise RegistrationError(f"name: got class named {cls.name!r} registered as {name!r}; supported equal")
+            raise RegistrationError(f"name: got class named {cls.name!r} registered as {name!r}; "
+                                    "supported the same name")
         placement = _placement(before, after, archs)
         with self._lock:
             if key in self._entries:
@@ -233,7 +234,8 @@ class Registry:
         if isinstance(name, BackendName):
             name = name.value
         if not isinstance(name, str):
-            raise TypeError(f"backend: got {type(name).__name__}; supported a backend name or MLABackend subclass")
+            raise TypeError(f"backend: got {type(name).__name__}; supported a backend name or "
+                            "MLABackend subclass")
         key = name.strip().upper()
         found = self._entries.get(key)
         if found is not None:

@@ -39,9 +39,25 @@ from .dispatch import PerRequestPolicy
 from .dispatch import ThresholdTable as ContextThresholds
 
 __all__ = [
-    "THRESHOLD_TABLE_ENV", "TABLE_FORMAT", "DEFAULT_QUERY_LENS", "DEFAULT_CONTEXTS", "DEFAULT_REPEATS", "QUICK_QUERY_LENS",
-    "QUICK_CONTEXTS", "Timing", "Crossover", "ThresholdTable", "measured_crossover", "context_buckets",
-    "policy_from_table", "table_from_env", "layer_policy", "tunable_backends", "PathTimer", "ProgressBar", "tune",
+    "THRESHOLD_TABLE_ENV",
+    "TABLE_FORMAT",
+    "DEFAULT_QUERY_LENS",
+    "DEFAULT_CONTEXTS",
+    "DEFAULT_REPEATS",
+    "QUICK_QUERY_LENS",
+    "QUICK_CONTEXTS",
+    "Timing",
+    "Crossover",
+    "ThresholdTable",
+    "measured_crossover",
+    "context_buckets",
+    "policy_from_table",
+    "table_from_env",
+    "layer_policy",
+    "tunable_backends",
+    "PathTimer",
+    "ProgressBar",
+    "tune",
 ]
 
 log = logging.getLogger(__name__)
@@ -96,10 +112,13 @@ def measured_crossover(query_lens: Sequence[int], ratios: Sequence[float]) -> tu
     """First crossing of ``absorbed / expanded`` through 1 along increasing ``query_lens``.
 
     Interpolates ``log(ratio)`` linearly in ``log(Q)`` between the last grid point where absorbed was faster
-    and the first where it was not. Returns ``(crossover or None, bound, threshold)`` as in :class:`Crossover`.
+    and the first where it was not. Returns ``(crossover or None, bound, threshold)`` as in
+    :class:`Crossover`.
     """
     if len(query_lens) != len(ratios) or not query_lens:
-        raise ValueError(f"query_lens/ratios: got {len(query_lens)} and {len(ratios)}; supported equal, non-empty")
+        raise ValueError(
+            f"query_lens/ratios: got {len(query_lens)} and {len(ratios)}; supported equal, non-empty"
+        )
     if any(q <= 0 for q in query_lens) or list(query_lens) != sorted(set(query_lens)):
         raise ValueError(f"query_lens: got {list(query_lens)}; supported increasing positive ints")
     if any(not (r > 0 and math.isfinite(r)) for r in ratios):
@@ -145,8 +164,10 @@ class ThresholdTable:
             raise ValueError("backends: got none; supported at least one backend's thresholds")
         for name, t in self.backends.items():
             if not isinstance(t, ContextThresholds):
-                raise TypeError(f"backends[{name!r}]: got {type(t).__name__}; supported "
-                                f"mla_backends.dispatch.ThresholdTable")
+                raise TypeError(
+                    f"backends[{name!r}]: got {type(t).__name__}; supported "
+                    f"mla_backends.dispatch.ThresholdTable"
+                )
 
     @property
     def backend_names(self) -> tuple[str, ...]:
@@ -162,8 +183,10 @@ class ThresholdTable:
             raise ValueError(f"context_len: got {context_len!r}; supported an int >= 0")
         t = self.for_backend(backend_name)
         if t is None:
-            raise ValueError(f"backend_name: got {backend_name!r}; supported {', '.join(self.backend_names)} "
-                             f"(the backends this table measured)")
+            raise ValueError(
+                f"backend_name: got {backend_name!r}; supported {', '.join(self.backend_names)} "
+                f"(the backends this table measured)"
+            )
         return t.threshold(context_len)
 
     # ---- JSON --------------------------------------------------------------------------------------------
@@ -189,8 +212,9 @@ class ThresholdTable:
             raise ValueError("table.backends: got none; supported {name: {'entries': [...]}, ...}")
         backends = {str(k).upper(): ContextThresholds.from_dict(v) for k, v in raw.items()}
         info = {k: v for k, v in data.items() if k != "format"}
-        info["backends"] = {str(k).upper(): {kk: vv for kk, vv in v.items() if kk != "entries"}
-                            for k, v in raw.items()}
+        info["backends"] = {
+            str(k).upper(): {kk: vv for kk, vv in v.items() if kk != "entries"} for k, v in raw.items()
+        }
         return cls(backends, info)
 
     @classmethod
@@ -198,14 +222,18 @@ class ThresholdTable:
         """Read a table written by ``mla-backends tune --output``."""
         p = os.fspath(path)
         if not os.path.isfile(p):
-            raise ValueError(f"threshold_table: got {p!r}, which is not a file; supported a JSON file written "
-                             f"by 'mla-backends tune --output'")
+            raise ValueError(
+                f"threshold_table: got {p!r}, which is not a file; supported a JSON file written "
+                f"by 'mla-backends tune --output'"
+            )
         try:
             with open(p, encoding="utf-8") as fh:
                 data = json.load(fh)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"threshold_table: got {p!r}, not valid JSON ({exc}); supported a table "
-                             f"written by 'mla-backends tune --output'") from None
+            raise ValueError(
+                f"threshold_table: got {p!r}, not valid JSON ({exc}); supported a table "
+                f"written by 'mla-backends tune --output'"
+            ) from None
         return cls.from_dict(data)
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -214,8 +242,9 @@ class ThresholdTable:
             fh.write("\n")
 
 
-def policy_from_table(table: ThresholdTable | str | os.PathLike[str], backend_name: str, *,
-                      strict: bool = True) -> PerRequestPolicy | None:
+def policy_from_table(
+    table: ThresholdTable | str | os.PathLike[str], backend_name: str, *, strict: bool = True
+) -> PerRequestPolicy | None:
     """The dispatch policy a layer running ``backend_name`` uses under ``table`` (a table or a path).
 
     When the table has no measurement for the backend: ``strict`` raises ValueError naming the measured
@@ -223,12 +252,16 @@ def policy_from_table(table: ThresholdTable | str | os.PathLike[str], backend_na
     """
     if not isinstance(table, ThresholdTable):
         if not isinstance(table, (str, os.PathLike)):
-            raise TypeError(f"threshold_table: got {type(table).__name__}; supported a path or a ThresholdTable")
+            raise TypeError(
+                f"threshold_table: got {type(table).__name__}; supported a path or a ThresholdTable"
+            )
         table = ThresholdTable.load(table)
     ctx = table.for_backend(backend_name)
     if ctx is None:
-        msg = (f"threshold_table: has no measurement for backend {backend_name!r}; supported "
-               f"{', '.join(table.backend_names)}")
+        msg = (
+            f"threshold_table: has no measurement for backend {backend_name!r}; supported "
+            f"{', '.join(table.backend_names)}"
+        )
         if strict:
             raise ValueError(msg)
         log.warning("%s; using the backend's own decode threshold", msg)
@@ -242,9 +275,10 @@ def table_from_env() -> str | None:
     return value or None
 
 
-def layer_policy(threshold_table: ThresholdTable | str | os.PathLike[str] | None, dispatch: Any,
-                 backend_name: str) -> PerRequestPolicy | None:
-    """The table-driven policy a new layer uses, or None to keep its ``dispatch`` (what ``MLAAttention`` calls).
+def layer_policy(
+    threshold_table: ThresholdTable | str | os.PathLike[str] | None, dispatch: Any, backend_name: str
+) -> PerRequestPolicy | None:
+    """The table-driven policy a new layer uses, or None to keep its ``dispatch`` (``MLAAttention`` calls it).
 
     - ``threshold_table`` given: it must hold ``backend_name``'s measurement (else ValueError), and
       ``dispatch`` must be None (both given: ValueError).
@@ -253,8 +287,10 @@ def layer_policy(threshold_table: ThresholdTable | str | os.PathLike[str] | None
     """
     if threshold_table is not None:
         if dispatch is not None:
-            raise ValueError("threshold_table/dispatch: got both; supported one of them (a table implies the "
-                             "per-request policy)")
+            raise ValueError(
+                "threshold_table/dispatch: got both; supported one of them (a table implies the "
+                "per-request policy)"
+            )
         return policy_from_table(threshold_table, backend_name, strict=True)
     env = table_from_env()
     if env is None or dispatch is not None:
@@ -263,7 +299,9 @@ def layer_policy(threshold_table: ThresholdTable | str | os.PathLike[str] | None
 
 
 # ---- measuring -------------------------------------------------------------------------------------------
-def tunable_backends(dims: Any, dtype: Any, device: Any, names: Sequence[str] | None = None) -> dict[str, str]:
+def tunable_backends(
+    dims: Any, dtype: Any, device: Any, names: Sequence[str] | None = None
+) -> dict[str, str]:
     """Backends that can run ``dims`` here, mapped to ``""``; with ``names``, unusable ones map to the reason.
 
     A backend qualifies when its packages are installed and it accepts the device, dtype, head count and
@@ -276,12 +314,18 @@ def tunable_backends(dims: Any, dtype: Any, device: Any, names: Sequence[str] | 
     from .registry import get_backend, registered_backends
 
     info = _device_info(torch.device(device))
-    spec = AttentionSpec(num_heads=dims.num_heads, kv_lora_rank=dims.kv_lora_rank,
-                         qk_rope_head_dim=dims.qk_rope_head_dim, dtype=dtype, max_query_len=2,
-                         uniform_query_len=True, device=info)
+    spec = AttentionSpec(
+        num_heads=dims.num_heads,
+        kv_lora_rank=dims.kv_lora_rank,
+        qk_rope_head_dim=dims.qk_rope_head_dim,
+        dtype=dtype,
+        max_query_len=2,
+        uniform_query_len=True,
+        device=info,
+    )
     classes = {n: get_backend(n) for n in names} if names else registered_backends()
     out: dict[str, str] = {}
-    for name, cls in classes.items():
+    for cls in classes.values():
         reasons = cls.not_supported_reasons(spec)
         if names or not reasons:
             out[cls.name] = "; ".join(reasons)
@@ -300,8 +344,18 @@ class PathTimer:
     the layer is built with a small ``hidden_size``: it only feeds the projections).
     """
 
-    def __init__(self, dims: Any, backend: str, *, dtype: Any, device: Any, max_tokens: int,
-                 block_size: int | None = None, repeats: int = 3, seed: int = 0) -> None:
+    def __init__(
+        self,
+        dims: Any,
+        backend: str,
+        *,
+        dtype: Any,
+        device: Any,
+        max_tokens: int,
+        block_size: int | None = None,
+        repeats: int = 3,
+        seed: int = 0,
+    ) -> None:
         import dataclasses
 
         import torch
@@ -321,8 +375,11 @@ class PathTimer:
         self.block_size = block_size or cls.capabilities.preferred_page_size
         self.repeats = repeats
         self.max_tokens = max_tokens
-        small = dataclasses.replace(dims, hidden_size=min(dims.hidden_size, 256),
-                                    q_lora_rank=None if dims.q_lora_rank is None else min(dims.q_lora_rank, 256))
+        small = dataclasses.replace(
+            dims,
+            hidden_size=min(dims.hidden_size, 256),
+            q_lora_rank=None if dims.q_lora_rank is None else min(dims.q_lora_rank, 256),
+        )
         self.layer = MLAAttention(small, backend=cls, dtype=dtype, device=self.device)
         sd = random_hf_state_dict(small, dtype=self.layer.dtype, seed=seed)
         self.layer.load_hf_state_dict({k: v.to(self.device) for k, v in sd.items()})
@@ -349,19 +406,30 @@ class PathTimer:
         from .prefill import forward_mha
 
         start = meta.context_lens_list[0]
-        rows = self.rows[start:start + q]  # the new tokens' rows, as already written to the cache
-        return forward_mha(self.q[:q], rows[:, :self.r], rows[:, self.r:], self.cache, meta,
-                           self.layer.kv_b_proj.weight, scale=self.layer.scale, workspace=self.workspace)
+        rows = self.rows[start : start + q]  # the new tokens' rows, as already written to the cache
+        return forward_mha(
+            self.q[:q],
+            rows[:, : self.r],
+            rows[:, self.r :],
+            self.cache,
+            meta,
+            self.layer.kv_b_proj.weight,
+            scale=self.layer.scale,
+            workspace=self.workspace,
+        )
 
     def time(self, context_len: int, query_len: int) -> Timing:
         from .metadata import BatchMetadata
 
         if context_len + query_len > self.max_tokens:
-            raise ValueError(f"context_len + query_len: got {context_len + query_len}; supported <= "
-                             f"max_tokens {self.max_tokens}")
+            raise ValueError(
+                f"context_len + query_len: got {context_len + query_len}; supported <= "
+                f"max_tokens {self.max_tokens}"
+            )
         torch = self.torch
-        meta = BatchMetadata.build([query_len], [context_len], self.block_table, self.block_size,
-                                   decode_threshold=query_len)
+        meta = BatchMetadata.build(
+            [query_len], [context_len], self.block_table, self.block_size, decode_threshold=query_len
+        )
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         best = {"a": math.inf, "e": math.inf}
         with torch.inference_mode():
@@ -379,7 +447,9 @@ class PathTimer:
 class ProgressBar:
     """A one-line progress bar on stderr (redrawn with ``\\r``); silent when disabled."""
 
-    def __init__(self, total: int, *, enabled: bool = True, stream: TextIO | None = None, width: int = 30) -> None:
+    def __init__(
+        self, total: int, *, enabled: bool = True, stream: TextIO | None = None, width: int = 30
+    ) -> None:
         self.total = max(1, total)
         self.done = 0
         self.enabled = enabled
@@ -424,18 +494,42 @@ def _device_record(device: Any) -> dict[str, Any]:
     info = _device_info(torch.device(device))
     rec: dict[str, Any] = {"kind": info.kind, "name": info.name}
     if info.is_cuda:
-        rec.update(compute_capability=list(info.compute_capability), sm_count=info.sm_count,
-                   total_memory=info.total_memory)
+        rec.update(
+            compute_capability=list(info.compute_capability),
+            sm_count=info.sm_count,
+            total_memory=info.total_memory,
+        )
     else:
-        rec.update(processor=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
-                   torch_threads=torch.get_num_threads())
+        rec.update(
+            processor=platform.processor() or platform.machine(),
+            cpu_count=os.cpu_count(),
+            torch_threads=torch.get_num_threads(),
+        )
     return rec
 
 
-def tune(dims: Any, *, backends: Iterable[str], query_lens: Sequence[int] = DEFAULT_QUERY_LENS,
-         contexts: Sequence[int] = DEFAULT_CONTEXTS, dtype: Any = None, device: Any = "cpu",
-         block_size: int | None = None, repeats: int = DEFAULT_REPEATS, progress: bool = True,
-         on_timing: Callable[[str, Timing], None] | None = None) -> ThresholdTable:
+def _timing_record(dims: Any, t: Timing) -> dict[str, Any]:
+    """A timing plus the causal FLOP model's count for each path (for effective GFLOP/s)."""
+    from . import costs
+
+    q, s = t.query_len, t.context_len
+    return {**vars(t), "absorbed_flops": costs.absorbed_path_flops(dims, q, s, causal=True),
+            "expanded_flops": costs.expanded_path_flops(dims, q, s, causal=True)}
+
+
+def tune(
+    dims: Any,
+    *,
+    backends: Iterable[str],
+    query_lens: Sequence[int] = DEFAULT_QUERY_LENS,
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    dtype: Any = None,
+    device: Any = "cpu",
+    block_size: int | None = None,
+    repeats: int = DEFAULT_REPEATS,
+    progress: bool = True,
+    on_timing: Callable[[str, Timing], None] | None = None,
+) -> ThresholdTable:
     """Measure every backend over the grid and build the :class:`ThresholdTable`.
 
     Args:
@@ -457,16 +551,25 @@ def tune(dims: Any, *, backends: Iterable[str], query_lens: Sequence[int] = DEFA
     qs = sorted({int(q) for q in query_lens})
     ss = sorted({int(s) for s in contexts})
     if not qs or qs[0] < 1 or not ss or ss[0] < 1:
-        raise ValueError(f"query_lens/contexts: got {list(query_lens)} / {list(contexts)}; supported "
-                         f"non-empty lists of positive ints")
+        raise ValueError(
+            f"query_lens/contexts: got {list(query_lens)} / {list(contexts)}; supported "
+            f"non-empty lists of positive ints"
+        )
     dev = torch.device(device)
     model_dtype = parse_model_dtype(dtype, default=torch.float32 if dev.type == "cpu" else torch.bfloat16)
     bar = ProgressBar(len(names) * len(qs) * len(ss), enabled=progress)
     per_backend: dict[str, ContextThresholds] = {}
     results: dict[str, Any] = {}
     for name in names:
-        timer = PathTimer(dims, name, dtype=model_dtype, device=dev, max_tokens=ss[-1] + qs[-1],
-                          block_size=block_size, repeats=repeats)
+        timer = PathTimer(
+            dims,
+            name,
+            dtype=model_dtype,
+            device=dev,
+            max_tokens=ss[-1] + qs[-1],
+            block_size=block_size,
+            repeats=repeats,
+        )
         timings: list[Timing] = []
         for s in ss:
             for q in qs:
@@ -485,16 +588,24 @@ def tune(dims: Any, *, backends: Iterable[str], query_lens: Sequence[int] = DEFA
             "block_size": timer.block_size,
             "constant_decode_threshold": timer.layer.backend_cls.capabilities.decode_threshold,
             "crossovers": [vars(c) for c in crossovers],
-            "timings": [vars(t) for t in timings],
+            "timings": [_timing_record(dims, t) for t in timings],
         }
         del timer
     info = {
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "device": _device_record(dev),
         "versions": _versions(),
-        "model": {"name": dims.name, "tp": dims.tp_size, "num_heads": dims.num_heads, "kv_lora_rank": dims.kv_lora_rank,
-                  "qk_nope_head_dim": dims.qk_nope_head_dim, "qk_rope_head_dim": dims.qk_rope_head_dim,
-                  "v_head_dim": dims.v_head_dim, "hidden_size": dims.hidden_size, "dtype": dtype_name(model_dtype)},
+        "model": {
+            "name": dims.name,
+            "tp": dims.tp_size,
+            "num_heads": dims.num_heads,
+            "kv_lora_rank": dims.kv_lora_rank,
+            "qk_nope_head_dim": dims.qk_nope_head_dim,
+            "qk_rope_head_dim": dims.qk_rope_head_dim,
+            "v_head_dim": dims.v_head_dim,
+            "hidden_size": dims.hidden_size,
+            "dtype": dtype_name(model_dtype),
+        },
         "grid": {"query_lens": qs, "contexts": ss, "repeats": repeats},
         "modelled_asymptotic_query_threshold": costs.asymptotic_query_threshold(dims),
         "backends": results,

@@ -78,7 +78,8 @@ def _probe(index: int) -> DeviceInfo:
         return DeviceInfo(kind="cuda", name=name, compute_capability=(int(major), int(minor)),
                           total_memory=total, index=index, sm_count=sm_count)
     except Exception as exc:  # NVMLError on the device queries, or index not visible
-        log.debug("device probe: device %d unreadable (%s: %s); using the CPU", index, type(exc).__name__, exc)
+        log.debug("device probe: device %d unreadable (%s: %s); using the CPU", index, type(exc).__name__,
+                  exc)
         return CPU_DEVICE
     finally:
         try:

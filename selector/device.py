@@ -37,7 +37,8 @@ class DeviceInfo:
         if self.kind not in ("cuda", "cpu"):
             raise ValueError(f"DeviceInfo.kind: got {self.kind!r}; supported 'cuda', 'cpu'")
         if self.kind == "cuda" and self.compute_capability is None:
-            raise ValueError("DeviceInfo.compute_capability: got None for a CUDA device; supported (major, minor)")
+            raise ValueError("DeviceInfo.compute_capability: got None for a CUDA device; "
+                             "supported (major, minor)")
 
     @property
     def is_cuda(self) -> bool:
@@ -80,7 +81,8 @@ SIMULATED_NAMES: dict[tuple[int, int], str] = {
     (12, 1): "NVIDIA DGX Spark GB10",
 }
 
-_SUPPORTED_FORMS = "'auto', 'cpu', 'cuda[:N]', an int index, 'sm90'/'sm_100a', a (major, minor) tuple or a DeviceInfo"
+_SUPPORTED_FORMS = ("'auto', 'cpu', 'cuda[:N]', an int index, 'sm90'/'sm_100a', a (major, minor) tuple "
+                    "or a DeviceInfo")
 
 
 def simulated_device(major: int, minor: int) -> DeviceInfo:
@@ -89,7 +91,8 @@ def simulated_device(major: int, minor: int) -> DeviceInfo:
         if not isinstance(v, int) or isinstance(v, bool):
             raise TypeError(f"device compute capability {label}: got {type(v).__name__}; supported int")
     if not (5 <= major <= 15 and 0 <= minor <= 9):
-        raise ValueError(f"device: got compute capability ({major}, {minor}); supported major 5..15, minor 0..9")
+        raise ValueError(f"device: got compute capability ({major}, {minor}); "
+                         "supported major 5..15, minor 0..9")
     name = SIMULATED_NAMES.get((major, minor), f"SM{major}{minor} GPU")
     return DeviceInfo(kind="cuda", name=name, compute_capability=(major, minor), simulated=True)
 

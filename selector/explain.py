@@ -45,14 +45,16 @@ def _table(verdicts: Iterable[Verdict]) -> list[str]:
         verdict = "SELECTED" if v.selected else ("fits" if v.fits else "rejected")
         page = "-" if v.block_size is None else str(v.block_size)
         reasons = list(v.reasons) or (["-"] if v.selected else ["fits, lower priority"])
-        lines.append(f"  {i:>2}  {v.name:<{width}}  {v.source:<{src_w}}  {verdict:<8}  {page:>4}  {reasons[0]}")
+        lines.append(f"  {i:>2}  {v.name:<{width}}  {v.source:<{src_w}}  {verdict:<8}  {page:>4}  "
+                     f"{reasons[0]}")
         lines += [pad + r for r in reasons[1:]]
     return lines
 
 
 def _page_notes(verdicts: Iterable[Verdict], spec: AttentionSpec) -> list[str]:
     return [f"Note: {v.name} ranks higher and was rejected only because of block_size={spec.block_size}; "
-            f"block_size={v.page_size_hint} would select it." for v in verdicts if v.page_size_hint is not None]
+            f"block_size={v.page_size_hint} would select it."
+            for v in verdicts if v.page_size_hint is not None]
 
 
 def format_problems(problems: Iterable[PluginProblem]) -> list[str]:
@@ -66,7 +68,8 @@ def format_problems(problems: Iterable[PluginProblem]) -> list[str]:
 def format_selection(sel: Selection) -> str:
     """Header (device, request, ladder), the verdict table, the choice, page-size notes, plugin problems."""
     asked = replace(sel.spec, block_size=sel.requested_block_size)
-    lines = [f"Device:  {_device_line(sel.device)}", f"Request: {_request_line(asked)}", f"Ladder:  {sel.ladder}"]
+    lines = [f"Device:  {_device_line(sel.device)}", f"Request: {_request_line(asked)}",
+             f"Ladder:  {sel.ladder}"]
     lines += _table(sel.verdicts)
     why = "its preferred page size" if sel.requested_block_size is None else "as requested"
     how = ""
@@ -84,7 +87,8 @@ def format_failure(device: DeviceInfo, spec: AttentionSpec, verdicts: tuple[Verd
     """The message of :class:`NoBackendError` / :class:`BackendNotSupportedError`."""
     lead = ("No MLA backend fits this request." if ladder != "forced"
             else f"The forced backend {verdicts[0].name} does not fit this request.")
-    lines = [lead, f"Device:  {_device_line(device)}", f"Request: {_request_line(spec)}", f"Ladder:  {ladder}"]
+    lines = [lead, f"Device:  {_device_line(device)}", f"Request: {_request_line(spec)}",
+             f"Ladder:  {ladder}"]
     lines += _table(verdicts)
     lines += _page_notes(verdicts, spec)
     lines.append(footer)
@@ -108,7 +112,8 @@ def _candidates(verdicts: Iterable[Verdict]) -> list[dict[str, Any]]:
 def _request_dict(spec: AttentionSpec) -> dict[str, Any]:
     return {"num_heads": spec.num_heads, "kv_lora_rank": spec.kv_lora_rank,
             "qk_rope_head_dim": spec.qk_rope_head_dim, "dtype": dtype_name(spec.dtype),
-            "kv_cache_dtype": spec.resolved_kv_cache_dtype, "block_size": spec.block_size, "sparse": spec.sparse,
+            "kv_cache_dtype": spec.resolved_kv_cache_dtype, "block_size": spec.block_size,
+            "sparse": spec.sparse,
             "max_query_len": spec.max_query_len, "need_lse": spec.need_lse}
 
 
@@ -133,8 +138,10 @@ def capability_summary(cls: type) -> dict[str, Any]:
     """The declarations of one backend as plain data (shared by ``list`` and ``docs/selection.md``)."""
     caps = cls.capabilities
     cc = caps.compute_capability_text()
-    heads = ("any" if caps.num_heads is None and caps.max_num_heads is None else
-             ", ".join(map(str, sorted(caps.num_heads))) if caps.num_heads is not None else f"<= {caps.max_num_heads}")
+    if caps.num_heads is not None:
+        heads = ", ".join(map(str, sorted(caps.num_heads)))
+    else:
+        heads = "any" if caps.max_num_heads is None else f"<= {caps.max_num_heads}"
     return {
         "devices": (f"CPU; CUDA {cc}" if caps.cpu else f"CUDA {cc}"),
         "dtypes": sorted(dtype_name(d) for d in caps.dtypes),

@@ -1,12 +1,13 @@
 """The per-architecture priority ladders, as data.
 
 One :class:`Ladder` per architecture family, with four orderings: dense or sparse attention, times a
-16-bit/32-bit cache or an fp8 cache. The selector walks the ordering top-down and takes the first backend whose
-declared capabilities accept the request. An entry that can never win on its family is a bug (noise in every
-error message); ``tests/test_selector_ladders.py`` proves each entry wins in at least one configuration.
+16-bit/32-bit cache or an fp8 cache. The selector walks the ordering top-down and takes the first backend
+whose declared capabilities accept the request. An entry that can never win on its family is a bug (noise
+in every error message); ``tests/test_selector_ladders.py`` proves each entry wins in at least one
+configuration.
 
 Plugins enter a ladder only where they ask (``before=``/``after=`` a built-in); built-ins keep their order.
-The facts behind each ordering are in ``/docs/selection.md`` (generated from this module).
+The facts behind each ordering are in ``docs/selection.md`` (generated from this module).
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ LADDERS: tuple[Ladder, ...] = (
         dense_fp8=(TRTLLM, TRITON, REF),
         sparse=(TRITON, REF),
         sparse_fp8=(TRITON, REF),
-        why="trtllm-gen first, cutlass second (SM100 kernels); Triton is the fallback (FlashInfer fa2 is slow "
-            "on SM100+ and not declared there); fp8 caches: trtllm-gen, Triton; the reference last.",
+        why="trtllm-gen first, cutlass second (SM100 kernels); Triton is the fallback (FlashInfer fa2 is "
+            "slow on SM100+ and not declared there); fp8 caches: trtllm-gen, Triton; the reference last.",
     ),
     Ladder(
         family="sm110",
@@ -107,7 +108,8 @@ LADDERS: tuple[Ladder, ...] = (
         dense_fp8=(TRITON, REF),
         sparse=(TRITON, REF),
         sparse_fp8=(TRITON, REF),
-        why="cutlass first (no trtllm-gen on SM110); Triton fallback and the only fp8 path; the reference last.",
+        why="cutlass first (no trtllm-gen on SM110); Triton fallback and the only fp8 path; the reference "
+            "last.",
     ),
     Ladder(
         family="sm120",
@@ -139,7 +141,8 @@ LADDERS: tuple[Ladder, ...] = (
         dense_fp8=(TRITON, REF),
         sparse=(TRITON, REF),
         sparse_fp8=(TRITON, REF),
-        why="an architecture newer than this release: Triton (compiled for it at run time), then the reference.",
+        why="an architecture newer than this release: Triton (compiled for it at run time), then the "
+            "reference.",
     ),
     Ladder(
         family="cpu",
@@ -151,7 +154,8 @@ LADDERS: tuple[Ladder, ...] = (
         dense_fp8=(REF,),
         sparse=(REF,),
         sparse_fp8=(REF,),
-        why="the reference only; TRITON_MLA under TRITON_INTERPRET=1 is a testing aid, selectable by override.",
+        why="the reference only; TRITON_MLA under TRITON_INTERPRET=1 is a testing aid, selectable by "
+            "override.",
     ),
 )
 
@@ -169,7 +173,8 @@ def ladder_for(device: DeviceInfo) -> Ladder:
     return _BY_FAMILY[family]
 
 
-def candidates(device: DeviceInfo, *, fp8: bool, sparse: bool, registry: Registry | None = None) -> tuple[str, ...]:
+def candidates(device: DeviceInfo, *, fp8: bool, sparse: bool,
+               registry: Registry | None = None) -> tuple[str, ...]:
     """Backend names to try on ``device``, best first: the built-in ordering plus placed plugin backends.
 
     A plugin backend placed ``before``/``after`` a built-in enters every applicable ordering that contains

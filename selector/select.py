@@ -39,6 +39,19 @@ __all__ = [
 MLA_BACKEND_ENV = "MLA_BACKEND"
 #: environment variables that can change a selection (part of the cache key)
 _ENV_KEYS = (MLA_BACKEND_ENV, "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+_ENV_BYTES = tuple(k.encode() for k in _ENV_KEYS)
+
+
+def _env_state() -> tuple:
+    """The values of ``_ENV_KEYS``, read for the cache key on every call (kept cheap: ~0.2 us on POSIX).
+
+    ``os.environ.get`` encodes and decodes on each call; on POSIX the mapping's byte-keyed ``_data`` dict
+    (kept in sync by ``os.environ``) is read directly instead.
+    """
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and isinstance(data, dict):
+        return tuple(data.get(k) for k in _ENV_BYTES)
+    return tuple(os.environ.get(k) for k in _ENV_KEYS)
 
 
 @dataclass(frozen=True)
@@ -109,8 +122,9 @@ class Selection:
 class SelectionError(RuntimeError):
     """Base of the selector's errors: carries the device, the request and the verdicts."""
 
-    def __init__(self, message: str, *, device: DeviceInfo, spec: AttentionSpec, verdicts: tuple[Verdict, ...],
-                 ladder: str, plugin_problems: tuple[PluginProblem, ...] = ()) -> None:
+    def __init__(self, message: str, *, device: DeviceInfo, spec: AttentionSpec,
+                 verdicts: tuple[Verdict, ...], ladder: str,
+                 plugin_problems: tuple[PluginProblem, ...] = ()) -> None:
         super().__init__(message)
         self.device = device
         self.spec = spec
@@ -135,14 +149,15 @@ class NoBackendError(SelectionError):
 class BackendNotSupportedError(SelectionError):
     """A forced backend (argument or ``MLA_BACKEND``) does not fit; ``reasons`` says why."""
 
-    def __init__(self, message: str, *, backend: str, reasons: tuple[str, ...], forced_by: str, **kw: Any) -> None:
+    def __init__(self, message: str, *, backend: str, reasons: tuple[str, ...], forced_by: str,
+                 **kw: Any) -> None:
         super().__init__(message, **kw)
         self.backend = backend
         self.reasons = reasons
         self.forced_by = forced_by
 
 
-# ---- evaluation ---------------------------------------------------------------------------------------------
+# ---- evaluation -------------------------------------------------------------------------------------
 def evaluate(cls: type[MLABackend], spec: AttentionSpec) -> tuple[str, ...]:
     """``cls.not_supported_reasons(spec)``, with a plugin's crashing check turned into a reason."""
     try:
@@ -163,15 +178,19 @@ def _verdict(registry: Registry, name: str, spec: AttentionSpec) -> Verdict:
     if reasons and spec.block_size is not None and not evaluate(entry.cls, replace(spec, block_size=None)):
         hint = preferred
     return Verdict(name=entry.name, source=entry.source, reasons=reasons,
-                   block_size=spec.block_size if spec.block_size is not None else preferred, page_size_hint=hint)
+                   block_size=spec.block_size if spec.block_size is not None else preferred,
+                   page_size_hint=hint)
 
 
 def _extra_of(cls: type[MLABackend]) -> str:
     extra = cls.capabilities.extra
-    return f"pip install 'mla-backends[{extra}]'" if extra else f"install {', '.join(cls.missing_requirements())}"
+    if extra:
+        return f"pip install 'mla-backends[{extra}]'"
+    return f"install {', '.join(cls.missing_requirements())}"
 
 
-def _hint(registry: Registry, names: tuple[str, ...], spec: AttentionSpec, verdicts: tuple[Verdict, ...]) -> str:
+def _hint(registry: Registry, names: tuple[str, ...], spec: AttentionSpec,
+          verdicts: tuple[Verdict, ...]) -> str:
     """One actionable change that makes a candidate fit, most practical first."""
     for v in verdicts:  # only a package is missing
         if v.reasons and all(r.startswith("package:") for r in v.reasons):
@@ -200,7 +219,7 @@ def _hint(registry: Registry, names: tuple[str, ...], spec: AttentionSpec, verdi
     return "no single change of page size, cache dtype or dtype helps; see `mla-backends list`."
 
 
-# ---- the cache ----------------------------------------------------------------------------------------------
+# ---- the cache --------------------------------------------------------------------------------------
 _CACHE: dict[tuple, Selection] = {}
 _CACHE_LOCK = threading.Lock()
 _CACHE_MAX = 4096
@@ -213,13 +232,13 @@ def clear_cache() -> None:
     clear_device_cache()
 
 
-# ---- input checks -------------------------------------------------------------------------------------------
+# ---- input checks -----------------------------------------------------------------------------------
 def _dims(dims: object) -> MLADims:
     if isinstance(dims, MLADims):
         return dims
     if isinstance(dims, str):
         return MLADims.preset(dims)
-    raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims or a preset name such as 'deepseek-v3'")
+    raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims or a preset name ('deepseek-v3')")
 
 
 def _positive_int(name: str, value: object, *, allow_none: bool = False) -> int | None:
@@ -237,7 +256,7 @@ def _override(backend: object) -> tuple[object, str] | None:
     """(name or class, who forced it) or None; the argument beats ``MLA_BACKEND``; ``auto`` means none."""
     if backend is not None and not (isinstance(backend, str) and backend.strip().lower() in ("", "auto")):
         if not isinstance(backend, (str, BackendName, type)):
-            raise TypeError(f"backend: got {type(backend).__name__}; supported a backend name, 'auto' or class")
+            raise TypeError(f"backend: got {type(backend).__name__}; supported a name, 'auto' or a class")
         return backend, "argument"
     env = os.environ.get(MLA_BACKEND_ENV, "").strip()
     if env and env.lower() != "auto":
@@ -245,7 +264,7 @@ def _override(backend: object) -> tuple[object, str] | None:
     return None
 
 
-# ---- the entry point ----------------------------------------------------------------------------------------
+# ---- the entry point --------------------------------------------------------------------------------
 def select_backend(
     dims: MLADims | str,
     *,
@@ -278,7 +297,7 @@ def select_backend(
         ValueError / TypeError: an argument is malformed.
     """
     registry = get_registry()
-    env = tuple(os.environ.get(k) for k in _ENV_KEYS)
+    env = _env_state()
     try:
         key: tuple | None = (dims, dtype, kv_cache_dtype, block_size, sparse, max_query_len, device, backend,
                              uniform_query_len, need_lse, env, id(registry), registry.generation)
@@ -305,14 +324,15 @@ def _select(registry: Registry, dims: object, dtype: object, kv_cache_dtype: obj
     kv = canonical_kv_cache_dtype(kv_cache_dtype)  # type: ignore[arg-type]
     bs = _positive_int("block_size", block_size, allow_none=True)
     mql = _positive_int("max_query_len", max_query_len)
-    for flag_name, flag in (("sparse", sparse), ("uniform_query_len", uniform_query_len), ("need_lse", need_lse)):
+    flags = (("sparse", sparse), ("uniform_query_len", uniform_query_len), ("need_lse", need_lse))
+    for flag_name, flag in flags:
         if not isinstance(flag, bool):
             raise TypeError(f"{flag_name}: got {type(flag).__name__}; supported bool")
     dev = resolve_device(device)
-    spec = AttentionSpec(num_heads=d.num_heads, kv_lora_rank=d.kv_lora_rank, qk_rope_head_dim=d.qk_rope_head_dim,
-                         dtype=model_dtype, kv_cache_dtype=kv, block_size=bs, sparse=sparse,  # type: ignore[arg-type]
-                         max_query_len=mql, uniform_query_len=uniform_query_len,  # type: ignore[arg-type]
-                         need_lse=need_lse, device=dev)  # type: ignore[arg-type]
+    spec = AttentionSpec(num_heads=d.num_heads, kv_lora_rank=d.kv_lora_rank,  # type: ignore[arg-type]
+                         qk_rope_head_dim=d.qk_rope_head_dim, dtype=model_dtype, kv_cache_dtype=kv,
+                         block_size=bs, sparse=sparse, max_query_len=mql,
+                         uniform_query_len=uniform_query_len, need_lse=need_lse, device=dev)
     problems = registry.problems
     forced = _override(backend)
     if forced is not None:
@@ -353,13 +373,15 @@ def _forced(registry: Registry, spec: AttentionSpec, backend: object, forced_by:
     source = entry.source if entry is not None and entry.cls is cls else getattr(cls, "source", "api")
     reasons = evaluate(cls, spec)
     bs = spec.block_size if spec.block_size is not None else cls.capabilities.preferred_page_size
-    verdict = Verdict(name=cls.name.upper(), source=source, reasons=reasons, selected=not reasons, block_size=bs)
+    verdict = Verdict(name=cls.name.upper(), source=source, reasons=reasons, selected=not reasons,
+                      block_size=bs)
     if reasons:
         from .explain import format_failure
 
         undo = ("unset MLA_BACKEND (or set it to 'auto')" if forced_by == MLA_BACKEND_ENV
                 else "pass backend=None or 'auto'")
-        who = "the MLA_BACKEND environment variable" if forced_by == MLA_BACKEND_ENV else "the backend argument"
+        who = ("the MLA_BACKEND environment variable" if forced_by == MLA_BACKEND_ENV
+               else "the backend argument")
         msg = format_failure(spec.device, spec, (verdict,), "forced", problems,
                              f"{verdict.name} was forced by {who} and does not fit (no silent fallback); "
                              f"{undo} to let the selector choose.")

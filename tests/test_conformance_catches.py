@@ -7,7 +7,6 @@ fail the check that names its bug. A few checks are also called directly to pin 
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,12 +20,19 @@ EXPECTED = {
     "TestNextPage": ("NextPageBackend", "output and ctx", "test_output_matches_reference"),
     "TestLatentScale": ("LatentScaleBackend", "output and ctx", "test_output_matches_reference"),
     "TestBase2Lse": ("Base2LseBackend", "output and (ctx or heads)", "test_output_matches_reference"),
-    "TestIgnoresFp8Scale": ("IgnoresFp8ScaleBackend", "output and (fp8 or ctx)", "test_output_matches_reference"),
+    "TestIgnoresFp8Scale": (
+        "IgnoresFp8ScaleBackend",
+        "output and (fp8 or ctx)",
+        "test_output_matches_reference",
+    ),
     "TestWritesCache": ("WritesCacheBackend", "inputs_not_written", "test_inputs_not_written"),
     "TestWritesPastOut": ("WritesPastOutBackend", "out_rows", "test_out_rows_outside_batch_untouched"),
     "TestNondeterministic": ("NondeterministicBackend", "deterministic", "test_deterministic"),
-    "TestLyingDeclarations": ("LyingDeclarationsBackend", "declared or undeclared",
-                              "test_undeclared_combinations_rejected"),
+    "TestLyingDeclarations": (
+        "LyingDeclarationsBackend",
+        "declared or undeclared",
+        "test_undeclared_combinations_rejected",
+    ),
 }
 
 
@@ -47,18 +53,43 @@ def suite_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[s
     lines = ["from mla_backends.testing import BackendConformance, broken", ""]
     selections = []
     for cls_name, (backend, k, _) in EXPECTED.items():
-        lines += [f"class {cls_name}(BackendConformance):", f"    backend = broken.{backend}",
-                  "    quick = True", '    device = "cpu"', ""]
+        lines += [
+            f"class {cls_name}(BackendConformance):",
+            f"    backend = broken.{backend}",
+            "    quick = True",
+            '    device = "cpu"',
+            "",
+        ]
         selections.append(f"({cls_name} and ({k}))")
-    lines += ["class TestControl(BackendConformance):", '    backend = "REF_TORCH"', "    quick = True",
-              '    device = "cpu"', ""]
-    selections.append("(TestControl and (output_matches and ctx or inputs or out_rows or deterministic "
-                      "or declared))")
+    lines += [
+        "class TestControl(BackendConformance):",
+        '    backend = "REF_TORCH"',
+        "    quick = True",
+        '    device = "cpu"',
+        "",
+    ]
+    selections.append(
+        "(TestControl and (output_matches and ctx or inputs or out_rows or deterministic or declared))"
+    )
     module = root / "test_generated_broken.py"
     module.write_text("\n".join(lines))
     recorder = _Recorder()
-    code = pytest.main([str(module), "-q", "-p", "no:cacheprovider", "--import-mode=importlib", "-o", "addopts=",
-                        "--rootdir", str(root), "-k", " or ".join(selections)], plugins=[recorder])
+    code = pytest.main(
+        [
+            str(module),
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--import-mode=importlib",
+            "-o",
+            "addopts=",
+            "--rootdir",
+            str(root),
+            "-k",
+            " or ".join(selections),
+        ],
+        plugins=[recorder],
+    )
     assert code in (0, 1), f"the generated suite did not run (exit {code})"
     return recorder.reports
 
@@ -74,7 +105,8 @@ def test_suite_reports_broken_backend(suite_results: dict[str, tuple[str, str]],
     assert results, f"no tests of {cls_name} ran"
     failed = [name for name, (outcome, _) in results.items() if outcome == "failed"]
     assert any(name.startswith(must_fail) for name in failed), (
-        f"{cls_name}: expected {must_fail} to fail; outcomes: {[(n, o) for n, (o, _) in results.items()]}")
+        f"{cls_name}: expected {must_fail} to fail; outcomes: {[(n, o) for n, (o, _) in results.items()]}"
+    )
 
 
 def test_control_passes_the_same_checks(suite_results: dict[str, tuple[str, str]]) -> None:

@@ -62,6 +62,14 @@ def make_batch(*, block_size=16, num_blocks=12, heads=4, dtype=torch.bfloat16, k
     return cache, meta, q_latent, q_rope
 
 
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    """Each test gets its own workspace and wrapper caches (freed afterwards), with small CPU workspaces."""
+    monkeypatch.setattr(_common, "_WORKSPACES", {})
+    monkeypatch.setattr(_common, "WORKSPACE_BYTES", 1 << 20)
+    monkeypatch.setattr(paged, "_SLOTS", {})
+
+
 # ---- lazy import ------------------------------------------------------------------------------------------
 def test_package_import_and_selection_do_not_import_flashinfer():
     code = (
@@ -169,14 +177,17 @@ def _cpu_wrapper(fi_backend: str):
     return wrapper_cls(**api.wrapper_init_kwargs(torch.zeros(1024, dtype=torch.uint8), fi_backend))
 
 
+@pytest.mark.filterwarnings("error::DeprecationWarning")
 @pytest.mark.parametrize("fi_backend", ["fa2", "fa3"])
 def test_fa_plan_reaches_the_device_check(fi_backend):
     cache, meta, q, _ = make_batch(q_lens=(1, 3, 2))
+    # (positional and flat-metadata plan() forms emit DeprecationWarning: the marker turns it into a failure)
     with pytest.raises(ValueError, match="^device must be a cuda device$"):
         paged.plan_fa(_cpu_wrapper(fi_backend), meta, num_heads=q.shape[1], kv_lora_rank=512, rope_dim=64,
                       page_size=cache.block_size, scale=0.1, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
 
 
+@pytest.mark.filterwarnings("error::DeprecationWarning")
 @pytest.mark.parametrize("page", [1, 16, 64, 128])
 def test_cutlass_plan_reaches_the_device_check(page):
     cache, meta, _, _ = make_batch(block_size=page, num_blocks=80 if page < 16 else 12)
@@ -248,7 +259,6 @@ class RecordingWrapper:
 @pytest.fixture
 def recording(monkeypatch):
     monkeypatch.setattr(api, "load_wrapper_class", lambda: RecordingWrapper)
-    monkeypatch.setattr(paged, "_SLOTS", {})
     RecordingWrapper.instances = []
     return RecordingWrapper
 
@@ -260,7 +270,7 @@ def test_fa_plans_once_per_batch_and_replans_when_another_batch_intervenes(recor
         out, lse = backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa2")
     (wrapper,) = recording.instances
     assert wrapper.backend == "fa2" and len(wrapper.plans) == 1 and len(wrapper.runs) == 3
-    assert wrapper.workspace.numel() == api.WORKSPACE_BYTES
+    assert wrapper.workspace is _common.workspace_for(cache.device, "fa")
     cache2, meta2, q2, qr2 = make_batch(q_lens=(1, 1, 1), heads=8)
     backend._launch(q2, qr2, cache2, meta2, scale=0.1, out=None, lse_out=None, fi_backend="fa2")
     backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa2")
@@ -328,6 +338,15 @@ def test_pack_query_and_block_table_helpers():
     table = _common.dense_block_table(meta, align=4)
     assert table.tolist() == [[5, 0, 0, 0], [1, 2, 3, 0]]
     assert _common.cached_block_table(meta, align=4) is _common.cached_block_table(meta, align=4)
+
+
+def test_one_zeroed_workspace_per_device_and_path(monkeypatch):
+    assert api.WORKSPACE_BYTES == 128 * 1024 * 1024  # FlashInfer's recommendation; XQA's minimum
+    cpu = torch.device("cpu")
+    ws = _common.workspace_for(cpu, "xqa")
+    assert ws is _common.workspace_for(cpu, "xqa")
+    assert ws.numel() == _common.WORKSPACE_BYTES and ws.dtype == torch.uint8 and not bool(ws.any())
+    assert _common.workspace_for(cpu, "fa") is not ws  # XQA's semaphores never share a buffer
 
 
 # ---- input validation before FlashInfer -------------------------------------------------------------------

@@ -7,7 +7,10 @@ import json
 
 import pytest
 import torch
-from layer_cases import tiny_config
+from layer_cases import (
+    one_thread,  # noqa: F401 (autouse fixture)
+    tiny_config,
+)
 
 import mla_backends.layer as layer_mod
 from mla_backends.backend import QueryLenSupport

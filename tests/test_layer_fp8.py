@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layer_cases import hf_attention, run_schedule, scattered_block_tables, tiny_config
+from layer_cases import (
+    hf_attention,
+    one_thread,  # noqa: F401 (autouse fixture)
+    run_schedule,
+    scattered_block_tables,
+    tiny_config,
+)
 
 from mla_backends.layer import MLAAttention
 

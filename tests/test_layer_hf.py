@@ -13,6 +13,7 @@ from layer_cases import (
     SCHEDULE,
     hf_attention,
     hf_full_sequence,
+    one_thread,  # noqa: F401 (autouse fixture)
     run_schedule,
     scattered_block_tables,
     tiny_config,

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layer_cases import hf_attention, tiny_config
+from layer_cases import (
+    hf_attention,
+    one_thread,  # noqa: F401 (autouse fixture)
+    tiny_config,
+)
 
 from mla_backends.dims import MLADims
 from mla_backends.hf_loading import StateDictError, expected_hf_shapes, random_hf_state_dict

@@ -121,8 +121,8 @@ def test_duplicate_and_malformed_registrations_are_recorded_others_kept(monkeypa
 
     assert run_plugin(reg, "mixed", _plugin(mixed)) is False
     stages = [(p.stage, p.error) for p in reg.problems if p.plugin == "mixed"]
-    assert stages[0] == ("register", "Shadow: RegistrationError: name: got 'REF_TORCH', already registered by "
-                                     "'builtin'; supported a unique name")
+    assert stages[0] == ("register", "Shadow: RegistrationError: name: got 'REF_TORCH', already registered "
+                                     "by 'builtin'; supported a unique name")
     assert stages[1] == ("register", "Malformed: RegistrationError: capabilities: dense/sparse: got neither; "
                                      "supported at least one")
     assert stages[2][0] == "register" and "AttributeError" in stages[2][1]
@@ -146,8 +146,8 @@ def test_builtin_errors_are_not_hidden(monkeypatch):
         run_plugin(reg, "builtin", _plugin(lambda register: register(type("S", (RefTorchBackend,), {}))),
                    strict=True)
     # a built-in module that is simply absent is recorded as "missing", not raised
-    assert run_plugin(reg, "builtin", _plugin(lambda register: register("mla_backends.nope_xyz:B", name="NOPE")),
-                      strict=True) is False
+    absent = _plugin(lambda register: register("mla_backends.nope_xyz:B", name="NOPE"))
+    assert run_plugin(reg, "builtin", absent, strict=True) is False
     assert reg.problems[-1].stage == "missing"
 
 

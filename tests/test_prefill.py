@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from layer_cases import one_thread  # noqa: F401 (autouse fixture)
 
 from mla_backends.cache import LatentKVCache
 from mla_backends.metadata import BatchMetadata

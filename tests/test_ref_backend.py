@@ -125,6 +125,12 @@ class Scenario:
 
     def reference(self, b):
         rows = dequantised_rows(self.cache, self.block_table[b], self.query_lens[b] + self.context_lens[b])
+        # the rows really are this request's (context written here, new tokens via meta.slot_mapping)
+        orig = torch.cat([self.kv_c[b], self.k_pe[b]], dim=-1).double()
+        if self.cache.is_fp8:  # within fp8 rounding (half an ulp of e5m2, the coarser format)
+            assert bool(((rows - orig).abs() <= 0.13 * orig.abs() + 1e-2).all()), f"request {b}: wrong rows"
+        else:
+            assert torch.equal(rows, orig), f"request {b}: the cache does not hold its rows"
         return expanded_mla(self.q_nope[b], self.q_pe[b], self.w_uk, self.w_uv, rows, self.context_lens[b],
                             SCALE)
 

@@ -24,8 +24,9 @@ from mla_backends.registry import (
 
 
 def test_enum_names_and_case_insensitive_input():
-    assert [m.value for m in BackendName] == ["REF_TORCH", "TRITON_MLA", "FLASHINFER_MLA", "FLASHINFER_MLA_CUTLASS",
-                                              "FLASHINFER_MLA_TRTLLM", "FLASHINFER_MLA_XQA"]
+    assert [m.value for m in BackendName] == ["REF_TORCH", "TRITON_MLA", "FLASHINFER_MLA",
+                                              "FLASHINFER_MLA_CUTLASS", "FLASHINFER_MLA_TRTLLM",
+                                              "FLASHINFER_MLA_XQA"]
     assert BackendName("triton_mla") is BackendName.TRITON_MLA
     assert BackendName(" Flashinfer_MLA_xqa ") is BackendName.FLASHINFER_MLA_XQA
     with pytest.raises(ValueError):
@@ -70,7 +71,8 @@ class NoKernel(MLABackend):
 
 def test_validation_of_backend_classes():
     assert validate_backend_class(FakeXqa) == []
-    assert validate_backend_class(object) == ["backend: got <class 'object'>; supported an MLABackend subclass"]
+    assert validate_backend_class(object) == [
+        "backend: got <class 'object'>; supported an MLABackend subclass"]
     assert validate_backend_class(NoKernel) == ["forward_mqa: got the abstract base method; supported an "
                                                 "implementation"]
     bad_caps = type("BAD_CAPS", (FakeXqa,), {"name": "BAD_CAPS", "capabilities": {"dtypes": "bf16"}})
@@ -79,7 +81,8 @@ def test_validation_of_backend_classes():
     caps = Capabilities(dtypes=frozenset({torch.bfloat16}), kv_cache_dtypes=frozenset({"bfloat16"}), cpu=True)
     object.__setattr__(caps, "preferred_page_size", 0)
     mutated = type("MUTATED", (FakeXqa,), {"name": "MUTATED", "capabilities": caps})
-    assert validate_backend_class(mutated) == ["capabilities: preferred_page_size: got 0; supported a positive int"]
+    assert validate_backend_class(mutated) == [
+        "capabilities: preferred_page_size: got 0; supported a positive int"]
     unnamed = type("Unnamed", (FakeXqa,), {"name": "has space"})
     assert validate_backend_class(unnamed)[0].startswith("name: got 'has space'")
 

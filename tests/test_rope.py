@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layer_cases import tiny_config
+from layer_cases import (
+    one_thread,  # noqa: F401 (autouse fixture)
+    tiny_config,
+)
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
     apply_rotary_pos_emb,

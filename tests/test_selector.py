@@ -153,9 +153,10 @@ def test_no_backend_lists_every_reason_and_a_page_size_hint(monkeypatch):
 
 def test_no_backend_hint_names_the_extra_when_only_a_package_is_missing(monkeypatch):
     class NeedsPkg(FakeFlashInfer):
-        capabilities = Capabilities(dtypes=frozenset({torch.bfloat16}), kv_cache_dtypes=frozenset({"bfloat16"}),
-                                    compute_capabilities=frozenset({(9, 0)}), requires=("no_such_pkg_mla_xyz",),
-                                    extra="flashinfer")
+        capabilities = Capabilities(dtypes=frozenset({torch.bfloat16}),
+                                    kv_cache_dtypes=frozenset({"bfloat16"}),
+                                    compute_capabilities=frozenset({(9, 0)}),
+                                    requires=("no_such_pkg_mla_xyz",), extra="flashinfer")
 
     install(monkeypatch, fake_registry(NeedsPkg))
     with pytest.raises(NoBackendError) as info:
@@ -257,6 +258,6 @@ def test_sixteen_threads_get_one_consistent_answer(monkeypatch):
     first = results[0]
     for res in results:
         assert len(res) == len(first)
-        assert all(a is b for a, b in zip(res, first))  # the very same cached Selection objects
+        assert all(a is b for a, b in zip(res, first, strict=True))  # the very same cached Selection objects
     assert first[3].name == "REF_TORCH" and first[1].block_size == 16
     assert reg_mod._REGISTRY.plugins == ("builtin",)  # loaded exactly once

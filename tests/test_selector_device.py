@@ -153,3 +153,17 @@ def test_selection_follows_the_probed_gpu(nvml, monkeypatch):
 def test_simulated_device_validation():
     with pytest.raises(TypeError, match="major: got bool"):
         simulated_device(True, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device and its driver")
+def test_real_gpu_is_read_through_nvml():
+    import torch
+
+    clear_device_cache()
+    dev = detect_device(0)
+    assert dev.is_cuda and not dev.simulated
+    assert dev.compute_capability == torch.cuda.get_device_capability(0)
+    assert dev.total_memory > 0 and dev.name
+    sel = select_backend(MLADims.deepseek_v3().tensor_parallel(8))
+    assert sel.device == dev and sel.verdicts[0].name == sel.verdicts[0].name.upper()

@@ -8,7 +8,8 @@ from selector.ladders import LADDERS
 
 def test_selection_doc_matches_the_data():
     assert DOC_PATH.exists(), "run: python -m selector.docs_gen"
-    assert DOC_PATH.read_text() == render_selection_doc(), "docs/selection.md is stale: python -m selector.docs_gen"
+    stale = "docs/selection.md is stale: run python -m selector.docs_gen"
+    assert DOC_PATH.read_text() == render_selection_doc(), stale
 
 
 def test_doc_contains_every_ladder_and_the_check_mode_fails_on_drift(tmp_path):

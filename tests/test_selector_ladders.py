@@ -53,7 +53,8 @@ _GRID = list(itertools.product(
     [16, 96, 128],  # heads
     [(1, True, False), (4, True, True), (4, False, False)],  # max_query_len, uniform, need_lse
 ))
-_INSTALLED = [frozenset({"triton", "flashinfer"}), frozenset({"flashinfer"}), frozenset({"triton"}), frozenset()]
+_INSTALLED = [frozenset({"triton", "flashinfer"}), frozenset({"flashinfer"}), frozenset({"triton"}),
+              frozenset()]
 
 
 @pytest.mark.parametrize("lad", LADDERS, ids=lambda lad: lad.family)
@@ -92,7 +93,8 @@ def test_no_dead_entries(monkeypatch, lad):
     assert reg.plugins == ()
 
 
-@pytest.mark.parametrize("arch", ["sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm110", "sm120", "sm121"])
+@pytest.mark.parametrize("arch", ["sm80", "sm86", "sm89", "sm90", "sm100", "sm103", "sm110", "sm120",
+                                  "sm121"])
 def test_every_arch_gets_its_first_choice_for_a_plain_request(monkeypatch, arch):
     """With every package present, a default V3 (TP=8) bf16 request takes the top of the dense ladder."""
     install(monkeypatch, _registry_with_real_declarations())

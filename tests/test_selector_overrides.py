@@ -1,4 +1,4 @@
-"""Overrides: argument beats MLA_BACKEND, 'auto' means none, forced-but-unfit raises, unknown names suggest."""
+"""Overrides: argument beats MLA_BACKEND, 'auto' means none, forced-but-unfit raises, unknown suggests."""
 
 from __future__ import annotations
 
@@ -83,5 +83,6 @@ def test_unknown_names_list_the_valid_ones_and_suggest(fakes, monkeypatch):
     assert msg.endswith("(did you mean FLASHINFER_MLA_TRTLLM?)")
     assert isinstance(info.value, ValueError)
     monkeypatch.setenv("MLA_BACKEND", "tritonmla")
-    with pytest.raises(UnknownBackendError, match=r"^MLA_BACKEND environment variable: .*did you mean TRITON_MLA"):
+    with pytest.raises(UnknownBackendError,
+                       match=r"^MLA_BACKEND environment variable: .*did you mean TRITON_MLA"):
         select_backend(V3, device="sm90")

@@ -3,6 +3,7 @@ causal top-k with -1 padding, batching independent of the work split, fp8 keys."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -271,5 +272,5 @@ def test_inputs_are_validated():
     with pytest.raises(ValueError, match="without an indexer"):
         Indexer.from_dims(MLADims.deepseek_v3())
     with pytest.raises(ValueError, match="rotate: got True"):
-        Indexer.from_dims(tiny_dims().__class__(**{**tiny_dims().__dict__,
-                                                  "indexer": IndexerDims(n_heads=2, head_dim=96, topk=4)}))
+        odd = IndexerDims(n_heads=2, head_dim=96, topk=4)
+        Indexer.from_dims(dataclasses.replace(tiny_dims(), indexer=odd))

@@ -180,3 +180,19 @@ def test_sparse_layer_on_triton_matches_transformers():
         got = torch.cat(outs[b]).double()
         err = ((got - ref).abs().max() / ref.abs().max()).item()
         assert err < 1e-5, f"request {b}: relative error {err:.2e} against transformers"
+
+
+def test_caller_top_k_on_an_indexing_layer_still_caches_the_indexer_keys():
+    cfg = v32_config(topk=3)
+    attn = hf_v32_attention(cfg, seed=8)
+    layer = MLAAttention.from_hf_config(cfg, dtype=torch.float64)
+    layer.load_hf_state_dict(attn.state_dict())
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(7, 32, generator=g, dtype=torch.float64)
+    given, own = layer.allocate_cache(4, 4), layer.allocate_cache(4, 4)
+    meta = BatchMetadata.build([7], [0], [[2, 0]], 4)
+    layer(x, None, own, meta)
+    topk = layer.last_topk_indices
+    layer(x, None, given, meta, topk_indices=topk)  # top-k from the caller: keys must be written all the same
+    assert torch.equal(given.indexer_cache.data, own.indexer_cache.data)
+    assert bool(given.indexer_cache.data.any())

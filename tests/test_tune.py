@@ -1,5 +1,5 @@
-"""``mla-backends tune``: crossover detection, the threshold table, the timer's two paths, the CLI, and a layer
-that dispatches by a loaded table. No timing assertions: only structure and behaviour."""
+"""``mla-backends tune``: crossover detection, the threshold table, the timer's two paths, the CLI, and a
+layer that dispatches by a loaded table. No timing assertions: only structure and behaviour."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from mla_backends.dims import MLADims
 from mla_backends.dispatch import ThresholdTable as ContextThresholds
 from mla_backends.metadata import BatchMetadata
 
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny matmuls on a loaded 2-core machine are far faster on one thread; restored afterwards."""
@@ -25,8 +26,17 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-TINY = MLADims(num_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-               q_lora_rank=None, hidden_size=32, num_layers=1, name="tiny")
+TINY = MLADims(
+    num_heads=2,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    q_lora_rank=None,
+    hidden_size=32,
+    num_layers=1,
+    name="tiny",
+)
 
 
 # ---- crossover detection ---------------------------------------------------------------------------------
@@ -46,11 +56,14 @@ def test_measured_crossover_bounds():
     assert cross == pytest.approx(2.0) and th == 2
 
 
-@pytest.mark.parametrize("qs, ratios, match", [
-    ([1, 2], [0.5], "query_lens/ratios"),
-    ([2, 1], [0.5, 2.0], "query_lens: got"),
-    ([1, 2], [0.5, -1.0], "ratios: got"),
-])
+@pytest.mark.parametrize(
+    "qs, ratios, match",
+    [
+        ([1, 2], [0.5], "query_lens/ratios"),
+        ([2, 1], [0.5, 2.0], "query_lens: got"),
+        ([1, 2], [0.5, -1.0], "ratios: got"),
+    ],
+)
 def test_measured_crossover_validation(qs, ratios, match):
     with pytest.raises(ValueError, match=match):
         tuning.measured_crossover(qs, ratios)
@@ -65,7 +78,9 @@ def test_context_buckets():
 # ---- the table -------------------------------------------------------------------------------------------
 def _table(threshold: int = 8, backend: str = "REF_TORCH") -> tuning.ThresholdTable:
     ctx = ContextThresholds(((12, threshold), (100_000, 2)))
-    return tuning.ThresholdTable({backend: ctx}, {"date": "2026-01-01T00:00:00+00:00", "device": {"name": "cpu"}})
+    return tuning.ThresholdTable(
+        {backend: ctx}, {"date": "2026-01-01T00:00:00+00:00", "device": {"name": "cpu"}}
+    )
 
 
 def test_table_round_trip(tmp_path):
@@ -126,8 +141,9 @@ def _naive_reference(timer: tuning.PathTimer, context_len: int, q: int) -> torch
 
 
 def test_path_timer_paths_match_reference():
-    timer = tuning.PathTimer(TINY, "REF_TORCH", dtype=torch.float64, device="cpu", max_tokens=40, block_size=4,
-                             repeats=1)
+    timer = tuning.PathTimer(
+        TINY, "REF_TORCH", dtype=torch.float64, device="cpu", max_tokens=40, block_size=4, repeats=1
+    )
     s, q = 21, 5
     meta = BatchMetadata.build([q], [s], timer.block_table, timer.block_size, decode_threshold=q)
     ref = _naive_reference(timer, s, q)
@@ -142,22 +158,32 @@ def test_path_timer_paths_match_reference():
 
 def test_tune_builds_a_table_with_provenance():
     seen = []
-    table = tuning.tune(TINY, backends=["REF_TORCH"], query_lens=[1, 2, 4], contexts=[8, 32], dtype="float32",
-                        repeats=1, progress=False, on_timing=lambda name, t: seen.append((name, t.context_len,
-                                                                                           t.query_len)))
+    table = tuning.tune(
+        TINY,
+        backends=["REF_TORCH"],
+        query_lens=[1, 2, 4],
+        contexts=[8, 32],
+        dtype="float32",
+        repeats=1,
+        progress=False,
+        on_timing=lambda name, t: seen.append((name, t.context_len, t.query_len)),
+    )
     assert seen == [("REF_TORCH", s, q) for s in (8, 32) for q in (1, 2, 4)]
     data = table.to_dict()
     assert data["device"]["kind"] == "cpu" and "torch" in data["versions"] and data["date"].startswith("20")
     assert data["model"]["dtype"] == "float32" and data["grid"]["query_lens"] == [1, 2, 4]
     res = data["backends"]["REF_TORCH"]
     assert len(res["timings"]) == 6 and len(res["crossovers"]) == 2
+    first = res["timings"][0]
+    assert (first["context_len"], first["query_len"]) == (8, 1)
+    assert first["absorbed_flops"] == costs.absorbed_path_flops(TINY, 1, 8, causal=True)
+    assert first["expanded_flops"] == costs.expanded_path_flops(TINY, 1, 8, causal=True)
     for c in res["crossovers"]:
         assert 0 <= c["threshold"] <= 4
         assert c["modelled"] == pytest.approx(costs.crossover_query_len(TINY, c["context_len"], causal=True))
         # the table's bucket for this context holds exactly the measured threshold
         assert table.threshold_for("REF_TORCH", c["context_len"]) == c["threshold"]
-    assert data["modelled_asymptotic_query_threshold"] == pytest.approx(
-        16 * 16 / (2 * 16 + 4 - 8 - 4 - 8))
+    assert data["modelled_asymptotic_query_threshold"] == pytest.approx(16 * 16 / (2 * 16 + 4 - 8 - 4 - 8))
 
 
 def test_progress_bar_draws_and_finishes():
@@ -176,8 +202,24 @@ def test_progress_bar_draws_and_finishes():
 # ---- the CLI ---------------------------------------------------------------------------------------------
 def test_tune_cli_writes_a_loadable_table(tmp_path, capsys):
     out = tmp_path / "thresholds.json"
-    rc = main(["tune", "--model", "deepseek-v2-lite", "--tp", "8", "--backend", "REF_TORCH", "--quick",
-               "--query-lens", "1,2", "--contexts", "16", "--output", str(out)])
+    rc = main(
+        [
+            "tune",
+            "--model",
+            "deepseek-v2-lite",
+            "--tp",
+            "8",
+            "--backend",
+            "REF_TORCH",
+            "--quick",
+            "--query-lens",
+            "1,2",
+            "--contexts",
+            "16",
+            "--output",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "measured crossover" in captured.out and "REF_TORCH" in captured.out
@@ -186,20 +228,38 @@ def test_tune_cli_writes_a_loadable_table(tmp_path, capsys):
     assert table.backend_names == ("REF_TORCH",)
     assert table.info["model"]["num_heads"] == 2 and table.info["model"]["tp"] == 8
 
-    rc = main(["tune", "--model", "deepseek-v2-lite", "--tp", "8", "--backend", "ref_torch", "--quick",
-               "--query-lens", "1", "--contexts", "8", "--json"])
+    rc = main(
+        [
+            "tune",
+            "--model",
+            "deepseek-v2-lite",
+            "--tp",
+            "8",
+            "--backend",
+            "ref_torch",
+            "--quick",
+            "--query-lens",
+            "1",
+            "--contexts",
+            "8",
+            "--json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert rc == 0 and data["format"] == tuning.TABLE_FORMAT
     assert math.isclose(data["modelled_asymptotic_query_threshold"], 512 * 256 / 768)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["tune", "--tp", "3"], "--tp: got 3"),
-    (["tune", "--backend", "NOPE_MLA", "--quick"], "backend: got 'NOPE_MLA'"),
-    (["tune", "--repeats", "0"], "--repeats: got 0"),
-    (["tune", "--device", "tpu"], "--device: got 'tpu'"),
-    (["tune", "--dtype", "int8"], "dtype: got 'int8'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["tune", "--tp", "3"], "--tp: got 3"),
+        (["tune", "--backend", "NOPE_MLA", "--quick"], "backend: got 'NOPE_MLA'"),
+        (["tune", "--repeats", "0"], "--repeats: got 0"),
+        (["tune", "--device", "tpu"], "--device: got 'tpu'"),
+        (["tune", "--dtype", "int8"], "dtype: got 'int8'"),
+    ],
+)
 def test_tune_cli_errors(capsys, argv, message):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
@@ -271,7 +331,10 @@ def test_layer_table_argument_errors(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no measurement for backend 'REF_TORCH'"):
         MLAAttention(TINY, backend="REF_TORCH", dtype=torch.float32, threshold_table=str(path))
     with pytest.raises(ValueError, match="threshold_table/dispatch: got both"):
-        MLAAttention(TINY, backend="REF_TORCH", dtype=torch.float32, threshold_table=str(path),
-                     dispatch="per-batch")
+        MLAAttention(
+            TINY, backend="REF_TORCH", dtype=torch.float32, threshold_table=str(path), dispatch="per-batch"
+        )
     with pytest.raises(ValueError, match="which is not a file"):
-        MLAAttention(TINY, backend="REF_TORCH", dtype=torch.float32, threshold_table=str(tmp_path / "no.json"))
+        MLAAttention(
+            TINY, backend="REF_TORCH", dtype=torch.float32, threshold_table=str(tmp_path / "no.json")
+        )

@@ -1,4 +1,4 @@
-"""``mla-backends conformance NAME [--quick] [--device D] [-- PYTEST_ARGS]``: run the shipped suite on a backend.
+"""``mla-backends conformance NAME [--quick] [--device D] [-- PYTEST_ARGS]``: run the suite on a backend.
 
 NAME is any registered backend (built-in or from a plugin) or an import path ``package.module:Class`` for a
 backend under development. The suite runs in-process through ``pytest.main`` on
@@ -21,15 +21,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "conformance",
         help="run the conformance suite on a backend",
         description="Run the conformance suite shipped in mla_backends.testing on one backend: output and "
-                    "LSE against a float64 expanded reference, guard bands, determinism and honest "
-                    "declarations. Arguments after `--` go to pytest.",
+        "LSE against a float64 expanded reference, guard bands, determinism and honest "
+        "declarations. Arguments after `--` go to pytest.",
         epilog="examples: mla-backends conformance REF_TORCH;  mla-backends conformance TRITON_MLA --quick "
-               "-- -x -k output",
+        "-- -x -k output",
     )
     p.add_argument("backend", metavar="NAME", help="registered backend name or package.module:Class")
-    p.add_argument("--quick", action="store_true", help="reduced case matrix (interpreted Triton, quick checks)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="where to run (auto: CUDA when present and declared by the backend, else the CPU)")
+    p.add_argument(
+        "--quick", action="store_true", help="reduced case matrix (interpreted Triton, quick checks)"
+    )
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where to run (auto: CUDA when present and declared by the backend, else the CPU)",
+    )
     p.set_defaults(func=run, accepts_extra=True)
 
 
@@ -38,9 +44,20 @@ def pytest_args(name: str, quick: bool, device: str, extra: list[str]) -> list[s
     suite = Path(__file__).resolve().parent.parent / "testing" / "cli_suite.py"
     if extra and extra[0] == "--":
         extra = extra[1:]
-    args = [str(suite), "-p", "mla_backends.testing.plugin", f"--conformance-backend={name}",
-            f"--conformance-device={device}", "-p", "no:cacheprovider", "-o", "python_classes=Test*",
-            "-o", "python_functions=test_*", "-rs"]
+    args = [
+        str(suite),
+        "-p",
+        "mla_backends.testing.plugin",
+        f"--conformance-backend={name}",
+        f"--conformance-device={device}",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "python_classes=Test*",
+        "-o",
+        "python_functions=test_*",
+        "-rs",
+    ]
     if quick:
         args.append("--conformance-quick")
     return args + list(extra)
@@ -58,9 +75,14 @@ def run(args: argparse.Namespace) -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     name = args.backend if ":" in args.backend else cls.name
     matrix = "quick" if args.quick else "full"
-    print(f"mla-backends conformance: {cls.name} ({cls.__module__}.{cls.__qualname__}, source "
-          f"{getattr(cls, 'source', 'builtin')}), {matrix} matrix, device {args.device}", flush=True)
-    code = int(pytest.main(pytest_args(name, args.quick, args.device, list(getattr(args, "extra", []) or []))))
+    print(
+        f"mla-backends conformance: {cls.name} ({cls.__module__}.{cls.__qualname__}, source "
+        f"{getattr(cls, 'source', 'builtin')}), {matrix} matrix, device {args.device}",
+        flush=True,
+    )
+    code = int(
+        pytest.main(pytest_args(name, args.quick, args.device, list(getattr(args, "extra", []) or [])))
+    )
     verdict = "passed" if code == 0 else f"FAILED (pytest exit code {code})"
     print(f"mla-backends conformance: {cls.name} {verdict}", file=sys.stderr if code else sys.stdout)
     return code

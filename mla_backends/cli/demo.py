@@ -2,6 +2,10 @@
 
 It runs a DeepSeek-V3-shaped absorbed decode (16 local heads, V3 at TP=8) over a paged cache with a scattered
 block table, checks it against the naive expanded computation, and prints both times and their ratio.
+
+Then it runs a real :class:`~mla_backends.layer.MLAAttention` (random weights, the same shapes): a batched
+prefill, decode steps, and a mixed step (decodes plus extends over cached prefixes), and checks the mixed step
+against the same step run entirely through the expanded path.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=3000, help="cached tokens per request (default 3000)")
     p.add_argument("--block-size", type=int, default=64, help="page size in tokens (default 64)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", default="96,64,80,32",
+                   help="layer section: prompt lengths, comma-separated (default 96,64,80,32)")
+    p.add_argument("--decode-steps", type=int, default=6, help="layer section: decode steps (default 6)")
+    p.add_argument("--skip-layer", action="store_true", help="only the decode comparison")
     p.set_defaults(func=run)
 
 
@@ -76,6 +84,87 @@ def decode_comparison(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def layer_demo(args: argparse.Namespace) -> int:
+    """DeepSeek-V3 layer, 16 local heads: prefill, decode steps, a mixed step; absorbed vs expanded check."""
+    import dataclasses
+
+    import torch
+
+    from ..dims import MLADims
+    from ..dispatch import PerRequestPolicy
+    from ..hf_loading import random_hf_state_dict
+    from ..layer import MLAAttention
+    from ..metadata import BatchMetadata
+
+    try:
+        prompts = [int(v) for v in str(args.prompts).split(",") if v.strip()]
+    except ValueError:
+        prompts = []
+    if not prompts or min(prompts) < 1:
+        raise ValueError(f"--prompts: got {args.prompts!r}; supported comma-separated positive ints")
+    if args.decode_steps < 0:
+        raise ValueError(f"--decode-steps: got {args.decode_steps}; supported >= 0")
+    torch.manual_seed(args.seed)
+    # one TP=8 rank of DeepSeek-V3, as a standalone 16-head layer (so the random checkpoint is rank-sized)
+    dims = dataclasses.replace(MLADims.deepseek_v3().tensor_parallel(8), tp_size=1)
+    backend = getattr(args, "backend_cls", None)
+    t0 = time.perf_counter()
+    sd = random_hf_state_dict(dims, dtype=torch.float32, seed=args.seed)
+    layer = MLAAttention(dims, dtype=torch.float32, backend=backend)
+    layer.load_hf_state_dict(sd)
+    t_load = time.perf_counter() - t0
+    B, bs, extend = len(prompts), args.block_size, 5
+    total = [p + args.decode_steps + extend + 1 for p in prompts]
+    pages = -(-max(total) // bs)
+    num_blocks = B * pages + 4
+    cache = layer.allocate_cache(num_blocks, bs)
+    block_table = torch.randperm(num_blocks)[: B * pages].view(B, pages).to(torch.int32)
+    print(f"\nMLAAttention layer, DeepSeek-V3 shapes at 16 local heads (hidden {dims.hidden_size}, q_lora "
+          f"{dims.q_lora_rank}, {dims.kv_lora_rank}+{dims.qk_rope_head_dim} cache row), fp32, backend "
+          f"{layer.backend_cls.name}, dispatch {layer.dispatch.name}")
+    print(f"  random checkpoint made, loaded and folded (W_UK_T, W_UV) in {t_load:.2f} s")
+    done = [0] * B
+
+    def step(qlens: list[int], lay: MLAAttention = layer, c=cache) -> tuple[torch.Tensor, float]:
+        meta = BatchMetadata.build(qlens, list(done), block_table, bs, num_blocks=num_blocks,
+                                   decode_threshold=lay.decode_threshold)
+        x = torch.randn(sum(qlens), dims.hidden_size) * 0.5
+        with torch.inference_mode():
+            t = time.perf_counter()
+            y = lay(x, None, c, meta)
+            return y, time.perf_counter() - t
+
+    y, t = step(prompts)
+    done = list(prompts)
+    print(f"  prefill of {B} requests ({', '.join(map(str, prompts))} tokens) in one batch (forward_mha): "
+          f"{t * 1e3:.1f} ms -> output {list(y.shape)}")
+    times = []
+    for _ in range(args.decode_steps):
+        y, t = step([1] * B)
+        times.append(t)
+        done = [d + 1 for d in done]
+    if times:
+        print(f"  {len(times)} decode steps of batch {B} (absorbed forward_mqa): "
+              f"{min(times) * 1e3:.1f} ms best, {sum(times) / len(times) * 1e3:.1f} ms mean")
+    mixed = [extend if b % 2 else 1 for b in range(B)]
+    expanded = MLAAttention(dims, dtype=torch.float32, backend=backend,
+                            dispatch=PerRequestPolicy(threshold=0))  # threshold 0: every request expanded
+    expanded.load_hf_state_dict(sd)
+    cache2 = expanded.allocate_cache(num_blocks, bs)
+    cache2.data.copy_(cache.data)
+    rng = torch.random.get_rng_state()
+    y_mix, t_mix = step(mixed)
+    torch.random.set_rng_state(rng)
+    y_exp, t_exp = step(mixed, expanded, cache2)
+    err = ((y_mix - y_exp).abs().max() / y_exp.abs().max()).item()
+    ok = err < 1e-4
+    print(f"  mixed step (query lens {mixed} over cached {done}): {t_mix * 1e3:.1f} ms")
+    print(f"  the same step all through forward_mha: {t_exp * 1e3:.1f} ms; max relative difference "
+          f"{err:.1e}   "
+          f"{'MATCH' if ok else 'MISMATCH'}")
+    return 0 if ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
     from selector.select import SelectionError, select_backend
 
@@ -90,4 +179,7 @@ def run(args: argparse.Namespace) -> int:
             args.backend_cls = sel.backend
     except SelectionError as err:
         print(f"{err}\n")
-    return decode_comparison(args)
+    rc = decode_comparison(args)
+    if getattr(args, "skip_layer", False):
+        return rc
+    return max(rc, layer_demo(args))

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("list", help="list registered backends with capabilities, availability and source plugin")
+    p = sub.add_parser("list", help="list registered backends: capabilities, availability, source plugin")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     p.set_defaults(func=run)
 
@@ -42,8 +41,9 @@ def run(args: argparse.Namespace) -> int:
         fp8_text = f" (fp8 from SM{fp8[0]}{fp8[1]})" if fp8 else ""
         print(f"    kv cache: {', '.join(c['kv_cache_dtypes'])}{fp8_text}   pages: {c['page_sizes']} "
               f"(preferred {c['preferred_page_size']})")
+        lse = "yes" if c["returns_lse"] else "no"
         print(f"    dims: {c['dims']}   heads: {c['num_heads']}   query: {c['query_len']} "
-              f"(decode threshold {c['decode_threshold']})   {c['attention']}   LSE: {'yes' if c['returns_lse'] else 'no'}")
+              f"(decode threshold {c['decode_threshold']})   {c['attention']}   LSE: {lse}")
         if r["source"] != "builtin":
             print(f"    ladder: {r['ladder_placement'] or 'none (select it with --backend / MLA_BACKEND)'}")
     if problems:

@@ -18,20 +18,48 @@ __all__ = ["register", "run_tune"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("tune", help="measure the absorbed/expanded crossover here and write a threshold table")
-    p.add_argument("--model", default="deepseek-v3", metavar="PRESET|config.json",
-                   help="a preset or a config.json (default deepseek-v3)")
-    p.add_argument("--tp", type=int, default=8, metavar="N",
-                   help="time one rank of this tensor-parallel size (default 8: 16 heads of DeepSeek-V3)")
-    p.add_argument("--backend", action="append", default=None, metavar="NAME",
-                   help="backend to measure (repeatable; default every backend that runs here)")
+    p = sub.add_parser(
+        "tune", help="measure the absorbed/expanded crossover here and write a threshold table"
+    )
+    p.add_argument(
+        "--model",
+        default="deepseek-v3",
+        metavar="PRESET|config.json",
+        help="a preset or a config.json (default deepseek-v3)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=8,
+        metavar="N",
+        help="time one rank of this tensor-parallel size (default 8: 16 heads of DeepSeek-V3)",
+    )
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="backend to measure (repeatable; default every backend that runs here)",
+    )
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default cuda when available, else cpu)")
     p.add_argument("--dtype", default=None, help="model dtype (default float32 on the CPU, bfloat16 on CUDA)")
-    p.add_argument("--block-size", type=int, default=None, metavar="N", help="page size (default: the backend's)")
-    p.add_argument("--query-lens", type=_int_list, default=None, metavar="Q[,Q...]",
-                   help="query lengths (default 1,4,16,64,128,192,256,384)")
-    p.add_argument("--contexts", type=_int_list, default=None, metavar="S[,S...]",
-                   help="context lengths (default 256,1024,4096)")
+    p.add_argument(
+        "--block-size", type=int, default=None, metavar="N", help="page size (default: the backend's)"
+    )
+    p.add_argument(
+        "--query-lens",
+        type=_int_list,
+        default=None,
+        metavar="Q[,Q...]",
+        help="query lengths (default 1,4,16,64,128,192,256,384)",
+    )
+    p.add_argument(
+        "--contexts",
+        type=_int_list,
+        default=None,
+        metavar="S[,S...]",
+        help="context lengths (default 256,1024,4096)",
+    )
     p.add_argument("--quick", action="store_true", help="a small grid (Q 1,4,16 over S 64,256; one repeat)")
     p.add_argument("--repeats", type=int, default=None, help="timed calls per point and path (default 2)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -67,8 +95,10 @@ def run_tune(args: argparse.Namespace) -> int:
         except RuntimeError:
             raise ValueError(f"--device: got {device!r}; supported cpu or cuda[:N]") from None
         if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
-            raise ValueError(f"--device: got {device!r}; supported cpu" +
-                             (" or cuda[:N]" if torch.cuda.is_available() else " (no CUDA device here)"))
+            raise ValueError(
+                f"--device: got {device!r}; supported cpu"
+                + (" or cuda[:N]" if torch.cuda.is_available() else " (no CUDA device here)")
+            )
     if args.threads:
         torch.set_num_threads(args.threads)
     from ..dtypes import parse_model_dtype
@@ -78,17 +108,29 @@ def run_tune(args: argparse.Namespace) -> int:
     found = tuning.tunable_backends(dims, dtype, device, args.backend)
     unusable = {n: why for n, why in found.items() if why}
     if unusable:
-        raise ValueError("--backend: " + "; ".join(f"got {n}, which cannot run here: {why}"
-                                                   for n, why in unusable.items()))
+        raise ValueError(
+            "--backend: " + "; ".join(f"got {n}, which cannot run here: {why}" for n, why in unusable.items())
+        )
     if not found:
-        raise ValueError(f"--backend: none of the registered backends runs {dims.num_heads} heads in "
-                         f"{dtype} on {device}; supported a device where one does")
+        raise ValueError(
+            f"--backend: none of the registered backends runs {dims.num_heads} heads in "
+            f"{dtype} on {device}; supported a device where one does"
+        )
     qs = args.query_lens or (tuning.QUICK_QUERY_LENS if args.quick else tuning.DEFAULT_QUERY_LENS)
     ss = args.contexts or (tuning.QUICK_CONTEXTS if args.quick else tuning.DEFAULT_CONTEXTS)
     repeats = args.repeats or (1 if args.quick else tuning.DEFAULT_REPEATS)
     progress = not args.no_progress and not args.json
-    table = tuning.tune(dims, backends=sorted(found), query_lens=qs, contexts=ss, dtype=dtype, device=device,
-                        block_size=args.block_size, repeats=repeats, progress=progress)
+    table = tuning.tune(
+        dims,
+        backends=sorted(found),
+        query_lens=qs,
+        contexts=ss,
+        dtype=dtype,
+        device=device,
+        block_size=args.block_size,
+        repeats=repeats,
+        progress=progress,
+    )
     if args.output:
         table.save(args.output)
     data = table.to_dict()
@@ -101,24 +143,44 @@ def run_tune(args: argparse.Namespace) -> int:
 
 def _print_text(data: dict[str, Any], output: str | None) -> None:
     m, dev = data["model"], data["device"]
-    print(f"{m['name']} at TP={m['tp']} ({m['num_heads']} heads per rank), {m['dtype']}, on {dev['name']} "
-          f"({data['date']})")
-    print(f"  modelled asymptotic threshold (FLOPs, S -> inf): {data['modelled_asymptotic_query_threshold']:.1f}")
+    print(
+        f"{m['name']} at TP={m['tp']} ({m['num_heads']} heads per rank), {m['dtype']}, on {dev['name']} "
+        f"({data['date']})"
+    )
+    print(
+        f"  modelled asymptotic threshold (FLOPs, S -> inf): "
+        f"{data['modelled_asymptotic_query_threshold']:.1f}"
+    )
     for name, res in data["backends"].items():
-        print(f"  {name} (page {res['block_size']}; constant decode threshold "
-              f"{res['constant_decode_threshold']})")
+        print(
+            f"  {name} (page {res['block_size']}; constant decode threshold "
+            f"{res['constant_decode_threshold']})"
+        )
         print(f"    {'context':>8} {'measured crossover Q':>21} {'modelled (causal)':>18} {'threshold':>10}")
         for c in res["crossovers"]:
             if c["measured"] is None:
-                meas = f"> {max(data['grid']['query_lens'])}" if c["bound"] == "above" else \
-                    f"< {min(data['grid']['query_lens'])}"
+                meas = (
+                    f"> {max(data['grid']['query_lens'])}"
+                    if c["bound"] == "above"
+                    else f"< {min(data['grid']['query_lens'])}"
+                )
             else:
                 meas = f"{c['measured']:.1f}"
             print(f"    {c['context_len']:>8,} {meas:>21} {c['modelled']:>18.1f} {c['threshold']:>10}")
-        print(f"    {'S':>8} {'Q':>5} {'absorbed ms':>12} {'expanded ms':>12} {'ratio':>6}")
+        print(
+            f"    {'S':>8} {'Q':>5} {'absorbed ms':>12} {'expanded ms':>12} {'ratio':>6} "
+            f"{'abs GFLOP/s':>12} {'exp GFLOP/s':>12}"
+        )
         for t in res["timings"]:
-            print(f"    {t['context_len']:>8,} {t['query_len']:>5} {1e3 * t['absorbed_s']:>12.2f} "
-                  f"{1e3 * t['expanded_s']:>12.2f} {t['absorbed_s'] / t['expanded_s']:>6.2f}")
+            print(
+                f"    {t['context_len']:>8,} {t['query_len']:>5} {1e3 * t['absorbed_s']:>12.2f} "
+                f"{1e3 * t['expanded_s']:>12.2f} {t['absorbed_s'] / t['expanded_s']:>6.2f} "
+                f"{t['absorbed_flops'] / t['absorbed_s'] / 1e9:>12.1f} "
+                f"{t['expanded_flops'] / t['expanded_s'] / 1e9:>12.1f}"
+            )
     if output:
-        print(f"threshold table written to {output} (load it with MLAAttention(..., threshold_table=...) or "
-              f"MLA_BACKENDS_THRESHOLD_TABLE)", file=sys.stderr)
+        print(
+            f"threshold table written to {output} (load it with MLAAttention(..., threshold_table=...) or "
+            f"MLA_BACKENDS_THRESHOLD_TABLE)",
+            file=sys.stderr,
+        )

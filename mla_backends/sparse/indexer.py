@@ -247,9 +247,11 @@ class Indexer(nn.Module):
         return torch.cat([rot, rest], dim=-1)
 
     def _hadamard(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ H`` computed in float32 (float64 stays float64), returned in ``x``'s dtype."""
         if self.hadamard is None:
             return x
-        return torch.matmul(x, self.hadamard.to(x.dtype))
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return torch.matmul(x.to(acc), self.hadamard.to(acc)).to(x.dtype)
 
     def keys(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Indexer keys ``[T, head_dim]`` (what the cache stores) for ``hidden_states [T, hidden]``."""
@@ -267,6 +269,36 @@ class Indexer(nn.Module):
         w = w * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         return q, w
 
+    def _checked(self, hidden_states: torch.Tensor, cache: IndexerKeyCache | LatentKVCache,
+                 meta: BatchMetadata, positions: torch.Tensor | None) -> tuple[IndexerKeyCache, torch.Tensor]:
+        """Validate the common arguments; return the indexer key cache and the RoPE positions."""
+        if not isinstance(meta, BatchMetadata):
+            raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata")
+        if isinstance(cache, LatentKVCache):
+            keys_cache = getattr(cache, "indexer_cache", None)
+            if keys_cache is None:
+                raise ValueError(f"cache: got a {type(cache).__name__} without an indexer cache; supported "
+                                 "an IndexerKeyCache or a SparseKVCache of an indexing layer")
+            cache = keys_cache
+        if not isinstance(cache, IndexerKeyCache):
+            raise TypeError(f"cache: got {type(cache).__name__}; supported IndexerKeyCache or SparseKVCache")
+        T = meta.num_tokens
+        require_tensor("hidden_states", hidden_states, shape=(T, self.wk.in_features))
+        if cache.head_dim != self.head_dim:
+            raise ValueError(f"cache.head_dim: got {cache.head_dim}; supported the indexer's {self.head_dim}")
+        if positions is None:
+            positions = meta.token_positions
+        require_tensor("positions", positions, shape=(T,), dtypes=(torch.int32, torch.int64))
+        return cache, positions.to(hidden_states.device)
+
+    @torch.no_grad()
+    def write_keys(self, hidden_states: torch.Tensor, cache: IndexerKeyCache | LatentKVCache,
+                   meta: BatchMetadata, *, positions: torch.Tensor | None = None) -> None:
+        """Only cache this step's keys (when the top-k comes from elsewhere); arguments as :meth:`forward`."""
+        keys_cache, positions = self._checked(hidden_states, cache, meta, positions)
+        keys_cache.write(self.keys(hidden_states, positions), meta.slot_mapping.to(keys_cache.device))
+
+    @torch.no_grad()
     def forward(self, hidden_states: torch.Tensor, q_resid: torch.Tensor,
                 cache: IndexerKeyCache | LatentKVCache, meta: BatchMetadata, *,
                 positions: torch.Tensor | None = None, topk: int | None = None) -> torch.Tensor:
@@ -284,27 +316,9 @@ class Indexer(nn.Module):
         Returns:
             ``int32 [T, topk]`` positions, best first, ``-1`` padded (``forward_mqa``'s ``topk_indices``).
         """
-        if not isinstance(meta, BatchMetadata):
-            raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata")
-        if isinstance(cache, LatentKVCache):
-            keys_cache = getattr(cache, "indexer_cache", None)
-            if keys_cache is None:
-                raise ValueError(f"cache: got a {type(cache).__name__} without an indexer cache; supported "
-                                 "an IndexerKeyCache or a SparseKVCache of an indexing layer")
-            cache = keys_cache
-        if not isinstance(cache, IndexerKeyCache):
-            raise TypeError(f"cache: got {type(cache).__name__}; supported IndexerKeyCache or SparseKVCache")
-        T = meta.num_tokens
-        require_tensor("hidden_states", hidden_states, shape=(T, self.wk.in_features))
-        require_tensor("q_resid", q_resid, shape=(T, self.wq_b.in_features))
-        if cache.head_dim != self.head_dim:
-            raise ValueError(f"cache.head_dim: got {cache.head_dim}; supported the indexer's {self.head_dim}")
+        keys_cache, positions = self._checked(hidden_states, cache, meta, positions)
+        require_tensor("q_resid", q_resid, shape=(meta.num_tokens, self.wq_b.in_features))
         k_topk = self.topk if topk is None else require_int("topk", topk, minimum=1)
-        if positions is None:
-            positions = meta.token_positions
-        require_tensor("positions", positions, shape=(T,), dtypes=(torch.int32, torch.int64))
-        positions = positions.to(hidden_states.device)
-        with torch.no_grad():
-            cache.write(self.keys(hidden_states, positions), meta.slot_mapping.to(cache.device))
-            q, w = self.queries(q_resid, hidden_states, positions)
-            return causal_topk(q, w, cache, meta, k_topk)
+        keys_cache.write(self.keys(hidden_states, positions), meta.slot_mapping.to(keys_cache.device))
+        q, w = self.queries(q_resid, hidden_states, positions)
+        return causal_topk(q, w, keys_cache, meta, k_topk)

@@ -10,7 +10,8 @@ Subclass :class:`BackendConformance` in a pytest module (``backend = "MY_BACKEND
 - :mod:`.plugin`: the opt-in pytest plugin (``-p mla_backends.testing.plugin``), never auto-loaded;
 - :mod:`.broken`: deliberately broken backends the suite must catch (its own self-test).
 
-Importing this package does not import pytest; ``BackendConformance`` loads on first access.
+Importing this package (or ``reference``, ``cases``, ``checks``) does not import pytest;
+``BackendConformance`` loads on first access.
 """
 
 from __future__ import annotations

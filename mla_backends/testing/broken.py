@@ -4,18 +4,18 @@ Every class wraps :class:`~mla_backends.ref_torch.RefTorchBackend` and breaks ex
 kernel can get wrong. None is registered: pass the class itself (``backend = NextPageBackend``) or its
 import path (``mla-backends conformance mla_backends.testing.broken:NextPageBackend``).
 
-=========================  ==================================================  ==============================
-class                      bug                                                 caught by
-=========================  ==================================================  ==============================
-``NextPageBackend``        reads block-table entry ``i + 1`` for page ``i``     ``test_output_matches_reference``
-``LatentScaleBackend``     uses ``kv_lora_rank ** -0.5`` instead of ``scale``   ``test_output_matches_reference``
-``Base2LseBackend``        returns a base-2 LSE                                ``test_output_matches_reference``
-``IgnoresFp8ScaleBackend`` reads fp8 caches as if the scale were 1              ``test_output_matches_reference``
-``WritesCacheBackend``     overwrites the new tokens' cache rows               ``test_inputs_not_written``
-``WritesPastOutBackend``   stores one row past the end of ``out=``             ``test_out_rows_outside_batch_untouched``
-``NondeterministicBackend`` perturbs the output by an ulp at random            ``test_deterministic``
-``LyingDeclarationsBackend`` says yes to every request                          ``test_undeclared_combinations_rejected``
-=========================  ==================================================  ==============================
+==============================  ===============================================  ============================
+class                           bug                                              failing test
+==============================  ===============================================  ============================
+``NextPageBackend``             reads block-table entry ``i + 1`` for page ``i``  output_matches_reference
+``LatentScaleBackend``          uses ``kv_lora_rank ** -0.5``, not ``scale``      output_matches_reference
+``Base2LseBackend``             returns a base-2 LSE                             output_matches_reference
+``IgnoresFp8ScaleBackend``      reads fp8 caches as if the scale were 1          output_matches_reference
+``WritesCacheBackend``          overwrites the new tokens' cache rows            inputs_not_written
+``WritesPastOutBackend``        stores one row past the end of ``out=``          out_rows_outside_batch_...
+``NondeterministicBackend``     perturbs the output by an ulp at random          deterministic
+``LyingDeclarationsBackend``    says yes to every request                        undeclared_combinations_...
+==============================  ===============================================  ============================
 """
 
 from __future__ import annotations
@@ -33,8 +33,15 @@ from ..metadata import BatchMetadata
 from ..ref_torch import RefTorchBackend
 
 __all__ = [
-    "NextPageBackend", "LatentScaleBackend", "Base2LseBackend", "IgnoresFp8ScaleBackend", "WritesCacheBackend",
-    "WritesPastOutBackend", "NondeterministicBackend", "LyingDeclarationsBackend", "BROKEN_BACKENDS",
+    "NextPageBackend",
+    "LatentScaleBackend",
+    "Base2LseBackend",
+    "IgnoresFp8ScaleBackend",
+    "WritesCacheBackend",
+    "WritesPastOutBackend",
+    "NondeterministicBackend",
+    "LyingDeclarationsBackend",
+    "BROKEN_BACKENDS",
 ]
 
 Result = tuple[torch.Tensor, torch.Tensor]
@@ -48,7 +55,9 @@ class NextPageBackend(RefTorchBackend):
     def forward_mqa(self, q_latent, q_rope, cache, meta: BatchMetadata, **kw) -> Result:  # type: ignore[override]
         shifted = torch.roll(meta.block_table, shifts=-1, dims=1)
         shifted = torch.where(shifted >= 0, shifted, torch.zeros_like(shifted))  # -1 entries read block 0
-        return super().forward_mqa(q_latent, q_rope, cache, dataclasses.replace(meta, block_table=shifted), **kw)
+        return super().forward_mqa(
+            q_latent, q_rope, cache, dataclasses.replace(meta, block_table=shifted), **kw
+        )
 
 
 class LatentScaleBackend(RefTorchBackend):
@@ -57,7 +66,7 @@ class LatentScaleBackend(RefTorchBackend):
     name: ClassVar[str] = "BROKEN_LATENT_SCALE"
 
     def forward_mqa(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float, **kw) -> Result:  # type: ignore[override]
-        return super().forward_mqa(q_latent, q_rope, cache, meta, scale=cache.kv_lora_rank ** -0.5, **kw)
+        return super().forward_mqa(q_latent, q_rope, cache, meta, scale=cache.kv_lora_rank**-0.5, **kw)
 
 
 class Base2LseBackend(RefTorchBackend):
@@ -96,7 +105,7 @@ class WritesCacheBackend(RefTorchBackend):
 
 
 class WritesPastOutBackend(RefTorchBackend):
-    """Correct output, plus one extra row stored past the end of a caller-provided ``out`` (grid off by one)."""
+    """Correct output, plus one extra row stored past the end of a caller-given ``out`` (grid off by one)."""
 
     name: ClassVar[str] = "BROKEN_WRITES_PAST_OUT"
 
@@ -139,5 +148,13 @@ class LyingDeclarationsBackend(RefTorchBackend):
         return []
 
 
-BROKEN_BACKENDS = (NextPageBackend, LatentScaleBackend, Base2LseBackend, IgnoresFp8ScaleBackend,
-                   WritesCacheBackend, WritesPastOutBackend, NondeterministicBackend, LyingDeclarationsBackend)
+BROKEN_BACKENDS = (
+    NextPageBackend,
+    LatentScaleBackend,
+    Base2LseBackend,
+    IgnoresFp8ScaleBackend,
+    WritesCacheBackend,
+    WritesPastOutBackend,
+    NondeterministicBackend,
+    LyingDeclarationsBackend,
+)

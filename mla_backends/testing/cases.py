@@ -29,8 +29,16 @@ from selector.device import CPU_DEVICE, DeviceInfo
 from ..backend import AttentionSpec, MLABackend, QueryLenSupport
 from ..dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, dtype_name
 
-__all__ = ["Case", "Plan", "UnsupportedProbe", "DeclaredProbe", "build_plan", "declaration_devices",
-           "declared_reasons", "FP8_SCALES"]
+__all__ = [
+    "Case",
+    "Plan",
+    "UnsupportedProbe",
+    "DeclaredProbe",
+    "build_plan",
+    "declaration_devices",
+    "declared_reasons",
+    "FP8_SCALES",
+]
 
 #: query dtypes in order of preference for the base case
 _DTYPE_PREFERENCE = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -70,8 +78,14 @@ class Case:
 
     @property
     def id(self) -> str:
-        parts = [self.name, dtype_name(self.dtype), f"kv-{self.kv_cache_dtype}", f"page{self.block_size}",
-                 f"h{self.num_heads}", f"r{self.kv_lora_rank}x{self.qk_rope_head_dim}"]
+        parts = [
+            self.name,
+            dtype_name(self.dtype),
+            f"kv-{self.kv_cache_dtype}",
+            f"page{self.block_size}",
+            f"h{self.num_heads}",
+            f"r{self.kv_lora_rank}x{self.qk_rope_head_dim}",
+        ]
         if self.topk is not None:
             parts.append(f"topk{self.topk}")
         if self.fp8_scale != 1.0:
@@ -89,10 +103,16 @@ class Case:
     def spec(self, device: DeviceInfo | None = None) -> AttentionSpec:
         """The :class:`AttentionSpec` this case asks about (on ``device``, default the declared one)."""
         return AttentionSpec(
-            num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.qk_rope_head_dim,
-            dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, block_size=self.block_size,
-            sparse=self.topk is not None, max_query_len=max(self.query_lens),
-            uniform_query_len=len(set(self.query_lens)) == 1, need_lse=self.need_lse,
+            num_heads=self.num_heads,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            block_size=self.block_size,
+            sparse=self.topk is not None,
+            max_query_len=max(self.query_lens),
+            uniform_query_len=len(set(self.query_lens)) == 1,
+            need_lse=self.need_lse,
             device=device or self.device,
         )
 
@@ -139,7 +159,7 @@ class Plan:
     unsupported: tuple[UnsupportedProbe, ...]
 
     def count_kernel_calls(self) -> int:
-        """Kernel calls the plan makes when every case runs (two guard checks and two determinism runs each)."""
+        """Kernel calls the plan makes when every case runs (guard: two checks; determinism: two runs)."""
         return len(self.output) + 2 * len(self.guard) + 2 * len(self.determinism)
 
 
@@ -156,8 +176,17 @@ def declaration_devices(cls: type[MLABackend]) -> list[DeviceInfo]:
         pool |= {c for c in (lo, hi, caps.fp8_min_compute_capability) if c is not None}
         ccs = sorted(c for c in pool if (lo is None or c >= lo) and (hi is None or c <= hi))
     for cc in ccs:
-        devices.append(DeviceInfo(kind="cuda", name=f"simulated SM{cc[0]}{cc[1]}", compute_capability=cc,
-                                  total_memory=80 << 30, index=0, sm_count=132, simulated=True))
+        devices.append(
+            DeviceInfo(
+                kind="cuda",
+                name=f"simulated SM{cc[0]}{cc[1]}",
+                compute_capability=cc,
+                total_memory=80 << 30,
+                index=0,
+                sm_count=132,
+                simulated=True,
+            )
+        )
     return devices
 
 
@@ -203,8 +232,12 @@ def _page_sizes(cls: type[MLABackend], quick: bool) -> list[int]:
 
 def _head_counts(cls: type[MLABackend]) -> list[int]:
     caps = cls.capabilities
-    heads = [h for h in HEAD_COUNTS if (caps.num_heads is None or h in caps.num_heads)
-             and (caps.max_num_heads is None or h <= caps.max_num_heads)]
+    heads = [
+        h
+        for h in HEAD_COUNTS
+        if (caps.num_heads is None or h in caps.num_heads)
+        and (caps.max_num_heads is None or h <= caps.max_num_heads)
+    ]
     if not heads and caps.num_heads:
         heads = sorted(caps.num_heads)[:3]
     return heads
@@ -238,6 +271,7 @@ def _decode(lengths: Callable[[int], Sequence[int]]) -> LengthsFn:
     def fn(page: int) -> tuple[Sequence[int], Sequence[int]]:
         seqs = list(lengths(page))
         return seqs, [1] * len(seqs)
+
     return fn
 
 
@@ -254,11 +288,15 @@ class _Builder:
         self.need_lse = caps.returns_lse
         self.dense = caps.dense
         if not self.dtypes:
-            raise ValueError(f"{cls.name}: capabilities.dtypes: got {sorted(map(str, caps.dtypes))}; "
-                             "supported at least one of bfloat16, float16, float32, float64")
+            raise ValueError(
+                f"{cls.name}: capabilities.dtypes: got {sorted(map(str, caps.dtypes))}; "
+                "supported at least one of bfloat16, float16, float32, float64"
+            )
         if not self.kvs:
-            raise ValueError(f"{cls.name}: capabilities.kv_cache_dtypes: got {sorted(caps.kv_cache_dtypes)}; "
-                             f"supported at least one of {', '.join(KV_CACHE_DTYPES[1:])}")
+            raise ValueError(
+                f"{cls.name}: capabilities.kv_cache_dtypes: got {sorted(caps.kv_cache_dtypes)}; "
+                f"supported at least one of {', '.join(KV_CACHE_DTYPES[1:])}"
+            )
 
     def kv_for(self, dtype: torch.dtype) -> str:
         """The cache dtype that goes with a query dtype by default (``auto``), else the first declared."""
@@ -267,9 +305,19 @@ class _Builder:
             return name
         return next((k for k in self.kvs if not k.startswith("fp8")), self.kvs[0])
 
-    def make(self, name: str, lengths: LengthsFn, *, dtype: torch.dtype | None = None, kv: str | None = None,
-             page: int | None = None, heads: int | None = None, dims: tuple[int, int] | None = None,
-             topk: int | None = None, fp8_scale: float | None = None) -> Case:
+    def make(
+        self,
+        name: str,
+        lengths: LengthsFn,
+        *,
+        dtype: torch.dtype | None = None,
+        kv: str | None = None,
+        page: int | None = None,
+        heads: int | None = None,
+        dims: tuple[int, int] | None = None,
+        topk: int | None = None,
+        fp8_scale: float | None = None,
+    ) -> Case:
         """A case with the given axes pinned; free axes take base values, or other declared values when the
         backend's own rules reject the base combination."""
         fixed = {"dtype": dtype, "kv": kv, "page": page, "heads": heads, "dims": dims}
@@ -281,17 +329,34 @@ class _Builder:
         }
         first: Case | None = None
         first_reasons: list[str] = []
-        for dt, pg, hd, dm in itertools.product(options["dtype"], options["page"], options["heads"],
-                                                options["dims"]):
-            kv_opts = [kv] if fixed["kv"] is not None else [self.kv_for(dt)] + [k for k in self.kvs
-                                                                             if k != self.kv_for(dt)]
+        for dt, pg, hd, dm in itertools.product(
+            options["dtype"], options["page"], options["heads"], options["dims"]
+        ):
+            kv_opts = (
+                [kv]
+                if fixed["kv"] is not None
+                else [self.kv_for(dt)] + [k for k in self.kvs if k != self.kv_for(dt)]
+            )
             for kvn in kv_opts:
                 seqs, qlens = lengths(pg)
-                scale = fp8_scale if fp8_scale is not None else (FP8_SCALES[0] if kvn.startswith("fp8") else 1.0)
-                case = Case(name=name, dtype=dt, kv_cache_dtype=kvn, block_size=pg, num_heads=hd,
-                            kv_lora_rank=dm[0], qk_rope_head_dim=dm[1], seq_lens=tuple(seqs),
-                            query_lens=tuple(qlens), topk=topk, fp8_scale=scale, need_lse=self.need_lse,
-                            decode_threshold=self.cls.capabilities.decode_threshold)
+                scale = (
+                    fp8_scale if fp8_scale is not None else (FP8_SCALES[0] if kvn.startswith("fp8") else 1.0)
+                )
+                case = Case(
+                    name=name,
+                    dtype=dt,
+                    kv_cache_dtype=kvn,
+                    block_size=pg,
+                    num_heads=hd,
+                    kv_lora_rank=dm[0],
+                    qk_rope_head_dim=dm[1],
+                    seq_lens=tuple(seqs),
+                    query_lens=tuple(qlens),
+                    topk=topk,
+                    fp8_scale=scale,
+                    need_lse=self.need_lse,
+                    decode_threshold=self.cls.capabilities.decode_threshold,
+                )
                 dev, reasons = _accepting_device(self.cls, case)
                 if dev is not None:
                     return replace(case, device=dev)
@@ -313,8 +378,9 @@ class _Builder:
         # case per length
         for i, pg in enumerate(self.pages):
             if quick and i > 0:
-                cases.append(self.make("ragged", _decode(lambda p: _small(p) + [_long(p, True)]),
-                                       page=pg, topk=topk))
+                cases.append(
+                    self.make("ragged", _decode(lambda p: _small(p) + [_long(p, True)]), page=pg, topk=topk)
+                )
                 continue
             cases.append(self.make("ctx-sweep", _decode(lambda p: _sweep(p, quick)), page=pg, topk=topk))
             if not quick and i == 0:
@@ -336,36 +402,58 @@ class _Builder:
             if not quick and not kvn.startswith("fp8"):
                 for dt in self.dtypes:
                     if (dt, kvn) not in covered:
-                        cases.append(self.make("kv-cross", _decode(_small), dtype=dt, kv=kvn, topk=topk))
+                        cross = self.make("kv-cross", _decode(_small), dtype=dt, kv=kvn, topk=topk)
+                        if not cross.rejected:  # a pair may be excluded by a rule the fields cannot express
+                            cases.append(cross)
                         covered.add((dt, kvn))
         # head counts and dims pairs
         base_heads = self.heads[0] if self.heads else None
-        for h in self.heads[1:]:
-            cases.append(self.make("heads", _decode(_small), heads=h, topk=topk))
+        for h in self.heads[1:]:  # quick: short sequences (128 heads are slow under the Triton interpreter)
+            lengths = _decode(lambda p: [2, p + 1]) if quick else _decode(_small)
+            cases.append(self.make("heads", lengths, heads=h, topk=topk))
         for dm in self.dims[1:]:
             cases.append(self.make("dims", _decode(_small), dims=dm, topk=topk))
         # several query tokens per request, causal among themselves
         if caps.query_len >= QueryLenSupport.UNIFORM:
-            for qn in ((3,) if quick else (2, 4)):
-                cases.append(self.make(f"q{qn}", lambda p, qn=qn: ([qn, p + qn, 2 * p + 7], [qn] * 3),
-                                       page=base_page, topk=topk))
+            for qn in (3,) if quick else (2, 4):
+                cases.append(
+                    self.make(
+                        f"q{qn}",
+                        lambda p, qn=qn: ([qn, p + qn, 2 * p + 7], [qn] * 3),
+                        page=base_page,
+                        topk=topk,
+                    )
+                )
         if caps.query_len >= QueryLenSupport.VARLEN:
-            cases.append(self.make("varlen", lambda p: ([p + 1, 2 * p + 9, 5, 4], [1, 4, 1, 2]),
-                                   page=base_page, topk=topk))
+            cases.append(
+                self.make(
+                    "varlen", lambda p: ([p + 1, 2 * p + 9, 5, 4], [1, 4, 1, 2]), page=base_page, topk=topk
+                )
+            )
             if not quick:
-                cases.append(self.make("varlen-long", lambda p: ([_long(p, False), 3, p + 6], [5, 1, 6]),
-                                       page=base_page, topk=topk))
+                cases.append(
+                    self.make(
+                        "varlen-long",
+                        lambda p: ([_long(p, False), 3, p + 6], [5, 1, 6]),
+                        page=base_page,
+                        topk=topk,
+                    )
+                )
         # sparse: top-k lists with -1 padding
         if caps.sparse and caps.dense:
             cases.append(self.make("sparse", _decode(lambda p: [1, p + 1, _long(p, quick)]), topk=k0))
             if caps.query_len >= QueryLenSupport.UNIFORM:
                 cases.append(self.make("sparse-q2", lambda p: ([2, p + 2, 3 * p + 4], [2, 2, 2]), topk=k0))
             if not quick:
-                cases.append(self.make("sparse-wide", _decode(lambda p: [3, 2 * p + 1, 300]), topk=64,
-                                       heads=base_heads))
-                for kvn in self.kvs:
-                    if kvn.startswith("fp8"):
-                        cases.append(self.make("sparse-kv", _decode(_small), kv=kvn, topk=k0))
+                cases.append(
+                    self.make(
+                        "sparse-wide", _decode(lambda p: [3, 2 * p + 1, 300]), topk=64, heads=base_heads
+                    )
+                )
+                for kvn in (k for k in self.kvs if k.startswith("fp8")):
+                    sparse_kv = self.make("sparse-kv", _decode(_small), kv=kvn, topk=k0)
+                    if not sparse_kv.rejected:
+                        cases.append(sparse_kv)
         return list({c.id: c for c in cases}.values())
 
     def guard_cases(self) -> list[Case]:
@@ -382,7 +470,9 @@ class _Builder:
         cases = [self.make("repeat", _decode(lambda p: _small(p) + [_long(p, True)]), topk=topk)]
         if not self.quick:
             if caps.query_len >= QueryLenSupport.VARLEN:
-                cases.append(self.make("repeat-varlen", lambda p: ([p + 1, 2 * p + 9, 5], [1, 4, 2]), topk=topk))
+                cases.append(
+                    self.make("repeat-varlen", lambda p: ([p + 1, 2 * p + 9, 5], [1, 4, 2]), topk=topk)
+                )
             if caps.sparse and caps.dense:
                 cases.append(self.make("repeat-sparse", _decode(lambda p: [p + 1, 200]), topk=16))
         return cases
@@ -401,14 +491,29 @@ class _Builder:
         for h in self.heads:
             axes.append(("num_heads", str(h), lambda c, h=h: c.num_heads == h, {"heads": h}))
         for dm in self.dims:
-            axes.append(("dims", f"{dm[0]}x{dm[1]}",
-                         lambda c, dm=dm: (c.kv_lora_rank, c.qk_rope_head_dim) == dm, {"dims": dm}))
-        for label, ok in (("uniform", caps.query_len >= QueryLenSupport.UNIFORM),
-                          ("varlen", caps.query_len >= QueryLenSupport.VARLEN)):
+            axes.append(
+                (
+                    "dims",
+                    f"{dm[0]}x{dm[1]}",
+                    lambda c, dm=dm: (c.kv_lora_rank, c.qk_rope_head_dim) == dm,
+                    {"dims": dm},
+                )
+            )
+        for label, ok in (
+            ("uniform", caps.query_len >= QueryLenSupport.UNIFORM),
+            ("varlen", caps.query_len >= QueryLenSupport.VARLEN),
+        ):
             if ok:
-                axes.append(("query_len", label,
-                             lambda c, v=label == "varlen": max(c.query_lens) > 1
-                             and (len(set(c.query_lens)) > 1) == v, {}))
+                axes.append(
+                    (
+                        "query_len",
+                        label,
+                        lambda c, v=label == "varlen": (
+                            max(c.query_lens) > 1 and (len(set(c.query_lens)) > 1) == v
+                        ),
+                        {},
+                    )
+                )
         if caps.sparse:
             axes.append(("attention", "sparse", lambda c: c.topk is not None, {}))
         if caps.dense:
@@ -425,7 +530,7 @@ class _Builder:
 
     def unsupported_probes(self, base: Case) -> list[UnsupportedProbe]:
         """Combinations outside the declarations, each one axis away from an accepted base."""
-        cls, caps = self.cls, self.cls.capabilities
+        caps = self.cls.capabilities
         spec = base.spec()
         probes: list[UnsupportedProbe] = []
 
@@ -470,8 +575,9 @@ class _Builder:
         else:
             outside = [c for c in cuda if (lo is not None and c < lo) or (hi is not None and c > hi)]
         for cc in outside[:1] + outside[-1:] if len(outside) > 1 else outside:
-            dev = DeviceInfo(kind="cuda", name=f"simulated SM{cc[0]}{cc[1]}", compute_capability=cc,
-                             simulated=True)
+            dev = DeviceInfo(
+                kind="cuda", name=f"simulated SM{cc[0]}{cc[1]}", compute_capability=cc, simulated=True
+            )
             add(f"device-sm{cc[0]}{cc[1]}", device=dev)
         return list({p.label: p for p in probes}.values())
 

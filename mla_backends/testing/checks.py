@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import pytest
 import torch
 
 from selector.device import CPU_DEVICE, DeviceInfo
@@ -30,9 +29,21 @@ from .cases import Case, UnsupportedProbe, declared_reasons
 from .reference import reference_mqa
 
 __all__ = [
-    "Prepared", "prepare", "expected", "tolerance_for", "device_info", "run_reasons", "make_backend",
-    "check_output", "check_out_rows_untouched", "check_inputs_not_written", "check_deterministic",
-    "check_declared_accepted", "check_unsupported_rejected", "check_rejects_bad_inputs", "assert_close",
+    "Prepared",
+    "prepare",
+    "expected",
+    "tolerance_for",
+    "device_info",
+    "run_reasons",
+    "make_backend",
+    "check_output",
+    "check_out_rows_untouched",
+    "check_inputs_not_written",
+    "check_deterministic",
+    "check_declared_accepted",
+    "check_unsupported_rejected",
+    "check_rejects_bad_inputs",
+    "assert_close",
 ]
 
 #: rows of guard band on each side of the ``out`` / ``lse_out`` slices
@@ -58,8 +69,9 @@ class Prepared:
     visible: list[torch.Tensor]  # per caller request: [q_b, S_b] bool
 
     def call(self, backend: MLABackend, **kw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return backend.forward_mqa(self.q_latent, self.q_rope, self.cache, self.meta, scale=self.scale,
-                                   topk_indices=self.topk, **kw)
+        return backend.forward_mqa(
+            self.q_latent, self.q_rope, self.cache, self.meta, scale=self.scale, topk_indices=self.topk, **kw
+        )
 
 
 # ---- devices ---------------------------------------------------------------------------------------------
@@ -69,8 +81,14 @@ def device_info(device: torch.device) -> DeviceInfo:
         return CPU_DEVICE
     idx = device.index if device.index is not None else torch.cuda.current_device()
     props = torch.cuda.get_device_properties(idx)
-    return DeviceInfo(kind="cuda", name=props.name, compute_capability=(props.major, props.minor),
-                      total_memory=props.total_memory, index=idx, sm_count=props.multi_processor_count)
+    return DeviceInfo(
+        kind="cuda",
+        name=props.name,
+        compute_capability=(props.major, props.minor),
+        total_memory=props.total_memory,
+        index=idx,
+        sm_count=props.multi_processor_count,
+    )
 
 
 def pick_device(cls: type[MLABackend], preference: str = "auto") -> torch.device:
@@ -93,8 +111,10 @@ def run_reasons(cls: type[MLABackend], case: Case, device: torch.device) -> list
     if device.type == "cuda" and not torch.cuda.is_available():
         return ["device: got no CUDA device (torch.cuda.is_available() is False); supported a CUDA device"]
     if case.rejected:
-        return [f"declared but rejected by not_supported_reasons ({'; '.join(case.rejected)}); "
-                "see test_declared_values_accepted"]
+        return [
+            f"declared but rejected by not_supported_reasons ({'; '.join(case.rejected)}); "
+            "see test_declared_values_accepted"
+        ]
     return cls.not_supported_reasons(case.spec(device_info(device)))
 
 
@@ -109,7 +129,7 @@ def make_backend(cls: type[MLABackend], device: torch.device) -> MLABackend:
     return _INSTANCES[key]
 
 
-# ---- inputs -------------------------------------------------------------------------------------------------
+# ---- inputs ----------------------------------------------------------------------------------------------
 def prepare(case: Case, device: torch.device) -> Prepared:
     """Build the cache, block table, metadata, queries and (for sparse cases) top-k lists of ``case``."""
     gen = torch.Generator().manual_seed(case.seed)
@@ -122,14 +142,22 @@ def prepare(case: Case, device: torch.device) -> Prepared:
     table = torch.full((len(pages), width), -1, dtype=torch.int32)
     used = 0
     for b, n in enumerate(pages):
-        table[b, :n] = torch.tensor(perm[used:used + n], dtype=torch.int32)
+        table[b, :n] = torch.tensor(perm[used : used + n], dtype=torch.int32)
         used += n
         if b % 2:  # garbage after the used pages: ids of pages the request does not own
             table[b, n:] = torch.randint(0, num_blocks, (width - n,), generator=gen, dtype=torch.int32)
 
-    cache = LatentKVCache(num_blocks, P, r, rope, kv_cache_dtype=case.kv_cache_dtype, model_dtype=case.dtype,
-                          device=device, scale=case.fp8_scale)
-    junk = (torch.rand(num_blocks, P, W, generator=gen, dtype=torch.float32) * 6 - 3)
+    cache = LatentKVCache(
+        num_blocks,
+        P,
+        r,
+        rope,
+        kv_cache_dtype=case.kv_cache_dtype,
+        model_dtype=case.dtype,
+        device=device,
+        scale=case.fp8_scale,
+    )
+    junk = torch.rand(num_blocks, P, W, generator=gen, dtype=torch.float32) * 6 - 3
     cache.data.copy_(junk.to(cache.data.dtype).to(device))
     scale_value = float(cache.scale.item())
     rows: list[torch.Tensor] = []
@@ -142,8 +170,14 @@ def prepare(case: Case, device: torch.device) -> Prepared:
         stored = flat[slots.to(device)].cpu().to(torch.float64)
         rows.append(stored * scale_value if cache.is_fp8 else stored)
 
-    meta = BatchMetadata.build(list(case.query_lens), list(case.context_lens), table.to(device), P,
-                               decode_threshold=case.decode_threshold, num_blocks=num_blocks)
+    meta = BatchMetadata.build(
+        list(case.query_lens),
+        list(case.context_lens),
+        table.to(device),
+        P,
+        decode_threshold=case.decode_threshold,
+        num_blocks=num_blocks,
+    )
     T = sum(case.query_lens)
     q_latent = torch.randn(T, H, r, generator=gen, dtype=torch.float64).to(case.dtype)
     q_rope = torch.randn(T, H, rope, generator=gen, dtype=torch.float64).to(case.dtype)
@@ -169,10 +203,17 @@ def prepare(case: Case, device: torch.device) -> Prepared:
     if case.topk is not None:
         topk = meta.to_processing_order(torch.stack(topk_rows)).to(device)
     dims = MLADims(num_heads=H, kv_lora_rank=r, qk_rope_head_dim=rope)
-    return Prepared(case=case, cache=cache, meta=meta,
-                    q_latent=meta.to_processing_order(q_latent).to(device),
-                    q_rope=meta.to_processing_order(q_rope).to(device),
-                    topk=topk, scale=dims.softmax_scale, rows=rows, visible=visible)
+    return Prepared(
+        case=case,
+        cache=cache,
+        meta=meta,
+        q_latent=meta.to_processing_order(q_latent).to(device),
+        q_rope=meta.to_processing_order(q_rope).to(device),
+        topk=topk,
+        scale=dims.softmax_scale,
+        rows=rows,
+        visible=visible,
+    )
 
 
 def expected(p: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +223,7 @@ def expected(p: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
     outs, lses = [], []
     start = 0
     for rows, vis, q in zip(p.rows, p.visible, p.case.query_lens, strict=True):
-        o, lse = reference_mqa(q_caller[start:start + q], qr_caller[start:start + q], rows, vis, p.scale)
+        o, lse = reference_mqa(q_caller[start : start + q], qr_caller[start : start + q], rows, vis, p.scale)
         outs.append(o)
         lses.append(lse)
         start += q
@@ -190,20 +231,23 @@ def expected(p: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(outs)[order], torch.cat(lses)[order]
 
 
-# ---- comparisons --------------------------------------------------------------------------------------------
+# ---- comparisons -----------------------------------------------------------------------------------------
 def tolerance_for(cls: type[MLABackend], dtype: torch.dtype, kv_cache_dtype: str) -> tuple[str, Tolerance]:
     """The declared tolerance for a case: ``"<dtype>/<cache>"``, then ``"<cache>"`` (fp8 only), then
     ``"<dtype>"`` in ``capabilities.tolerances``, falling back to the package defaults."""
     tols = cls.capabilities.tolerances or {}
     name = dtype_name(dtype)
-    keys = [f"{name}/{kv_cache_dtype}"] + ([kv_cache_dtype] if kv_cache_dtype.startswith("fp8") else []) + [name]
+    keys = (
+        [f"{name}/{kv_cache_dtype}"] + ([kv_cache_dtype] if kv_cache_dtype.startswith("fp8") else []) + [name]
+    )
     for key in keys:
         if key in tols:
             return key, tols[key]
     if name in DEFAULT_TOLERANCES:
         return f"{name} (default)", DEFAULT_TOLERANCES[name]
-    raise ValueError(f"capabilities.tolerances: got no entry for {', '.join(keys)}; supported one per "
-                     "declared dtype")
+    raise ValueError(
+        f"capabilities.tolerances: got no entry for {', '.join(keys)}; supported one per declared dtype"
+    )
 
 
 def lse_tolerance(tol: Tolerance) -> Tolerance:
@@ -212,8 +256,15 @@ def lse_tolerance(tol: Tolerance) -> Tolerance:
     return Tolerance(max(tol.atol, f32.atol), max(tol.rtol, f32.rtol))
 
 
-def assert_close(what: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance, tol_key: str,
-                 where: str, meta: BatchMetadata | None = None) -> None:
+def assert_close(
+    what: str,
+    got: torch.Tensor,
+    ref: torch.Tensor,
+    tol: Tolerance,
+    tol_key: str,
+    where: str,
+    meta: BatchMetadata | None = None,
+) -> None:
     """``|got - ref| <= atol + rtol * |ref|`` elementwise (and finite), else an ``AssertionError`` that
     names the worst element."""
     g = got.detach().cpu().to(torch.float64)
@@ -234,12 +285,15 @@ def assert_close(what: str, got: torch.Tensor, ref: torch.Tensor, tol: Tolerance
     hint = ""
     if what.startswith("LSE"):
         finite = torch.isfinite(g) & torch.isfinite(ref)
-        if bool(finite.any()) and torch.allclose(g[finite] * math.log(2.0), ref[finite], rtol=1e-3, atol=1e-3):
+        if bool(finite.any()) and torch.allclose(
+            g[finite] * math.log(2.0), ref[finite], rtol=1e-3, atol=1e-3
+        ):
             hint = " -- looks like a base-2 LSE (it must be the natural log)"
     raise AssertionError(
-        f"{what}: {int(bad.sum())} of {bad.numel()} elements outside |x - ref| <= {tol.atol:g} + {tol.rtol:g} "
-        f"* |ref| (tolerance {tol_key}); worst at index {list(idx)}, token {token}{req}: got {g[idx].item():.6g}, "
-        f"expected {ref[idx].item():.6g}, max error {float(err.nan_to_num(math.inf).max()):.3g}{hint} [{where}]"
+        f"{what}: {int(bad.sum())} of {bad.numel()} elements outside |x - ref| <= {tol.atol:g} + "
+        f"{tol.rtol:g} * |ref| (tolerance {tol_key}); worst at index {list(idx)}, token {token}{req}: "
+        f"got {g[idx].item():.6g}, expected {ref[idx].item():.6g}, "
+        f"max error {float(err.nan_to_num(math.inf).max()):.3g}{hint} [{where}]"
     )
 
 
@@ -250,10 +304,14 @@ def _check_result(cls: type[MLABackend], p: Prepared, out: torch.Tensor, lse: to
     if not isinstance(out, torch.Tensor):
         raise AssertionError(f"forward_mqa returned {type(out).__name__} as out; expected a tensor [{where}]")
     if tuple(out.shape) != (T, case.num_heads, case.kv_lora_rank) or out.dtype != case.dtype:
-        raise AssertionError(f"out: got shape {list(out.shape)} dtype {out.dtype}; expected "
-                             f"[{T}, {case.num_heads}, {case.kv_lora_rank}] {case.dtype} [{where}]")
+        raise AssertionError(
+            f"out: got shape {list(out.shape)} dtype {out.dtype}; expected "
+            f"[{T}, {case.num_heads}, {case.kv_lora_rank}] {case.dtype} [{where}]"
+        )
     if out.device != p.q_latent.device:
-        raise AssertionError(f"out: got device {out.device}; expected the query's {p.q_latent.device} [{where}]")
+        raise AssertionError(
+            f"out: got device {out.device}; expected the query's {p.q_latent.device} [{where}]"
+        )
     ref_out, ref_lse = expected(p)
     key, tol = tolerance_for(cls, case.dtype, case.kv_cache_dtype)
     assert_close("output (latent space)", out, ref_out, tol, key, where, p.meta)
@@ -262,12 +320,14 @@ def _check_result(cls: type[MLABackend], p: Prepared, out: torch.Tensor, lse: to
     if lse is None:
         raise AssertionError(f"LSE: got None, but capabilities.returns_lse is True [{where}]")
     if tuple(lse.shape) != (T, case.num_heads) or lse.dtype != torch.float32:
-        raise AssertionError(f"LSE: got shape {list(lse.shape)} dtype {lse.dtype}; expected "
-                             f"[{T}, {case.num_heads}] torch.float32 [{where}]")
+        raise AssertionError(
+            f"LSE: got shape {list(lse.shape)} dtype {lse.dtype}; expected "
+            f"[{T}, {case.num_heads}] torch.float32 [{where}]"
+        )
     assert_close("LSE (natural log)", lse, ref_lse, lse_tolerance(tol), key, where, p.meta)
 
 
-# ---- the checks ---------------------------------------------------------------------------------------------
+# ---- the checks ------------------------------------------------------------------------------------------
 def check_output(cls: type[MLABackend], case: Case, device: torch.device) -> None:
     """Output and LSE match the float64 expanded reference within the declared tolerance."""
     p = prepare(case, device)
@@ -291,30 +351,43 @@ def check_out_rows_untouched(cls: type[MLABackend], case: Case, device: torch.de
     big = torch.full((G + T + G, H, r), SENTINEL, dtype=p.q_latent.dtype, device=device)
     big_lse = torch.full((G + T + G, H), SENTINEL, dtype=torch.float32, device=device)
     before, before_lse = _bits(big).clone(), _bits(big_lse).clone()
-    kw = {"out": big[G:G + T]}
+    kw = {"out": big[G : G + T]}
     if cls.capabilities.returns_lse:
-        kw["lse_out"] = big_lse[G:G + T]
+        kw["lse_out"] = big_lse[G : G + T]
     out, lse = p.call(make_backend(cls, device), **kw)
     where = case.describe()
     for name, buf, ref in (("out", big, before), ("lse_out", big_lse, before_lse)):
         changed = (_bits(buf) != ref).reshape(G + T + G, -1).any(dim=1).tolist()
         rows = [i - G for i, c in enumerate(changed) if c and not G <= i < G + T]
         if rows:
-            raise AssertionError(f"{name}: rows {rows} relative to the batch's first token were written, but only "
-                                 f"rows 0..{T - 1} belong to the batch (guard band of {G} rows) [{where}]")
-    if not torch.equal(_bits(out), _bits(big[G:G + T])):
+            raise AssertionError(
+                f"{name}: rows {rows} relative to the batch's first token were written, but only "
+                f"rows 0..{T - 1} belong to the batch (guard band of {G} rows) [{where}]"
+            )
+    if not torch.equal(_bits(out), _bits(big[G : G + T])):
         raise AssertionError(f"out: the returned tensor differs from the out= buffer it was given [{where}]")
-    if cls.capabilities.returns_lse and (lse is None or not torch.equal(_bits(lse), _bits(big_lse[G:G + T]))):
-        raise AssertionError(f"lse_out: the returned LSE differs from the lse_out= buffer it was given [{where}]")
+    if cls.capabilities.returns_lse and (
+        lse is None or not torch.equal(_bits(lse), _bits(big_lse[G : G + T]))
+    ):
+        raise AssertionError(
+            f"lse_out: the returned LSE differs from the lse_out= buffer it was given [{where}]"
+        )
     _check_result(cls, p, out, lse)
 
 
 def check_inputs_not_written(cls: type[MLABackend], case: Case, device: torch.device) -> None:
-    """``forward_mqa`` never writes the cache (data or scale), the queries, the top-k lists or the metadata."""
+    """``forward_mqa`` never writes the cache (data or scale), the queries, the top-k lists or the
+    metadata."""
     p = prepare(case, device)
-    watched = {"cache.data": p.cache.data, "cache.scale": p.cache.scale, "q_latent": p.q_latent,
-               "q_rope": p.q_rope, "meta.block_table": p.meta.block_table, "meta.seq_lens": p.meta.seq_lens,
-               "meta.slot_mapping": p.meta.slot_mapping}
+    watched = {
+        "cache.data": p.cache.data,
+        "cache.scale": p.cache.scale,
+        "q_latent": p.q_latent,
+        "q_rope": p.q_rope,
+        "meta.block_table": p.meta.block_table,
+        "meta.seq_lens": p.meta.seq_lens,
+        "meta.slot_mapping": p.meta.slot_mapping,
+    }
     if p.topk is not None:
         watched["topk_indices"] = p.topk
     before = {k: _bits(v).clone() for k, v in watched.items()}
@@ -323,8 +396,10 @@ def check_inputs_not_written(cls: type[MLABackend], case: Case, device: torch.de
         changed = _bits(t) != before[name]
         if bool(changed.any()):
             first = [int(i) for i in changed.nonzero()[0]]
-            raise AssertionError(f"{name}: {int(changed.sum())} elements were modified by forward_mqa (first at "
-                                 f"index {first}); the call must only read it [{case.describe()}]")
+            raise AssertionError(
+                f"{name}: {int(changed.sum())} elements were modified by forward_mqa (first at "
+                f"index {first}); the call must only read it [{case.describe()}]"
+            )
 
 
 def check_deterministic(cls: type[MLABackend], case: Case, device: torch.device) -> None:
@@ -344,9 +419,10 @@ def check_deterministic(cls: type[MLABackend], case: Case, device: torch.device)
             diff = _bits(a) != _bits(b)
             if bool(diff.any()):
                 raise AssertionError(
-                    f"{name}: {int(diff.sum())} of {diff.numel()} elements differ bitwise between two runs on the "
-                    "same inputs; declare capabilities.deterministic=False if that is intended [{where}]"
-                    .replace("{where}", where))
+                    f"{name}: {int(diff.sum())} of {diff.numel()} elements differ bitwise between two runs "
+                    "on the same inputs; declare capabilities.deterministic=False if that is intended "
+                    f"[{where}]"
+                )
         else:
             key, tol = tolerance_for(cls, case.dtype, case.kv_cache_dtype)
             assert_close(f"{name} (second run vs first)", b, a.cpu().to(torch.float64), tol, key, where)
@@ -357,26 +433,37 @@ def check_declared_accepted(cls: type[MLABackend], axis: str, value: str, case: 
     if case.rejected:
         raise AssertionError(
             f"{cls.name} declares {axis} {value}, but not_supported_reasons rejected every combination tried "
-            f"with it; first reasons: {'; '.join(case.rejected)}")
+            f"with it; first reasons: {'; '.join(case.rejected)}"
+        )
     reasons = declared_reasons(cls, case.spec())
     if reasons:
-        raise AssertionError(f"{cls.name}: not_supported_reasons rejects its declared {axis} {value} "
-                             f"({case.id} on {case.device.describe()}): {'; '.join(reasons)}")
+        raise AssertionError(
+            f"{cls.name}: not_supported_reasons rejects its declared {axis} {value} "
+            f"({case.id} on {case.device.describe()}): {'; '.join(reasons)}"
+        )
 
 
 def check_unsupported_rejected(cls: type[MLABackend], probe: UnsupportedProbe) -> None:
     """A combination outside the declarations gets at least one non-empty reason."""
     reasons = cls.not_supported_reasons(probe.spec)
     if not reasons and probe.label == "device-cpu" and not cls.device_reasons(probe.spec.device):
-        pytest.skip(f"{cls.name} declares cpu=False but accepts the CPU at run time (an interpreter or testing "
-                    "mode); the output tests run it there instead")
+        import pytest
+
+        pytest.skip(
+            f"{cls.name} declares cpu=False but accepts the CPU at run time (an interpreter or testing "
+            "mode); the output tests run it there instead"
+        )
     if not isinstance(reasons, list) or not reasons:
-        raise AssertionError(f"{cls.name}: not_supported_reasons returned {reasons!r} for {probe.label}, which "
-                             f"its capabilities do not declare ({probe.spec}); expected at least one reason")
+        raise AssertionError(
+            f"{cls.name}: not_supported_reasons returned {reasons!r} for {probe.label}, which "
+            f"its capabilities do not declare ({probe.spec}); expected at least one reason"
+        )
     bad = [r for r in reasons if not isinstance(r, str) or not r.strip()]
     if bad:
-        raise AssertionError(f"{cls.name}: not_supported_reasons for {probe.label} contains empty or non-str "
-                             f"reasons {bad!r}; expected readable 'got X; supported Y' strings")
+        raise AssertionError(
+            f"{cls.name}: not_supported_reasons for {probe.label} contains empty or non-str "
+            f"reasons {bad!r}; expected readable 'got X; supported Y' strings"
+        )
 
 
 def check_rejects_bad_inputs(cls: type[MLABackend], case: Case, device: torch.device) -> None:
@@ -386,8 +473,9 @@ def check_rejects_bad_inputs(cls: type[MLABackend], case: Case, device: torch.de
     before = _bits(p.cache.data).clone()
     T, H, _ = p.q_latent.shape
     bad_inputs = {
-        "q_rope with a different head count": dict(q_rope=p.q_rope[:, : max(H - 1, 0)] if H > 1
-                                                    else p.q_rope.repeat(1, 2, 1)),
+        "q_rope with a different head count": dict(
+            q_rope=p.q_rope[:, : max(H - 1, 0)] if H > 1 else p.q_rope.repeat(1, 2, 1)
+        ),
         "q_latent of a different width": dict(q_latent=p.q_latent[..., :-1]),
         "a non-positive scale": dict(scale=-1.0),
     }
@@ -395,12 +483,15 @@ def check_rejects_bad_inputs(cls: type[MLABackend], case: Case, device: torch.de
         args = {"q_latent": p.q_latent, "q_rope": p.q_rope, "scale": p.scale}
         args.update(change)
         try:
-            backend.forward_mqa(args["q_latent"], args["q_rope"], p.cache, p.meta, scale=args["scale"],
-                                topk_indices=p.topk)
+            backend.forward_mqa(
+                args["q_latent"], args["q_rope"], p.cache, p.meta, scale=args["scale"], topk_indices=p.topk
+            )
         except (ValueError, TypeError):
             pass
         else:
-            raise AssertionError(f"forward_mqa accepted {label}; expected ValueError or TypeError naming the "
-                                 f"argument [{case.describe()}]")
+            raise AssertionError(
+                f"forward_mqa accepted {label}; expected ValueError or TypeError naming the "
+                f"argument [{case.describe()}]"
+            )
     if not torch.equal(_bits(p.cache.data), before):
         raise AssertionError(f"cache.data: modified by a call that was rejected [{case.describe()}]")

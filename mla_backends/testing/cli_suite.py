@@ -9,4 +9,4 @@ from mla_backends.testing.suite import BackendConformance
 
 
 class TestConformance(BackendConformance):
-    """Backend, matrix and device come from ``--conformance-backend/--conformance-quick/--conformance-device``."""
+    """Backend, matrix and device come from the ``--conformance-*`` options of the plugin."""

@@ -1,8 +1,8 @@
 """Opt-in pytest plugin for the conformance suite.
 
-Enable it with ``pytest -p mla_backends.testing.plugin`` or ``pytest_plugins = ["mla_backends.testing.plugin"]``
-in your top-level ``conftest.py``. It is deliberately *not* registered as a ``pytest11`` entry point, so it
-never loads into unrelated pytest runs. It adds:
+Enable it with ``pytest -p mla_backends.testing.plugin``, or with
+``pytest_plugins = ["mla_backends.testing.plugin"]`` in your top-level ``conftest.py``. It is deliberately
+*not* registered as a ``pytest11`` entry point, so it never loads into unrelated pytest runs. It adds:
 
 - ``--conformance-backend NAME``: the backend for :class:`BackendConformance` subclasses that leave
   ``backend`` unset (a registered name or ``package.module:Class``);
@@ -20,12 +20,24 @@ __all__ = ["pytest_addoption", "pytest_configure", "pytest_report_header"]
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("mla-conformance", "mla-backends conformance suite")
-    group.addoption("--conformance-backend", default=None, metavar="NAME",
-                    help="backend for BackendConformance classes without `backend` (name or module:Class)")
-    group.addoption("--conformance-quick", action="store_true", default=False,
-                    help="reduced case matrix (for interpreted Triton and quick checks)")
-    group.addoption("--conformance-device", default="auto", choices=("auto", "cpu", "cuda"),
-                    help="where to run the backend (default auto: CUDA when present and declared, else CPU)")
+    group.addoption(
+        "--conformance-backend",
+        default=None,
+        metavar="NAME",
+        help="backend for BackendConformance classes without `backend` (name or module:Class)",
+    )
+    group.addoption(
+        "--conformance-quick",
+        action="store_true",
+        default=False,
+        help="reduced case matrix (for interpreted Triton and quick checks)",
+    )
+    group.addoption(
+        "--conformance-device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="where to run the backend (default auto: CUDA when present and declared, else CPU)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

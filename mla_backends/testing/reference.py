@@ -11,9 +11,10 @@ and runs textbook softmax attention:
 
 What a backend receives is the *absorbed* query ``q_latent = q_nope @ W_UK^T`` and what it returns is the
 *latent* output ``o_latent`` with ``o_latent @ W_UV = o``. The up-projections here are random orthogonal
-``r x r`` matrices (one pair shared by the heads), so both directions are exact in float64: ``q_nope = q_latent @ W_UK`` recovers the
-expanded query from exactly the (rounded) query the backend saw, and ``o_latent = o @ W_UV^T`` derives the
-latent-space output from the expanded one. The LSE is the same in both spaces (the scores are equal).
+``r x r`` matrices (one pair shared by the heads), so both directions are exact in float64:
+``q_nope = q_latent @ W_UK`` recovers the expanded query from exactly the (rounded) query the backend saw,
+and ``o_latent = o @ W_UV^T`` derives the latent-space output from the expanded one.
+The LSE is the same in both spaces (the scores are equal).
 """
 
 from __future__ import annotations

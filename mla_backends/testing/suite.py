@@ -35,21 +35,25 @@ def resolve_backend(backend: Any) -> type[MLABackend]:
         try:
             obj = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
-            raise ValueError(f"backend: got {backend!r}, which cannot be imported ({exc}); supported "
-                             "'package.module:Class' naming an MLABackend subclass") from exc
+            raise ValueError(
+                f"backend: got {backend!r}, which cannot be imported ({exc}); supported "
+                "'package.module:Class' naming an MLABackend subclass"
+            ) from exc
         if not (isinstance(obj, type) and issubclass(obj, MLABackend)):
             raise TypeError(f"backend: got {backend!r} -> {obj!r}; supported an MLABackend subclass")
         return obj
     if backend is None:
-        raise ValueError("backend: got None; supported a registered backend name, 'module:Class' or an "
-                         "MLABackend subclass (set `backend = ...` on the class or pass --conformance-backend)")
+        raise ValueError(
+            "backend: got None; supported a registered backend name, 'module:Class' or an "
+            "MLABackend subclass (set `backend = ...` on the class or pass --conformance-backend)"
+        )
     from ..registry import get_backend
 
     return get_backend(backend)
 
 
 class BackendConformance:
-    """The conformance suite as a pytest test class (not collected itself: its name lacks the ``Test`` prefix).
+    """The conformance suite as a pytest test class (not collected itself: no ``Test`` prefix).
 
     Tests (each parametrised over cases generated from the backend's declared capabilities):
 
@@ -96,8 +100,9 @@ class BackendConformance:
         return self._settings(request.config)[0]
 
     @pytest.fixture
-    def conformance_device(self, request: pytest.FixtureRequest, conformance_backend: type[MLABackend]
-                           ) -> torch.device:
+    def conformance_device(
+        self, request: pytest.FixtureRequest, conformance_backend: type[MLABackend]
+    ) -> torch.device:
         return checks.pick_device(conformance_backend, self._settings(request.config)[2])
 
     @staticmethod
@@ -107,41 +112,52 @@ class BackendConformance:
             pytest.skip(f"{cls.name} cannot run {case.id} on {device}: {'; '.join(reasons)}")
 
     # ---- numerics ------------------------------------------------------------------------------------------
-    def test_output_matches_reference(self, conformance_backend: type[MLABackend], conformance_device: torch.device,
-                                      output_case: Case) -> None:
+    def test_output_matches_reference(
+        self, conformance_backend: type[MLABackend], conformance_device: torch.device, output_case: Case
+    ) -> None:
         self._require_runnable(conformance_backend, output_case, conformance_device)
         checks.check_output(conformance_backend, output_case, conformance_device)
 
     # ---- guard bands ---------------------------------------------------------------------------------------
-    def test_out_rows_outside_batch_untouched(self, conformance_backend: type[MLABackend],
-                                              conformance_device: torch.device, guard_case: Case) -> None:
+    def test_out_rows_outside_batch_untouched(
+        self, conformance_backend: type[MLABackend], conformance_device: torch.device, guard_case: Case
+    ) -> None:
         self._require_runnable(conformance_backend, guard_case, conformance_device)
         checks.check_out_rows_untouched(conformance_backend, guard_case, conformance_device)
 
-    def test_inputs_not_written(self, conformance_backend: type[MLABackend], conformance_device: torch.device,
-                                guard_case: Case) -> None:
+    def test_inputs_not_written(
+        self, conformance_backend: type[MLABackend], conformance_device: torch.device, guard_case: Case
+    ) -> None:
         self._require_runnable(conformance_backend, guard_case, conformance_device)
         checks.check_inputs_not_written(conformance_backend, guard_case, conformance_device)
 
     # ---- determinism ---------------------------------------------------------------------------------------
-    def test_deterministic(self, conformance_backend: type[MLABackend], conformance_device: torch.device,
-                           repeat_case: Case) -> None:
+    def test_deterministic(
+        self, conformance_backend: type[MLABackend], conformance_device: torch.device, repeat_case: Case
+    ) -> None:
         self._require_runnable(conformance_backend, repeat_case, conformance_device)
         checks.check_deterministic(conformance_backend, repeat_case, conformance_device)
 
     # ---- honest declarations -------------------------------------------------------------------------------
-    def test_declared_values_accepted(self, conformance_backend: type[MLABackend],
-                                      declared_probe: DeclaredProbe) -> None:
-        checks.check_declared_accepted(conformance_backend, declared_probe.axis, declared_probe.value,
-                                       declared_probe.case)
+    def test_declared_values_accepted(
+        self, conformance_backend: type[MLABackend], declared_probe: DeclaredProbe
+    ) -> None:
+        checks.check_declared_accepted(
+            conformance_backend, declared_probe.axis, declared_probe.value, declared_probe.case
+        )
 
-    def test_undeclared_combinations_rejected(self, conformance_backend: type[MLABackend],
-                                              unsupported_probe: UnsupportedProbe) -> None:
+    def test_undeclared_combinations_rejected(
+        self, conformance_backend: type[MLABackend], unsupported_probe: UnsupportedProbe
+    ) -> None:
         checks.check_unsupported_rejected(conformance_backend, unsupported_probe)
 
     # ---- input validation ----------------------------------------------------------------------------------
-    def test_rejects_bad_inputs(self, request: pytest.FixtureRequest, conformance_backend: type[MLABackend],
-                                conformance_device: torch.device) -> None:
+    def test_rejects_bad_inputs(
+        self,
+        request: pytest.FixtureRequest,
+        conformance_backend: type[MLABackend],
+        conformance_device: torch.device,
+    ) -> None:
         case = self.conformance_plan(request.config).guard[0]
         self._require_runnable(conformance_backend, case, conformance_device)
         checks.check_rejects_bad_inputs(conformance_backend, case, conformance_device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -28,6 +28,18 @@ PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: positions per stage-1 tile on a GPU / under the interpreter (bigger tiles mean fewer interpreted steps)
 BLOCK_N_GPU = 32
 BLOCK_N_INTERPRET = 64
+
+
+class LaunchConfig(NamedTuple):
+    """Stage 1 compile-time choices: dot operand dtype (a ``tl`` dtype), dot precision, tile rows, pipeline
+    stages, warps."""
+
+    dot_dtype: Any
+    precision: str
+    block_n: int
+    num_stages: int
+    num_warps: int
+
 
 _CPU_TAIL = "requires a CUDA device — set TRITON_INTERPRET=1 to run interpreted, for testing only"
 
@@ -156,9 +168,7 @@ class TritonMLABackend(MLABackend):
         part_o, part_lse = SCRATCH.get(cache.device, T, H, splits, R)
         P = cache.qk_rope_head_dim
         rank_pad, rope_pad = max(16, next_pow2(R)), max(16, next_pow2(P))
-        dot_dtype, precision, block_n, stages = self._launch_config(
-            q_latent.dtype, cache.data.dtype, rank_pad, rope_pad, cache.device, kernels
-        )
+        cfg = self._launch_config(q_latent.dtype, cache.data.dtype, rank_pad, rope_pad, cache.device, kernels)
         kv = cache.data
         topk = topk_indices if sparse else meta.token_positions  # any int tensor; unused when dense
         head_blocks = -(-H // BLOCK_H)
@@ -197,13 +207,13 @@ class TritonMLABackend(MLABackend):
             ROPE=P,
             ROPE_PAD=rope_pad,
             BLOCK_H=BLOCK_H,
-            BLOCK_N=block_n,
+            BLOCK_N=cfg.block_n,
             SPARSE=sparse,
             IS_FP8=cache.is_fp8,
-            DOT_DTYPE=dot_dtype,
-            DOT_PRECISION=precision,
-            num_warps=4,
-            num_stages=stages,
+            DOT_DTYPE=cfg.dot_dtype,
+            DOT_PRECISION=cfg.precision,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
         kernels.mla_decode_stage2[(head_blocks, T)](
             part_o,
@@ -270,25 +280,30 @@ class TritonMLABackend(MLABackend):
         rope_pad: int,
         device: torch.device,
         kernels,
-    ) -> tuple[object, str, int, int]:
-        """``(dot operand dtype, dot precision, BLOCK_N, num_stages)`` for stage 1.
+    ) -> LaunchConfig:
+        """Stage 1's launch configuration for these dtypes on ``device``.
 
-        On a GPU the dot operands are the query's 16-bit dtype (fp8 rows convert to it exactly), float32
-        ("ieee", not TF32) for float32 queries or caches; ``BLOCK_N`` 32 with two pipeline stages when the
-        tiles fit the device's shared memory, else fewer stages / a smaller tile. Under the interpreter the
-        operands are always float32 (its bf16 dot is wrong) and the tile is 64 rows (fewer interpreted steps).
+        On a GPU the dot operands are the query's 16-bit dtype (fp8 rows convert to it exactly), or float32
+        ("ieee", not TF32) for float32 queries or caches. ``BLOCK_N`` is 32 (16 for float32) when the tiles
+        fit the device's shared memory, else 16. 8 warps: with 4, the ``[16, 512]`` fp32 accumulator plus
+        the tiles need 255 registers and spill (ptxas, SM80/SM90); with 8, 160-230 and no spills.
+        Under the interpreter the operands are always float32 (its bf16 dot is wrong) and the tile is 64 rows
+        (fewer interpreted steps).
         """
         import triton.language as tl
 
         if kernels.INTERPRET:
-            return tl.float32, "ieee", BLOCK_N_INTERPRET, 1
+            return LaunchConfig(tl.float32, "ieee", BLOCK_N_INTERPRET, 1, 4)
         if q_dtype == torch.float32 or cache_dtype == torch.float32:
-            dot_dtype, precision, elem = tl.float32, "ieee", 4
+            # float32 tiles are twice as wide: 16 rows keep the registers unspilled (SM80 spills at 32)
+            dot_dtype, precision, elem, sizes = tl.float32, "ieee", 4, (16,)
         else:
             dot_dtype, precision, elem = (tl.bfloat16 if q_dtype == torch.bfloat16 else tl.float16), "tf32", 2
+            sizes = (BLOCK_N_GPU, 16)
         limit = _smem_bytes(device)
-        for block_n, stages in ((BLOCK_N_GPU, 2), (BLOCK_N_GPU, 1), (16, 1)):
-            need = elem * (BLOCK_H * (rank_pad + rope_pad) + stages * block_n * (rank_pad + rope_pad))
-            if need <= 0.75 * limit:
-                return dot_dtype, precision, block_n, stages
-        return dot_dtype, precision, 16, 1
+        for block_n in sizes:
+            # query block + one row tile, +25% for layout conversions (matches ptxas within that margin)
+            need = 1.25 * elem * (BLOCK_H + block_n) * (rank_pad + rope_pad)
+            if need <= limit:
+                break
+        return LaunchConfig(dot_dtype, precision, block_n, 2, 8)

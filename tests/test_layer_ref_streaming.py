@@ -1,0 +1,65 @@
+"""REF_TORCH's streamed dense path (sequences >= STREAM_MIN_ROWS, page chunks with an online softmax), which
+the layer's decode benchmark relies on, against a plain float64 absorbed reference: decode and multi-token
+queries, long and short requests mixed, pages that do not divide the lengths, fp8 and bf16 caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from layer_cases import one_thread  # noqa: F401 (autouse fixture)
+
+from mla_backends.cache import LatentKVCache
+from mla_backends.metadata import BatchMetadata
+from mla_backends.ref_torch import RefTorchBackend
+from mla_backends.ref_torch.backend import STREAM_CHUNK_ROWS, STREAM_MIN_ROWS
+
+H, r, R = 2, 16, 8
+
+
+def _reference(q, rows, ctx, n, scale):
+    """Per token: softmax over visible rows of ``[q_latent | q_rope] . row``, output = weights @ latent."""
+    S = ctx + n
+    outs, lses = [], []
+    for j in range(n):
+        vis = rows[: ctx + j + 1]
+        s = (q[j] @ vis.T) * scale  # [H, visible]
+        outs.append(torch.softmax(s, -1) @ vis[:, :r])
+        lses.append(torch.logsumexp(s, -1))
+    assert S == rows.shape[0]
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("kv_cache_dtype, dtype, tol", [
+    ("auto", torch.float64, 1e-10),
+    ("auto", torch.float32, 2e-5),
+    ("bfloat16", torch.float32, 2e-5),  # the reference reads the same bf16 rows back
+    ("fp8_e4m3", torch.float32, 2e-5),
+])
+@pytest.mark.parametrize("block_size", [16, 48])
+def test_streamed_requests_match_reference(kv_cache_dtype, dtype, tol, block_size):
+    assert STREAM_MIN_ROWS > 40 and STREAM_CHUNK_ROWS < STREAM_MIN_ROWS + 300
+    g = torch.Generator().manual_seed(block_size)
+    ctx = [STREAM_MIN_ROWS + 300, 7, STREAM_MIN_ROWS - 1, STREAM_MIN_ROWS + 5]
+    new = [1, 3, 4, 1]  # the third becomes long with its new tokens; the second stays short
+    pages = -(-max(c + n for c, n in zip(ctx, new, strict=True)) // block_size)
+    nb = len(ctx) * pages + 2
+    bt = torch.randperm(nb, generator=g)[: len(ctx) * pages].view(len(ctx), pages).int()
+    cache = LatentKVCache(nb, block_size, r, R, kv_cache_dtype=kv_cache_dtype, model_dtype=dtype, scale=0.5
+                          if kv_cache_dtype.startswith("fp8") else 1.0)
+    meta = BatchMetadata.build(new, ctx, bt, block_size, decode_threshold=0, reorder=False)
+    for b, (c, n) in enumerate(zip(ctx, new, strict=True)):
+        pos = torch.arange(c + n)
+        rows = torch.randn(c + n, r + R, generator=g, dtype=torch.float64).to(dtype)
+        cache.write(rows[:, :r], rows[:, r:], bt[b, pos // block_size].long() * block_size + pos % block_size)
+    T = sum(new)
+    q = torch.randn(T, H, r + R, generator=g, dtype=torch.float64).to(dtype)
+    out, lse = RefTorchBackend().forward_mqa(q[..., :r].contiguous(), q[..., r:].contiguous(), cache, meta,
+                                             scale=0.2)
+    t = 0
+    for b, (c, n) in enumerate(zip(ctx, new, strict=True)):
+        rows = cache.gather(meta.block_table[b], c + n, torch.float64)  # what the cache holds, dequantised
+        ref_o, ref_l = _reference(q[t: t + n].double(), rows, c, n, 0.2)
+        torch.testing.assert_close(out[t: t + n].double(), ref_o, rtol=tol, atol=tol)
+        # the LSE is float32 by contract
+        torch.testing.assert_close(lse[t: t + n].double(), ref_l, rtol=max(tol, 1e-6), atol=max(tol, 1e-6))
+        t += n
