@@ -2,9 +2,9 @@
 
 The interpreter runs the kernels' arithmetic but skips everything the GPU compiler checks (``tl.dot``
 shape and dtype rules, fp8 conversions, register and shared-memory budgets). This test compiles stage 1 and
-stage 2 to cubins for SM80/SM89/SM90/SM120 with the ``ptxas`` shipped in the triton wheel, in a subprocess where
-``TRITON_INTERPRET`` is unset, using the launch configuration the backend would choose on that device, and
-checks the shared memory fits the device and the registers do not spill.
+stage 2 to cubins for SM80/SM89/SM90/SM120 with the ``ptxas`` shipped in the triton wheel, in a subprocess
+where ``TRITON_INTERPRET`` is unset, using the launch configuration the backend would choose on that device,
+and checks the shared memory fits the device and the registers do not spill.
 """
 
 from __future__ import annotations
