@@ -5,8 +5,11 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mla-backends-installed
-# packages installed beside the project for the plugin tests (real entry points)
-PLUGIN_PKGS := examples/mla_backends_example_plugin tests/plugins/broken_plugin
+# the example plugin is installed into .venv (it shows up in `mla-backends list`); the deliberately broken
+# test plugin goes to .test-site, which only the test run puts on the path (tests/conftest.py)
+EXAMPLE_PLUGIN := examples/mla_backends_example_plugin
+BROKEN_PLUGIN := tests/plugins/broken_plugin
+TEST_SITE := .test-site
 
 .PHONY: run test install lint bench docs clean
 
@@ -15,7 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -e ".[test,hf,flashinfer,dev]"
-	for p in $(PLUGIN_PKGS); do test ! -d $$p || $(BIN)/python -m pip install -q -e $$p || exit 1; done
+	$(BIN)/python -m pip install -q -e $(EXAMPLE_PLUGIN)
+	rm -rf $(TEST_SITE) && $(BIN)/python -m pip install -q --no-deps --no-build-isolation --target $(TEST_SITE) $(BROKEN_PLUGIN)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -33,4 +37,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_layer_cpu.py
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(TEST_SITE) build dist *.egg-info

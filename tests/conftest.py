@@ -8,8 +8,16 @@ without the interpreter remove it with ``monkeypatch.delenv``.
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
+
+# the deliberately broken test plugin lives outside .venv (see the Makefile) so that normal commands
+# do not load it; put it on the path of this process and of the subprocesses the tests start
+_TEST_SITE = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".test-site"))
+if os.path.isdir(_TEST_SITE) and _TEST_SITE not in sys.path:
+    sys.path.insert(0, _TEST_SITE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TEST_SITE, os.environ.get("PYTHONPATH")) if p)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

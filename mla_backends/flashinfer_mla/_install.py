@@ -98,6 +98,8 @@ def source_defines(relative_path: str, name: str) -> bool:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return False
+    if name not in text:  # cheap pre-check: the regex below is slow on large files
+        return False
     n = re.escape(name)
     pattern = rf"(^\s*(async\s+)?def\s+{n}\s*\()|(^\s*class\s+{n}\b)|(\b{n}\s+as\s+{n}\b)"
     return re.search(pattern, text, flags=re.MULTILINE) is not None
