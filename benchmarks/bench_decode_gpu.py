@@ -220,20 +220,21 @@ def build_inputs(torch: Any, point: dict[str, Any], page: int, device: Any) -> t
 
 
 def _kernel_ms(torch: Any, fn: Any, iters: int) -> float | None:
-    """GPU kernel time per call (ms) from the profiler, or None when it cannot be measured."""
+    """GPU time per call (ms): the summed durations of every CUDA kernel/memcpy the calls ran, from the
+    profiler (the input validation's few small kernels included); None when it cannot be measured."""
     try:
+        from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
                 fn()
             torch.cuda.synchronize()
-        total_us = 0.0
-        for evt in prof.key_averages():
-            val = getattr(evt, "self_device_time_total", None)
-            if val is None:
-                val = getattr(evt, "self_cuda_time_total", 0.0)
-            total_us += float(val or 0.0)
+        total_us = sum(
+            e.time_range.elapsed_us()
+            for e in prof.events()
+            if getattr(e, "device_type", None) == DeviceType.CUDA
+        )
         return total_us / 1000.0 / iters if total_us > 0 else None
     except Exception:
         return None
@@ -244,7 +245,9 @@ def time_backend(
 ) -> dict[str, Any]:
     cache, meta, q_latent, q_rope = inputs
     out = torch.empty_like(q_latent)
-    lse = torch.empty(q_latent.shape[:2], device=q_latent.device, dtype=torch.float32)
+    lse = None
+    if backend.capabilities.returns_lse:  # backends without an LSE are not handed a buffer for one
+        lse = torch.empty(q_latent.shape[:2], device=q_latent.device, dtype=torch.float32)
 
     def call() -> None:
         backend.forward_mqa(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse)

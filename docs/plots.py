@@ -56,7 +56,7 @@ def plot_bytes(path: str) -> None:
             style,
             color=color,
             lw=2,
-            label=f"{label}: {per_token / 1024:,.2f} KiB/token",
+            label=f"{label}: {per_token:,} B/token",
         )
     for gib in (80, 141):
         ax.axhline(gib, color="grey", lw=0.8, ls=":")
@@ -159,7 +159,7 @@ def plot_crossover(path: str, table_path: str) -> None:
     dev = table["device"]
     fig.suptitle(
         f"{m['name']} at TP={m['tp']} ({m['num_heads']} heads), {m['dtype']}, on {dev['name']} "
-        f"({dev.get('cpu_count', '?')} cores, {dev.get('torch_threads', '?')} threads), "
+        f"({dev.get('cpu_count', '?')} cores, torch threads: {dev.get('torch_threads', '?')}), "
         f"{table['date'][:10]}",
         fontsize=10,
     )

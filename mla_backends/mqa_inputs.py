@@ -23,8 +23,13 @@ def check_mqa_inputs(
     topk_indices: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    check_values: bool = True,
 ) -> None:
-    """Raise ``TypeError``/``ValueError`` naming the argument when the inputs of ``forward_mqa`` disagree."""
+    """Raise ``TypeError``/``ValueError`` naming the argument when the inputs of ``forward_mqa`` disagree.
+
+    ``check_values=False`` skips the checks that read device tensors (block ids in range, top-k in window),
+    which synchronise; backends pass it while a CUDA graph is being captured.
+    """
     if not isinstance(cache, LatentKVCache):
         raise TypeError(f"cache: got {type(cache).__name__}; supported LatentKVCache")
     if not isinstance(meta, BatchMetadata):
@@ -44,7 +49,7 @@ def check_mqa_inputs(
         raise ValueError(f"meta.block_size: got {meta.block_size}; supported the cache's {cache.block_size}")
     if meta.num_blocks is not None and meta.num_blocks > cache.num_blocks:
         raise ValueError(f"meta.num_blocks: got {meta.num_blocks}; supported <= the cache's {cache.num_blocks}")
-    if meta.num_requests and meta.max_seq_len:
+    if check_values and meta.num_requests and meta.max_seq_len:
         # block ids actually used must lie inside this cache
         used_pages = [-(-s // meta.block_size) for s in meta.seq_lens_list]
         width = max(used_pages)
@@ -58,7 +63,7 @@ def check_mqa_inputs(
         require_tensor("topk_indices", topk_indices, shape=(T, None), dtypes=(torch.int32, torch.int64))
         if topk_indices.shape[1] < 1:
             raise ValueError("topk_indices: got width 0; supported >= 1 (pad with -1)")
-        if topk_indices.numel():
+        if check_values and topk_indices.numel():
             limit = meta.token_positions.to(topk_indices.device)[:, None]
             bad = (topk_indices < -1) | (topk_indices > limit)
             if bool(bad.any()):

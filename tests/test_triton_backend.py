@@ -14,7 +14,7 @@ from mla_backends.backend import AttentionSpec
 from mla_backends.cache import LatentKVCache
 from mla_backends.metadata import BatchMetadata
 from mla_backends.triton_mla import TritonMLABackend, choose_num_kv_splits
-from mla_backends.triton_mla.plan import MAX_KV_SPLITS, next_pow2
+from mla_backends.triton_mla.plan import MAX_KV_SPLITS, block_h_for, next_pow2
 from selector.device import CPU_DEVICE, DeviceInfo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,17 +136,16 @@ def test_split_heuristic_by_length_and_occupancy():
     assert choose_num_kv_splits(16384, 1, 16, sms) == 32
     # short context: one split, however small the batch
     assert choose_num_kv_splits(300, 1, 16, sms) == 1
-    # a batch that already fills the GPU (128 tokens x 8 head blocks) is not split
-    assert choose_num_kv_splits(16384, 128, 128, sms) == 1
+    # a batch that already fills the GPU (256 tokens x 4 head blocks of 32) is not split
+    assert choose_num_kv_splits(16384, 256, 128, sms) == 1
     # in between: enough splits for ~4 programs per SM, a power of two
     s = choose_num_kv_splits(4096, 64, 128, sms)
-    assert s == 2 and 64 * 8 * s >= 4 * sms
+    assert s == 4 and 64 * 4 * s >= 4 * sms and 64 * 4 * (s // 2) < 4 * sms
     # never above the cap
     assert choose_num_kv_splits(10**7, 1, 1, 10**4) == MAX_KV_SPLITS
 
 
-def test_rejects_non_contiguous_rows():
-    cache, meta, ql, qr = _tiny()
-    wide = torch.zeros(1, 16, 512, 2, dtype=torch.bfloat16)[..., 0]  # last-dim stride 2
-    with pytest.raises(ValueError, match=r"q_latent: got last-dim stride 2"):
-        TritonMLABackend().forward_mqa(wide, qr, cache, meta, scale=0.1)
+def test_heads_per_program():
+    assert [block_h_for(h) for h in (1, 5, 16, 17, 20, 64, 128)] == [16, 16, 16, 32, 32, 32, 32]
+    # the occupancy term counts head blocks of the chosen width
+    assert choose_num_kv_splits(8192, 2, 128, 8) == choose_num_kv_splits(8192, 2, 128, 8, block_h=32)

@@ -62,3 +62,15 @@ def test_json_writer(bench, tmp_path):
     path = tmp_path / "sub" / "r.json"
     bench.write_json(str(path), {"results": [{"gbps": 1.5, "device": ("cuda", (9, 0))}]})
     assert json.loads(path.read_text())["results"][0]["gbps"] == 1.5
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
+def test_inputs_it_builds_are_valid(bench, kv):
+    from mla_backends.ref_torch import RefTorchBackend
+
+    point = dict(batch=3, context=100, heads=16, kv_cache_dtype=kv)
+    cache, meta, ql, qr = bench.build_inputs(torch, point, 64, "cpu")
+    assert meta.seq_lens_list == (100, 100, 100) and cache.kv_cache_dtype == kv
+    assert sorted(meta.block_table.flatten().tolist()) == list(range(cache.num_blocks))  # scattered, all used
+    out, lse = RefTorchBackend().forward_mqa(ql, qr, cache, meta, scale=0.1)
+    assert bool(torch.isfinite(out.float()).all()) and bool(torch.isfinite(lse).all())

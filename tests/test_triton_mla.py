@@ -324,3 +324,44 @@ def test_gpu_sparse_topk_2048():
         n = min(K, p + 1)
         topk[t, :n] = torch.randperm(p + 1, generator=g)[:n].to(torch.int32)
     run_case(TritonMLABackend(), cache, meta, ql, qr, topk=topk.cuda(), lse_atol=2e-3)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay_with_new_lengths():
+    # capture once (pinned split count, scratch reserved by an eager call), then replay after rewriting the
+    # metadata tensors and queries in place for a step with other lengths and pages but the same token count
+    cache, meta, ql, qr = make_case([1] * 4, [100, 2000, 5, 700], page=64, heads=128, device="cuda", seed=30)
+    backend = TritonMLABackend(num_kv_splits=8)
+    out = torch.empty_like(ql)
+    lse = torch.empty(ql.shape[:2], device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, out=out, lse_out=lse)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, out=out, lse_out=lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(out, lse, *reference_mqa(ql, qr, cache, meta, SCALE), ql.dtype, lse_atol=2e-3)
+
+    g = torch.Generator().manual_seed(31)
+    width = meta.block_table.shape[1]
+    bt2 = torch.full((4, width), -1, dtype=torch.int32)
+    perm = torch.randperm(cache.num_blocks, generator=g).to(torch.int32)
+    ctx2 = [1500, 30, 900, 64]
+    start = 0
+    for b, c in enumerate(ctx2):
+        n = -(-(c + 1) // 64)
+        bt2[b, :n] = perm[start : start + n]
+        start += n
+    meta2 = BatchMetadata.build([1] * 4, ctx2, bt2.cuda(), 64, num_blocks=cache.num_blocks)
+    meta.block_table.copy_(meta2.block_table)
+    meta.token_positions.copy_(meta2.token_positions)
+    meta.token_request.copy_(meta2.token_request)
+    ql.copy_(torch.randn(ql.shape, generator=g).to(ql))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matches(out, lse, *reference_mqa(ql, qr, cache, meta2, SCALE), ql.dtype, lse_atol=2e-3)

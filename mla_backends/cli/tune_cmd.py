@@ -61,7 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="context lengths (default 256,1024,4096)",
     )
     p.add_argument("--quick", action="store_true", help="a small grid (Q 1,4,16 over S 64,256; one repeat)")
-    p.add_argument("--repeats", type=int, default=None, help="timed calls per point and path (default 2)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="passes over the grid; each point keeps its best time (default 2)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--output", "-o", default=None, metavar="FILE", help="write the JSON threshold table here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -25,8 +25,10 @@ __all__ = ["RefTorchBackend", "WORKSPACE_ELEMENTS"]
 WORKSPACE_ELEMENTS = 1 << 26
 #: sequences at least this long are streamed in page chunks (each cached row read once, chunk kept in cache)
 STREAM_MIN_ROWS = 1024
-#: rows per streamed chunk (512 x 576 fp32 = 1.2 MB, about one core's L2)
+#: rows per request per streamed chunk (512 x 576 fp32 = 1.2 MB, about one core's L2)
 STREAM_CHUNK_ROWS = 512
+#: most requests streamed together (bounds the chunk buffer: 32 x 1.2 MB)
+STREAM_MAX_REQUESTS = 32
 
 
 def _compute_dtype(q_dtype: torch.dtype) -> torch.dtype:
@@ -95,74 +97,84 @@ class RefTorchBackend(MLABackend):
     # ---- dense -----------------------------------------------------------------------------------------
     def _dense_dispatch(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
                         out: torch.Tensor, lse_out: torch.Tensor) -> None:
-        """Long sequences stream through page chunks (:meth:`_stream_one`); runs of short ones are batched."""
-        seqs = meta.seq_lens_list
+        """Long sequences stream through page chunks (:meth:`_stream`), several requests of one query length
+        at a time; runs of short sequences take the padded batched path (:meth:`_dense`)."""
+        seqs, qlens = meta.seq_lens_list, meta.query_lens_list
         if all(s < STREAM_MIN_ROWS for s in seqs):
             self._dense(q, cache, meta, scale, out, lse_out)
             return
         starts = [0]
-        for n in meta.query_lens_list:
+        for n in qlens:
             starts.append(starts[-1] + n)
         b = 0
         while b < meta.num_requests:
-            if seqs[b] >= STREAM_MIN_ROWS:
-                t0, t1 = starts[b], starts[b + 1]
-                if t1 > t0:
-                    self._stream_one(q[t0:t1], cache, meta.block_table[b], meta.context_lens_list[b],
-                                     seqs[b], scale, out[t0:t1], lse_out[t0:t1])
-                b += 1
-                continue
-            e = b
-            while e < meta.num_requests and seqs[e] < STREAM_MIN_ROWS:
+            long_run = seqs[b] >= STREAM_MIN_ROWS
+            e = b + 1
+            while (e < meta.num_requests and (seqs[e] >= STREAM_MIN_ROWS) == long_run
+                   and (not long_run or (qlens[e] == qlens[b] and e - b < STREAM_MAX_REQUESTS))):
                 e += 1
             t0, t1 = starts[b], starts[e]
-            if t1 > t0:
+            if t1 > t0 and long_run:
+                self._stream(q[t0:t1], cache, meta.block_table[b:e], meta.context_lens_list[b:e], seqs[b:e],
+                             scale, out[t0:t1], lse_out[t0:t1])
+            elif t1 > t0:
                 self._dense(q[t0:t1], cache, meta.select_requests(b, e), scale, out[t0:t1], lse_out[t0:t1])
             b = e
 
     @staticmethod
-    def _stream_one(q: torch.Tensor, cache: LatentKVCache, block_row: torch.Tensor, context_len: int,
-                    seq_len: int, scale: float, out: torch.Tensor, lse_out: torch.Tensor) -> None:
-        """One request, ``q [n, H, 576]`` (compute dtype): its pages are gathered ``STREAM_CHUNK_ROWS`` rows
-        at a time into a small buffer that stays in cache while both matmuls read it; the chunks are combined
-        with a running max, sum and output (online softmax). Memory traffic: each cached row read once."""
-        n, H, W = q.shape
+    def _stream(q: torch.Tensor, cache: LatentKVCache, block_rows: torch.Tensor,
+                context_lens: tuple[int, ...], seq_lens: tuple[int, ...], scale: float, out: torch.Tensor,
+                lse_out: torch.Tensor) -> None:
+        """Requests with one query length ``n`` (``q [b * n, H, 576]``, compute dtype).
+
+        Their pages are gathered ``STREAM_CHUNK_ROWS`` rows per request at a time into a buffer that stays in
+        cache while both batched matmuls read it (one matmul per request, so threads split the requests); the
+        chunks are combined with a running max, sum and output (online softmax). Requests with fewer pages
+        re-read their last page, fully masked. Each cached row leaves memory once.
+        """
+        b = len(seq_lens)
+        n = q.shape[0] // b
+        _, H, W = q.shape
         r, bs = cache.kv_lora_rank, cache.block_size
-        qf = q.reshape(n * H, W)
         dev = q.device
+        qf = q.reshape(b, n * H, W)
         per = max(1, STREAM_CHUNK_ROWS // bs)  # pages per chunk
-        pages = -(-seq_len // bs)
-        ids = block_row[:pages].long()
+        pages = [-(-s // bs) for s in seq_lens]
+        ids = block_rows[:, : max(pages)].long().clone()
+        for i, p in enumerate(pages):
+            ids[i, p:] = ids[i, p - 1]
         direct = cache.data.dtype == q.dtype and not cache.is_fp8
-        buf = torch.empty(per * bs, cache.row_width, dtype=cache.data.dtype, device=dev)
+        buf = torch.empty(b * per * bs, cache.row_width, dtype=cache.data.dtype, device=dev)
         # last visible position of every score row (row = token * H + head)
-        limit = (context_len + torch.arange(n, device=dev)).repeat_interleave(H)
-        m = torch.full((n * H,), float("-inf"), dtype=q.dtype, device=dev)
-        l_sum = torch.zeros(n * H, dtype=q.dtype, device=dev)
-        acc = torch.zeros(n * H, r, dtype=q.dtype, device=dev)
-        for p0 in range(0, pages, per):
-            chunk = ids[p0: p0 + per]
-            rows = chunk.numel() * bs
-            kv = buf[:rows]
-            torch.index_select(cache.data, 0, chunk, out=kv.view(-1, bs, cache.row_width))
+        ctx = torch.tensor(context_lens, device=dev)
+        limit = (ctx[:, None] + torch.arange(n, device=dev)[None, :]).repeat_interleave(H, dim=1)  # [b, n*H]
+        m = torch.full((b, n * H), float("-inf"), dtype=q.dtype, device=dev)
+        l_sum = torch.zeros(b, n * H, dtype=q.dtype, device=dev)
+        acc = torch.zeros(b, n * H, r, dtype=q.dtype, device=dev)
+        for p0 in range(0, max(pages), per):
+            chunk = ids[:, p0: p0 + per]
+            rows = chunk.shape[1] * bs
+            kv = buf[: b * rows]
+            torch.index_select(cache.data, 0, chunk.reshape(-1), out=kv.view(-1, bs, cache.row_width))
+            kv = kv.view(b, rows, cache.row_width)
             if not direct:
                 kv = cache.dequantize(kv, q.dtype)
-            s = torch.matmul(qf, kv.t()).mul_(scale)  # [n * H, rows]
+            s = torch.bmm(qf, kv.transpose(1, 2)).mul_(scale)  # [b, n * H, rows]
             pos0, pos1 = p0 * bs, p0 * bs + rows
-            if pos1 - 1 > context_len:  # the causal / length edge falls inside this chunk
-                hidden = torch.arange(pos0, pos1, device=dev)[None, :] > limit[:, None]
+            if pos1 - 1 > min(context_lens):  # the causal / length edge of some request is in this chunk
+                hidden = torch.arange(pos0, pos1, device=dev)[None, None, :] > limit[:, :, None]
                 s.masked_fill_(hidden, float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))
             safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-            p = torch.exp(s - safe[:, None])
+            p = torch.exp(s - safe[..., None])
             alpha = torch.exp(m - safe)
-            acc.mul_(alpha[:, None]).add_(torch.matmul(p, kv[:, :r]))
+            acc.mul_(alpha[..., None]).add_(torch.bmm(p, kv[..., :r]))
             l_sum = l_sum * alpha + p.sum(dim=-1)
             m = m_new
         lse = torch.where(l_sum > 0, m + torch.log(l_sum), torch.full_like(l_sum, float("-inf")))
-        o = acc / torch.where(l_sum > 0, l_sum, torch.ones_like(l_sum))[:, None]
-        out.copy_(o.view(n, H, r).to(out.dtype))
-        lse_out.copy_(lse.view(n, H).to(torch.float32))
+        o = acc / torch.where(l_sum > 0, l_sum, torch.ones_like(l_sum))[..., None]
+        out.copy_(o.view(b * n, H, r).to(out.dtype))
+        lse_out.copy_(lse.view(b * n, H).to(torch.float32))
 
     @staticmethod
     def _groups(meta: BatchMetadata, H: int, width: int) -> list[tuple[int, int]]:

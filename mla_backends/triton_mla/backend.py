@@ -19,7 +19,7 @@ from ..cache import LatentKVCache
 from ..dtypes import dtype_name
 from ..metadata import BatchMetadata
 from ..mqa_inputs import check_mqa_inputs
-from .plan import BLOCK_H, MAX_KV_SPLITS, SCRATCH, choose_num_kv_splits, next_pow2, sm_count
+from .plan import BLOCK_H, MAX_KV_SPLITS, SCRATCH, block_h_for, choose_num_kv_splits, next_pow2, sm_count
 
 __all__ = ["TritonMLABackend", "interpreter_enabled", "PAGE_SIZES"]
 
@@ -32,13 +32,14 @@ BLOCK_N_INTERPRET = 64
 
 class LaunchConfig(NamedTuple):
     """Stage 1 compile-time choices: dot operand dtype (a ``tl`` dtype), dot precision, tile rows, pipeline
-    stages, warps."""
+    stages, warps, heads per program."""
 
     dot_dtype: Any
     precision: str
     block_n: int
     num_stages: int
     num_warps: int
+    block_h: int
 
 
 _CPU_TAIL = "requires a CUDA device — set TRITON_INTERPRET=1 to run interpreted, for testing only"
@@ -49,8 +50,14 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@functools.cache
+def _cuda_cc(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+
 def _torch_cc(device: torch.device) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(device))  # type: ignore[return-value]
+    """Compute capability of a CUDA device (read once per device; a host query)."""
+    return _cuda_cc(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -143,10 +150,24 @@ class TritonMLABackend(MLABackend):
 
         Returns ``(out [tokens, heads, kv_lora_rank] in q's dtype, lse [tokens, heads] float32 natural log)``.
         """
+        # while a CUDA graph is captured, skip the checks that read device values (they would synchronise)
+        capturing = cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         check_mqa_inputs(
-            q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out, lse_out=lse_out
+            q_latent,
+            q_rope,
+            cache,
+            meta,
+            scale=scale,
+            topk_indices=topk_indices,
+            out=out,
+            lse_out=lse_out,
+            check_values=not capturing,
         )
         self._check_supported(q_latent, q_rope, cache, out)
+        if topk_indices is not None and topk_indices.device != cache.device:
+            raise ValueError(
+                f"topk_indices: got device {topk_indices.device}; supported the cache's device {cache.device}"
+            )
         T, H, R = q_latent.shape
         if out is None:
             out = torch.empty_like(q_latent)
@@ -168,11 +189,12 @@ class TritonMLABackend(MLABackend):
         part_o, part_lse = SCRATCH.get(cache.device, T, H, splits, R)
         P = cache.qk_rope_head_dim
         rank_pad, rope_pad = max(16, next_pow2(R)), max(16, next_pow2(P))
-        cfg = self._launch_config(q_latent.dtype, cache.data.dtype, rank_pad, rope_pad, cache.device, kernels)
+        cfg = self._launch_config(
+            q_latent.dtype, cache.data.dtype, rank_pad, rope_pad, H, cache.device, kernels
+        )
         kv = cache.data
         topk = topk_indices if sparse else meta.token_positions  # any int tensor; unused when dense
-        head_blocks = -(-H // BLOCK_H)
-        kernels.mla_decode_stage1[(head_blocks, T, splits)](
+        kernels.mla_decode_stage1[(-(-H // cfg.block_h), T, splits)](
             q_latent,
             q_rope,
             kv,
@@ -206,7 +228,7 @@ class TritonMLABackend(MLABackend):
             RANK_PAD=rank_pad,
             ROPE=P,
             ROPE_PAD=rope_pad,
-            BLOCK_H=BLOCK_H,
+            BLOCK_H=cfg.block_h,
             BLOCK_N=cfg.block_n,
             SPARSE=sparse,
             IS_FP8=cache.is_fp8,
@@ -215,7 +237,7 @@ class TritonMLABackend(MLABackend):
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-        kernels.mla_decode_stage2[(head_blocks, T)](
+        kernels.mla_decode_stage2[(-(-H // BLOCK_H), T)](
             part_o,
             part_lse,
             out,
@@ -278,32 +300,36 @@ class TritonMLABackend(MLABackend):
         cache_dtype: torch.dtype,
         rank_pad: int,
         rope_pad: int,
+        num_heads: int,
         device: torch.device,
         kernels,
     ) -> LaunchConfig:
         """Stage 1's launch configuration for these dtypes on ``device``.
 
         On a GPU the dot operands are the query's 16-bit dtype (fp8 rows convert to it exactly), or float32
-        ("ieee", not TF32) for float32 queries or caches. ``BLOCK_N`` is 32 (16 for float32) when the tiles
-        fit the device's shared memory, else 16. 8 warps: with 4, the ``[16, 512]`` fp32 accumulator plus
-        the tiles need 255 registers and spill (ptxas, SM80/SM90); with 8, 160-230 and no spills.
+        ("ieee", not TF32) for float32 queries or caches and for a bf16/fp16 mix (no lossy conversion).
+        ``BLOCK_N`` is 32 (16 for float32) when the tiles fit the device's shared memory, else 16. Heads per
+        program: :func:`~mla_backends.triton_mla.plan.block_h_for`. 8 warps: with 4, the ``[16, 512]`` fp32
+        accumulator plus the tiles need 255 registers and spill (ptxas, SM80/SM90); with 8, 160-255 and none.
         Under the interpreter the operands are always float32 (its bf16 dot is wrong) and the tile is 64 rows
         (fewer interpreted steps).
         """
         import triton.language as tl
 
         if kernels.INTERPRET:
-            return LaunchConfig(tl.float32, "ieee", BLOCK_N_INTERPRET, 1, 4)
-        if q_dtype == torch.float32 or cache_dtype == torch.float32:
+            return LaunchConfig(tl.float32, "ieee", BLOCK_N_INTERPRET, 1, 4, block_h_for(num_heads))
+        mixed_16bit = cache_dtype in (torch.bfloat16, torch.float16) and cache_dtype != q_dtype
+        if q_dtype == torch.float32 or cache_dtype == torch.float32 or mixed_16bit:
             # float32 tiles are twice as wide: 16 rows keep the registers unspilled (SM80 spills at 32)
             dot_dtype, precision, elem, sizes = tl.float32, "ieee", 4, (16,)
         else:
             dot_dtype, precision, elem = (tl.bfloat16 if q_dtype == torch.bfloat16 else tl.float16), "tf32", 2
             sizes = (BLOCK_N_GPU, 16)
         limit = _smem_bytes(device)
+        block_h = block_h_for(num_heads)
         for block_n in sizes:
             # query block + one row tile, +25% for layout conversions (matches ptxas within that margin)
-            need = 1.25 * elem * (BLOCK_H + block_n) * (rank_pad + rope_pad)
+            need = 1.25 * elem * (block_h + block_n) * (rank_pad + rope_pad)
             if need <= limit:
                 break
-        return LaunchConfig(dot_dtype, precision, block_n, 2, 8)
+        return LaunchConfig(dot_dtype, precision, block_n, 2, 8, block_h)
