@@ -125,6 +125,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.context, args.heads = (1, 64), (4096,), (128,)
+    from mla_backends.dtypes import canonical_kv_cache_dtype
+
+    try:
+        args.kv_dtypes = tuple(canonical_kv_cache_dtype(k) for k in args.kv_dtypes)
+    except (ValueError, TypeError) as exc:
+        p.error(f"--kv-dtypes: {exc}")
     if args.page_size < 1:
         p.error(f"--page-size: got {args.page_size}; supported >= 1")
     if args.warmup < 0 or args.iters < 1:

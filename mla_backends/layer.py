@@ -76,6 +76,19 @@ def _choose_backend(backend: Any, dims: MLADims, dtype: torch.dtype,
     return select_backend(dims, dtype=dtype, device=dev, sparse=dims.is_sparse).backend
 
 
+#: token counts up to this use ``weight @ x.T`` (a GEMV-shaped product CPU BLAS streams at copy speed)
+_SMALL_BATCH_TOKENS = 32
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [T, in] @ weight[out, in].T + bias`` -> ``[T, out]``; for few tokens (decode) computed as
+    ``(weight @ x.T).T``, about 3x faster on CPU BLAS than ``F.linear`` at T = 8 (equal up to rounding)."""
+    if x.device.type != "cpu" or x.shape[0] > _SMALL_BATCH_TOKENS:
+        return F.linear(x, weight, bias)
+    y = torch.mm(weight, x.t()).t().contiguous()
+    return y if bias is None else y.add_(bias)
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as DeepSeek computes it: normalise in float32 (float64 stays float64), cast, then scale."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -362,10 +375,10 @@ class MLAAttention(torch.nn.Module):
     def _project_q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(q [T, H * (nope + rope)], normalised query latent [T, q_lora_rank] or None)``."""
         if self.dims.q_lora_rank is None:
-            return F.linear(x, self.q_proj.weight), None
-        qc = F.linear(x, self.q_a_proj.weight, self.q_a_proj.bias)
+            return _linear(x, self.q_proj.weight), None
+        qc = _linear(x, self.q_a_proj.weight, self.q_a_proj.bias)
         qc = _rms_norm(qc, self.q_a_layernorm.weight, self.dims.rms_norm_eps)
-        return F.linear(qc, self.q_b_proj.weight), qc
+        return _linear(qc, self.q_b_proj.weight), qc
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                   topk_indices: torch.Tensor | None) -> torch.Tensor:
@@ -413,7 +426,7 @@ class MLAAttention(torch.nn.Module):
 
         q, q_resid = self._project_q(x)
         q = q.view(T, H, P + R)
-        kv = F.linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
+        kv = _linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
         latent = _rms_norm(kv[:, :r], self.kv_a_layernorm.weight, d.rms_norm_eps)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         q = torch.cat([q[..., :P], self.rotary.apply(q[..., P:], cos, sin)], dim=-1)
@@ -448,7 +461,7 @@ class MLAAttention(torch.nn.Module):
                 forward_mha(q[t0:t1], latent[t0:t1], k_pe[t0:t1], cache, sub, self.kv_b_proj.weight,
                             scale=self.scale, workspace=self._workspace, out=attn[t0:t1])
         bias = self.o_proj.bias if self.tp_rank == 0 else None
-        y = F.linear(attn.view(T, H * V), self.o_proj.weight, bias)
+        y = _linear(attn.view(T, H * V), self.o_proj.weight, bias)
         return meta.to_caller_order(y)
 
     def extra_repr(self) -> str:

@@ -182,15 +182,25 @@ def test_other_latent_dims(rank, rope):
     run_case(TritonMLABackend(num_kv_splits=2), cache, meta, ql, qr)
 
 
-@pytest.mark.parametrize("q_dtype,heads", [(torch.float32, 5), (torch.float16, 20)])
-def test_dtypes_and_partial_head_blocks(q_dtype, heads):
+@pytest.mark.parametrize(
+    "q_dtype,kv_dtype,heads",
+    [
+        (torch.float32, "float32", 5),
+        (torch.float16, "float16", 20),
+        (torch.float16, "bfloat16", 16),  # mixed 16-bit: float32 dots on a GPU
+        (torch.float32, "fp8_e4m3", 33),
+    ],
+)
+def test_dtypes_and_partial_head_blocks(q_dtype, kv_dtype, heads):
+    fp8_scale = 1.5 if kv_dtype.startswith("fp8") else 1.0
     cache, meta, ql, qr = make_case(
         [1, 1],
         [25, 40],
         page=16,
         heads=heads,
         q_dtype=q_dtype,
-        kv_cache_dtype="float32" if q_dtype == torch.float32 else "float16",
+        kv_cache_dtype=kv_dtype,
+        fp8_scale=fp8_scale,
         seed=7,
     )
     run_case(TritonMLABackend(), cache, meta, ql, qr, lse_atol=2e-5)
@@ -365,3 +375,25 @@ def test_gpu_cuda_graph_capture_and_replay_with_new_lengths():
     graph.replay()
     torch.cuda.synchronize()
     assert_matches(out, lse, *reference_mqa(ql, qr, cache, meta2, SCALE), ql.dtype, lse_atol=2e-3)
+
+
+def test_launch_path_reads_no_device_values(monkeypatch):
+    # After the shared validation, nothing in the call may read a tensor's value on the host (on a GPU that
+    # would synchronise and break CUDA-graph capture): make every such read raise, then run a call.
+    import mla_backends.triton_mla.backend as backend_module
+
+    cache, meta, ql, qr = make_case([1, 3], [40, 9], page=16, seed=12)
+    real_check = backend_module.check_mqa_inputs
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a tensor value was read on the host during the launch path")
+
+    def check_then_trap(*args, **kwargs):
+        real_check(*args, **kwargs)
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+            monkeypatch.setattr(torch.Tensor, name, host_read)
+
+    monkeypatch.setattr(backend_module, "check_mqa_inputs", check_then_trap)
+    out, lse = TritonMLABackend().forward_mqa(ql, qr, cache, meta, scale=SCALE)
+    monkeypatch.undo()
+    assert_matches(out, lse, *reference_mqa(ql, qr, cache, meta, SCALE), ql.dtype)
