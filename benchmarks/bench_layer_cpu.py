@@ -69,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=64, help="page size (default 64)")
     ap.add_argument("--repeat", type=int, default=3, help="timed repetitions per round (default 3)")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of (machine rates, forward_mqa, layer step), best of each kept, so that short "
-                         "bursts of load from other processes skew no ratio (default 3)")
+                    help="rounds of (machine rates, forward_mqa, layer step), best of each kept, so that "
+                         "short bursts of load from other processes skew no ratio (default 3)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--hf-repeat", type=int, default=2, help="timed transformers steps (default 2)")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers comparison")

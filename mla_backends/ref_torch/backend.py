@@ -25,9 +25,10 @@ __all__ = ["RefTorchBackend", "WORKSPACE_ELEMENTS"]
 WORKSPACE_ELEMENTS = 1 << 26
 #: sequences at least this long are streamed in page chunks (each cached row read once, chunk kept in cache)
 STREAM_MIN_ROWS = 1024
-#: rows per request per streamed chunk (512 x 576 fp32 = 1.2 MB, about one core's L2)
-STREAM_CHUNK_ROWS = 512
-#: most requests streamed together (bounds the chunk buffer: 32 x 1.2 MB)
+#: rows per request per streamed chunk (1024 x 576 fp32 = 2.4 MB: two threads' chunks stay in an 8 MB L3;
+#: measured ~5 % faster than 512 and 768 rows on the 2-core CI machine)
+STREAM_CHUNK_ROWS = 1024
+#: most requests streamed together (bounds the chunk buffer: 32 x 2.4 MB)
 STREAM_MAX_REQUESTS = 32
 
 
@@ -137,7 +138,7 @@ class RefTorchBackend(MLABackend):
         _, H, W = q.shape
         r, bs = cache.kv_lora_rank, cache.block_size
         dev = q.device
-        qf = q.reshape(b, n * H, W)
+        qf = q.reshape(b, n * H, W) * scale  # the scale folded into the queries once
         per = max(1, STREAM_CHUNK_ROWS // bs)  # pages per chunk
         pages = [-(-s // bs) for s in seq_lens]
         ids = block_rows[:, : max(pages)].long().clone()
@@ -159,7 +160,7 @@ class RefTorchBackend(MLABackend):
             kv = kv.view(b, rows, cache.row_width)
             if not direct:
                 kv = cache.dequantize(kv, q.dtype)
-            s = torch.bmm(qf, kv.transpose(1, 2)).mul_(scale)  # [b, n * H, rows]
+            s = torch.bmm(qf, kv.transpose(1, 2))  # [b, n * H, rows], scaled
             pos0, pos1 = p0 * bs, p0 * bs + rows
             if pos1 - 1 > min(context_lens):  # the causal / length edge of some request is in this chunk
                 hidden = torch.arange(pos0, pos1, device=dev)[None, None, :] > limit[:, :, None]
@@ -168,7 +169,7 @@ class RefTorchBackend(MLABackend):
             safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
             p = torch.exp(s - safe[..., None])
             alpha = torch.exp(m - safe)
-            acc.mul_(alpha[..., None]).add_(torch.bmm(p, kv[..., :r]))
+            acc = torch.baddbmm(acc.mul_(alpha[..., None]), p, kv[..., :r])
             l_sum = l_sum * alpha + p.sum(dim=-1)
             m = m_new
         lse = torch.where(l_sum > 0, m + torch.log(l_sum), torch.full_like(l_sum, float("-inf")))
