@@ -19,9 +19,32 @@ from .dtypes import (
     kv_cache_torch_dtype,
     parse_model_dtype,
 )
-from .validation import require_int, require_tensor
+from .validation import require_int, require_on_device, require_tensor
 
-__all__ = ["LatentKVCache"]
+__all__ = ["LatentKVCache", "check_slot_mapping", "block_table_slots"]
+
+
+def check_slot_mapping(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """``slot_mapping [T]`` values must be ``-1`` (skip the token) or a slot in ``[0, num_blocks * block_size)``.
+
+    Reads the tensor's min/max (a host sync on GPU tensors); an empty mapping passes.
+    """
+    if slot_mapping.numel():
+        num_slots = num_blocks * block_size
+        lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+        if lo < -1 or hi >= num_slots:
+            raise ValueError(f"slot_mapping: got values in [{lo}, {hi}]; supported -1 (skip) or "
+                             f"[0, {num_slots - 1}] for {num_blocks} blocks of {block_size}")
+
+
+def block_table_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat slots ``[length]`` int64 of positions ``0..length-1`` of one sequence, from its block-table row.
+
+    ``slot = block_table_row[pos // block_size] * block_size + pos % block_size``.
+    """
+    require_int("length", length, minimum=0)
+    pos = torch.arange(length, device=block_table_row.device)
+    return block_table_row.long()[pos // block_size] * block_size + pos % block_size
 
 
 class LatentKVCache:
@@ -149,15 +172,8 @@ class LatentKVCache:
                        dtypes=(torch.int32, torch.int64))
         if not kv_c.is_floating_point() or not k_pe.is_floating_point():
             raise TypeError(f"kv_c/k_pe: got dtypes {kv_c.dtype}/{k_pe.dtype}; supported floating point")
-        for name, t in (("kv_c", kv_c), ("k_pe", k_pe), ("slot_mapping", slot_mapping)):
-            if t.device != self.device:
-                raise ValueError(f"{name}: got device {t.device}; supported the cache's device {self.device}")
-        if slot_mapping.numel():
-            lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-            if lo < -1 or hi >= self.num_slots:
-                raise ValueError(f"slot_mapping: got values in [{lo}, {hi}]; supported -1 (skip) or "
-                                 f"[0, {self.num_slots - 1}] for {self.num_blocks} blocks of "
-                                 f"{self.block_size}")
+        require_on_device(self.device, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
+        check_slot_mapping(slot_mapping, self.num_blocks, self.block_size)
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].long()
         rows = torch.cat([kv_c[keep], k_pe[keep]], dim=-1)
@@ -186,6 +202,4 @@ class LatentKVCache:
         self, block_table_row: torch.Tensor, length: int, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
         """Rows ``[length, row_width]`` of one sequence, in position order, from its block-table row."""
-        pos = torch.arange(length, device=self.device)
-        slots = block_table_row.long()[pos // self.block_size] * self.block_size + pos % self.block_size
-        return self.read_slots(slots, dtype)
+        return self.read_slots(block_table_slots(block_table_row, length, self.block_size), dtype)

@@ -24,7 +24,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["MLADims", "RopeScaling", "IndexerDims", "yarn_mscale"]
+__all__ = ["MLADims", "RopeScaling", "IndexerDims", "yarn_mscale", "read_config_json"]
+
+
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed ``config.json`` at ``path``, or inside ``path`` when it is a folder (a checkpoint's)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"config: got path {path!r}; supported a config.json file or a folder holding one")
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -218,14 +229,9 @@ class MLADims:
         """
         if isinstance(config, MLADims):
             return config
+        d: Mapping[str, Any]
         if isinstance(config, (str, os.PathLike)):
-            path = os.fspath(config)
-            if os.path.isdir(path):
-                path = os.path.join(path, "config.json")
-            if not os.path.isfile(path):
-                raise ValueError(f"config: got path {path!r}; supported a config.json file or a folder holding one")
-            with open(path, encoding="utf-8") as fh:
-                d: Mapping[str, Any] = json.load(fh)
+            d = read_config_json(config)
         elif isinstance(config, Mapping):
             d = config
         elif hasattr(config, "to_dict"):

@@ -26,14 +26,13 @@ With ``attention_bias`` the config adds ``q_a_proj.bias``, ``kv_a_proj_with_mqa.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .dims import MLADims
+from .dims import MLADims, read_config_json
 
 __all__ = ["expected_hf_shapes", "check_hf_state_dict", "shard_hf_tensor", "fold_kv_b", "hf_attention_bias",
            "random_hf_state_dict", "StateDictError"]
@@ -60,11 +59,7 @@ def hf_attention_bias(config: Any) -> bool:
     if isinstance(config, MLADims):
         return False
     if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        if os.path.isdir(path):
-            path = os.path.join(path, "config.json")
-        with open(path, encoding="utf-8") as fh:
-            config = json.load(fh)
+        config = read_config_json(config)
     if isinstance(config, Mapping):
         return bool(config.get("attention_bias", False))
     return bool(getattr(config, "attention_bias", False))

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["require_tensor", "require_int", "require_same_device"]
+__all__ = ["require_tensor", "require_int", "require_same_device", "require_on_device"]
 
 
 def require_tensor(
@@ -55,3 +55,10 @@ def require_same_device(**tensors: torch.Tensor) -> None:
     if len(set(devices.values())) > 1:
         listing = ", ".join(f"{k} on {v}" for k, v in devices.items())
         raise ValueError(f"tensors on different devices: got {listing}; supported all on one device")
+
+
+def require_on_device(device: torch.device, owner: str = "the cache's", **tensors: torch.Tensor) -> None:
+    """Check that every named tensor lives on ``device`` (``owner`` names whose device it is in the message)."""
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(f"{name}: got device {t.device}; supported {owner} device {device}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 # the deliberately broken test plugin lives outside .venv (see the Makefile) so that normal commands
@@ -22,3 +23,16 @@ if os.path.isdir(_TEST_SITE) and _TEST_SITE not in sys.path:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", os.path.join(os.path.dirname(__file__), "..", ".pytest_cache"))
+
+
+@pytest.fixture
+def one_thread():
+    """Run a test on one torch thread, restoring the previous count afterwards.
+
+    Tiny float64 ops and matmuls are dominated by thread hand-offs on a loaded 2-core machine. Modules opt in
+    with ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+    """
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -102,13 +102,3 @@ def run_schedule(layer, cache, block_table: torch.Tensor, xs: list[torch.Tensor]
 #: prefill of three requests of different lengths, three decode steps, then a mixed step where request 1
 #: decodes while 0 and 2 extend by 4 and 9 over their cached prefixes (decodes are not first in caller order)
 SCHEDULE = [[5, 11, 3], [1, 1, 1], [1, 1, 1], [1, 1, 1], [4, 1, 9]]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny float64 ops are dominated by thread hand-offs on a loaded 2-core machine: run them on one thread.
-    (Autouse in every test module that imports it.)"""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

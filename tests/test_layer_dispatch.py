@@ -7,10 +7,7 @@ import json
 
 import pytest
 import torch
-from layer_cases import (
-    one_thread,  # noqa: F401 (autouse fixture)
-    tiny_config,
-)
+from layer_cases import tiny_config
 
 import mla_backends.layer as layer_mod
 from mla_backends.backend import QueryLenSupport
@@ -24,6 +21,8 @@ from mla_backends.dispatch import (
 from mla_backends.hf_loading import random_hf_state_dict
 from mla_backends.layer import MLAAttention
 from mla_backends.metadata import BatchMetadata
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_per_request_policy_uses_backend_or_own_threshold():

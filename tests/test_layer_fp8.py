@@ -11,13 +11,14 @@ import pytest
 import torch
 from layer_cases import (
     hf_attention,
-    one_thread,  # noqa: F401 (autouse fixture)
     run_schedule,
     scattered_block_tables,
     tiny_config,
 )
 
 from mla_backends.layer import MLAAttention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 TOLERANCE = {"fp8_e4m3": (0.03, 0.06), "fp8_e5m2": (0.05, 0.10)}
 STEPS = [[40, 25, 3], [1, 1, 1], [1, 6, 1], [5, 1, 9]]

@@ -13,7 +13,6 @@ from layer_cases import (
     SCHEDULE,
     hf_attention,
     hf_full_sequence,
-    one_thread,  # noqa: F401 (autouse fixture)
     run_schedule,
     scattered_block_tables,
     tiny_config,
@@ -21,6 +20,8 @@ from layer_cases import (
 
 from mla_backends.dispatch import PerBatchPolicy, PerRequestPolicy
 from mla_backends.layer import MLAAttention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 RTOL = 1e-6
 

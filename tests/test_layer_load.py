@@ -7,7 +7,6 @@ import pytest
 import torch
 from layer_cases import (
     hf_attention,
-    one_thread,  # noqa: F401 (autouse fixture)
     tiny_config,
 )
 
@@ -15,6 +14,8 @@ from mla_backends.dims import MLADims
 from mla_backends.hf_loading import StateDictError, expected_hf_shapes, random_hf_state_dict
 from mla_backends.layer import MLAAttention
 from mla_backends.metadata import BatchMetadata
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _layer(**kw):

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layer_cases import one_thread  # noqa: F401 (autouse fixture)
 
 from mla_backends.cache import LatentKVCache
 from mla_backends.metadata import BatchMetadata
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.ref_torch.backend import STREAM_CHUNK_ROWS, STREAM_MIN_ROWS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 H, r, R = 2, 16, 8
 

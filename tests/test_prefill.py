@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from layer_cases import one_thread  # noqa: F401 (autouse fixture)
 
 from mla_backends.cache import LatentKVCache
 from mla_backends.metadata import BatchMetadata
@@ -18,6 +17,8 @@ from mla_backends.prefill import (
     forward_mha,
     merge_attention_states,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 H, P, R, V, r = 3, 8, 4, 6, 10
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from layer_cases import (
-    one_thread,  # noqa: F401 (autouse fixture)
-    tiny_config,
-)
+from layer_cases import tiny_config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
     apply_rotary_pos_emb,
@@ -17,6 +14,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 
 from mla_backends.dims import MLADims, RopeScaling
 from mla_backends.rope import RotaryEmbedding, rope_inv_freq
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("interleave", [True, False])

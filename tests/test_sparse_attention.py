@@ -13,13 +13,7 @@ R, ROPE, H, BS = 32, 8, 3, 4
 QLENS, CTXS = [1, 1, 6, 0, 3], [13, 4, 0, 7, 9]  # decodes, a fresh prefill, an idle request, an extend
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny float64 ops are dominated by thread hand-offs on a loaded 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def setup_batch(dtype: torch.dtype, kv_cache_dtype: str, seed: int = 0):

@@ -12,13 +12,7 @@ from mla_backends.sparse.indexer_cache import indexer_bytes_per_token, pack_rows
 E4M3_MAX = 448.0
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny float64 ops are dominated by thread hand-offs on a loaded 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ref_scales(x: torch.Tensor) -> torch.Tensor:

@@ -13,14 +13,7 @@ from mla_backends import BatchMetadata, IndexerDims, MLADims
 from mla_backends.sparse import Indexer, IndexerKeyCache, hadamard_matrix, index_scores
 from mla_backends.sparse import indexer as indexer_mod
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny float64 ops are dominated by thread hand-offs on a loaded 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 HIDDEN, Q_LORA, N_HEADS, HEAD_DIM, ROPE = 48, 24, 16, 128, 16

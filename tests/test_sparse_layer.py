@@ -20,13 +20,7 @@ from transformers import DeepseekV32Config  # noqa: E402
 RTOL = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny float64 ops are dominated by thread hand-offs on a loaded 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def v32_config(topk: int = 4, layers: int = 1) -> DeepseekV32Config:

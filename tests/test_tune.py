@@ -16,14 +16,7 @@ from mla_backends.dims import MLADims
 from mla_backends.dispatch import ThresholdTable as ContextThresholds
 from mla_backends.metadata import BatchMetadata
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls on a loaded 2-core machine are far faster on one thread; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = MLADims(
@@ -200,26 +193,15 @@ def test_progress_bar_draws_and_finishes():
 
 
 # ---- the CLI ---------------------------------------------------------------------------------------------
+def _quick_tune_args(backend: str, *, query_lens: str, contexts: str) -> list[str]:
+    """``tune --quick`` of one backend on DeepSeek-V2-Lite at TP 8 (2 heads) over a tiny grid."""
+    return ["tune", "--model", "deepseek-v2-lite", "--tp", "8", "--backend", backend, "--quick",
+            "--query-lens", query_lens, "--contexts", contexts]
+
+
 def test_tune_cli_writes_a_loadable_table(tmp_path, capsys):
     out = tmp_path / "thresholds.json"
-    rc = main(
-        [
-            "tune",
-            "--model",
-            "deepseek-v2-lite",
-            "--tp",
-            "8",
-            "--backend",
-            "REF_TORCH",
-            "--quick",
-            "--query-lens",
-            "1,2",
-            "--contexts",
-            "16",
-            "--output",
-            str(out),
-        ]
-    )
+    rc = main(_quick_tune_args("REF_TORCH", query_lens="1,2", contexts="16") + ["--output", str(out)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "measured crossover" in captured.out and "REF_TORCH" in captured.out
@@ -228,23 +210,7 @@ def test_tune_cli_writes_a_loadable_table(tmp_path, capsys):
     assert table.backend_names == ("REF_TORCH",)
     assert table.info["model"]["num_heads"] == 2 and table.info["model"]["tp"] == 8
 
-    rc = main(
-        [
-            "tune",
-            "--model",
-            "deepseek-v2-lite",
-            "--tp",
-            "8",
-            "--backend",
-            "ref_torch",
-            "--quick",
-            "--query-lens",
-            "1",
-            "--contexts",
-            "8",
-            "--json",
-        ]
-    )
+    rc = main(_quick_tune_args("ref_torch", query_lens="1", contexts="8") + ["--json"])
     data = json.loads(capsys.readouterr().out)
     assert rc == 0 and data["format"] == tuning.TABLE_FORMAT
     assert math.isclose(data["modelled_asymptotic_query_threshold"], 512 * 256 / 768)

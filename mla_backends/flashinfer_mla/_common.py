@@ -15,6 +15,7 @@ from ..backend import AttentionSpec, MLABackend
 from ..cache import LatentKVCache
 from ..dtypes import FP8_CACHE_DTYPES, dtype_name
 from ..metadata import BatchMetadata
+from ..mqa_inputs import check_mqa_inputs
 from . import _install
 from .api import WORKSPACE_BYTES
 
@@ -28,6 +29,8 @@ __all__ = [
     "dense_block_table",
     "cached_block_table",
     "scale_ratio",
+    "output_buffers",
+    "deliver_outputs",
     "FP8_E4M3_MAX",
 ]
 
@@ -103,6 +106,31 @@ def pack_query(q_latent: torch.Tensor, q_rope: torch.Tensor, *, num_heads: int, 
             q.mul_(multiplier)
         q = q.to(dtype)
     return q
+
+
+def output_buffers(q_latent: torch.Tensor, out: torch.Tensor | None, lse_out: torch.Tensor | None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a kernel writes: ``out [T, H, r]`` / ``lse_out [T, H]`` themselves when contiguous, otherwise
+    fresh contiguous buffers (the query's dtype / float32) on the query's device."""
+    T, H, _ = q_latent.shape
+    result = out if out is not None and out.is_contiguous() else torch.empty_like(
+        q_latent, memory_format=torch.contiguous_format)
+    lse = lse_out if lse_out is not None and lse_out.is_contiguous() else torch.empty(
+        T, H, dtype=torch.float32, device=q_latent.device)
+    return result, lse
+
+
+def deliver_outputs(result: torch.Tensor, lse: torch.Tensor, out: torch.Tensor | None,
+                    lse_out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copy what :func:`output_buffers` allocated into the caller's non-contiguous ``out``/``lse_out``;
+    returns the tensors to hand back (the caller's buffers when given)."""
+    if out is not None and result is not out:
+        out.copy_(result)
+        result = out
+    if lse_out is not None and lse is not lse_out:
+        lse_out.copy_(lse)
+        lse = lse_out
+    return result, lse
 
 
 def live_pages(meta: BatchMetadata) -> list[int]:
@@ -186,6 +214,32 @@ class FlashInferBackendBase(MLABackend):
         return []
 
     # ---- helpers for subclasses --------------------------------------------------------------------------
+    def _check_forward_inputs(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                              meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                              out: torch.Tensor | None, lse_out: torch.Tensor | None) -> None:
+        """The checks every FlashInfer ``forward_mqa`` runs first, against this backend's :attr:`capabilities`.
+
+        In order: :func:`check_mqa_inputs`; no ``topk_indices`` (dense only); no ``lse_out`` unless the backend
+        returns an LSE; the query dtype ``q_latent [T, H, r]``; the cache dtype; a non-fp8 cache holding the
+        query's dtype; the (kv_lora_rank, qk_rope_head_dim) pair; the page size. Backend-specific checks (heads,
+        query lengths, the CUDA device) stay in each backend, after this.
+        """
+        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
+                         lse_out=lse_out)
+        if topk_indices is not None:
+            raise ValueError(f"topk_indices: got a tensor; supported None ({self.name} is dense only)")
+        caps = self.capabilities
+        if lse_out is not None and not caps.returns_lse:
+            raise ValueError(f"lse_out: got a tensor; supported None ({self.name} returns no LSE)")
+        self._require_dtype("q_latent", q_latent.dtype, caps.dtypes)
+        self._require_kv_dtype(cache, caps.kv_cache_dtypes)
+        if not cache.is_fp8 and cache.data.dtype != q_latent.dtype:
+            fp8 = " or fp8_e4m3" if "fp8_e4m3" in caps.kv_cache_dtypes else ""
+            raise TypeError(f"cache.kv_cache_dtype: got {cache.kv_cache_dtype} with "
+                            f"{dtype_name(q_latent.dtype)} queries; supported the query dtype{fp8}")
+        self._require_dims(cache, caps.dims)
+        self._require_page_size(cache, caps.page_sizes)
+
     @staticmethod
     def _resolved_kv(spec: AttentionSpec) -> str | None:
         try:

@@ -26,6 +26,8 @@ Import only the submodules used here: importing every flashinfer submodule in on
 from __future__ import annotations
 
 import functools
+import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -57,36 +59,21 @@ QK_NOPE_HEAD_DIM_PLACEHOLDER = 128
 
 
 # ---- lazy loaders (the only places flashinfer is imported) ----------------------------------------------
-@functools.cache
-def load_wrapper_class() -> type:
-    """``flashinfer.mla.BatchMLAPagedAttentionWrapper`` (imports flashinfer.mla on first call, ~5 s)."""
-    from flashinfer.mla import BatchMLAPagedAttentionWrapper
+def _lazy_loader(module: str, name: str, note: str = "") -> Callable[[], Any]:
+    """A cached no-argument function returning ``module.name``; the import runs on its first call only."""
 
-    return BatchMLAPagedAttentionWrapper
+    @functools.cache
+    def load() -> Any:
+        return getattr(importlib.import_module(module), name)
 
-
-@functools.cache
-def load_plan_metadata_class() -> type:
-    """``flashinfer.mla.MLAPlanMetadata``."""
-    from flashinfer.mla import MLAPlanMetadata
-
-    return MLAPlanMetadata
+    load.__doc__ = f"``{module}.{name}`` (imported on the first call{note})."
+    return load
 
 
-@functools.cache
-def load_trtllm_decode() -> Any:
-    """``flashinfer.decode.trtllm_batch_decode_with_kv_cache_mla``."""
-    from flashinfer.decode import trtllm_batch_decode_with_kv_cache_mla
-
-    return trtllm_batch_decode_with_kv_cache_mla
-
-
-@functools.cache
-def load_xqa_decode() -> Any:
-    """``flashinfer.decode.xqa_batch_decode_with_kv_cache_mla``."""
-    from flashinfer.decode import xqa_batch_decode_with_kv_cache_mla
-
-    return xqa_batch_decode_with_kv_cache_mla
+load_wrapper_class = _lazy_loader("flashinfer.mla", "BatchMLAPagedAttentionWrapper", ", ~5 s")
+load_plan_metadata_class = _lazy_loader("flashinfer.mla", "MLAPlanMetadata")
+load_trtllm_decode = _lazy_loader("flashinfer.decode", "trtllm_batch_decode_with_kv_cache_mla")
+load_xqa_decode = _lazy_loader("flashinfer.decode", "xqa_batch_decode_with_kv_cache_mla")
 
 
 # ---- keyword builders ---------------------------------------------------------------------------------
@@ -109,9 +96,11 @@ def wrapper_init_kwargs(workspace: torch.Tensor, fi_backend: str) -> dict[str, A
     return {"float_workspace_buffer": workspace, "backend": fi_backend}
 
 
-def fa_plan_kwargs(metadata: Any, *, num_heads: int, kv_lora_rank: int, rope_dim: int, page_size: int,
-                   sm_scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, Any]:
-    """``plan()`` keywords for fa2/fa3: CSR metadata, split query and cache views, natural-log LSE."""
+def _plan_kwargs(metadata: Any, *, num_heads: int, kv_lora_rank: int, rope_dim: int, page_size: int,
+                 sm_scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype, layout: str,
+                 lse_mode: str) -> dict[str, Any]:
+    """``BatchMLAPagedAttentionWrapper.plan()`` keywords shared by fa2/fa3 and cutlass (causal attention;
+    ``layout`` is the query and cache layout, ``split`` or ``packed``)."""
     return {
         "metadata": metadata,
         "num_heads": num_heads,
@@ -122,10 +111,18 @@ def fa_plan_kwargs(metadata: Any, *, num_heads: int, kv_lora_rank: int, rope_dim
         "sm_scale": float(sm_scale),
         "q_data_type": q_dtype,
         "kv_data_type": kv_dtype,
-        "query_layout": "split",
-        "kv_cache_layout": "split",
-        "lse_mode": "basee",
+        "query_layout": layout,
+        "kv_cache_layout": layout,
+        "lse_mode": lse_mode,
     }
+
+
+def fa_plan_kwargs(metadata: Any, *, num_heads: int, kv_lora_rank: int, rope_dim: int, page_size: int,
+                   sm_scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> dict[str, Any]:
+    """``plan()`` keywords for fa2/fa3: CSR metadata, split query and cache views, natural-log LSE."""
+    return _plan_kwargs(metadata, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                        page_size=page_size, sm_scale=sm_scale, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                        layout="split", lse_mode="basee")
 
 
 def fa_run_kwargs(q_latent: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, *,
@@ -148,20 +145,9 @@ def fa_run_kwargs(q_latent: torch.Tensor, q_rope: torch.Tensor, ckv: torch.Tenso
 def cutlass_plan_kwargs(metadata: Any, *, kv_lora_rank: int, rope_dim: int, page_size: int, sm_scale: float,
                         dtype: torch.dtype) -> dict[str, Any]:
     """``plan()`` keywords for cutlass: dense metadata, 128 heads, packed layouts, no LSE."""
-    return {
-        "metadata": metadata,
-        "num_heads": 128,
-        "head_dim_ckv": kv_lora_rank,
-        "head_dim_kpe": rope_dim,
-        "page_size": page_size,
-        "causal": True,
-        "sm_scale": float(sm_scale),
-        "q_data_type": dtype,
-        "kv_data_type": dtype,
-        "query_layout": "packed",
-        "kv_cache_layout": "packed",
-        "lse_mode": "none",
-    }
+    return _plan_kwargs(metadata, num_heads=128, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                        page_size=page_size, sm_scale=sm_scale, q_dtype=dtype, kv_dtype=dtype, layout="packed",
+                        lse_mode="none")
 
 
 def cutlass_run_kwargs(query: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor, *,
@@ -170,11 +156,10 @@ def cutlass_run_kwargs(query: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor
     return {"query": query, "kv_cache": (ckv, kpe), "out": out}
 
 
-def trtllm_kwargs(query: torch.Tensor, kv_cache: torch.Tensor, workspace: torch.Tensor, *,
-                  kv_lora_rank: int, rope_dim: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  max_seq_len: int, out: torch.Tensor, lse: torch.Tensor,
-                  bmm1_scale: float | torch.Tensor, bmm2_scale: float | torch.Tensor) -> dict[str, Any]:
-    """``trtllm_batch_decode_with_kv_cache_mla`` keywords (explicit trtllm-gen, natural-log LSE)."""
+def _decode_kwargs(query: torch.Tensor, kv_cache: torch.Tensor, workspace: torch.Tensor, *, kv_lora_rank: int,
+                   rope_dim: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                   out: torch.Tensor) -> dict[str, Any]:
+    """Keywords shared by FlashInfer's trtllm-gen and XQA MLA decode functions (one packed 576-wide cache)."""
     return {
         "query": query,
         "kv_cache": kv_cache,
@@ -186,6 +171,17 @@ def trtllm_kwargs(query: torch.Tensor, kv_cache: torch.Tensor, workspace: torch.
         "seq_lens": seq_lens,
         "max_seq_len": int(max_seq_len),
         "out": out,
+    }
+
+
+def trtllm_kwargs(query: torch.Tensor, kv_cache: torch.Tensor, workspace: torch.Tensor, *,
+                  kv_lora_rank: int, rope_dim: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  max_seq_len: int, out: torch.Tensor, lse: torch.Tensor,
+                  bmm1_scale: float | torch.Tensor, bmm2_scale: float | torch.Tensor) -> dict[str, Any]:
+    """``trtllm_batch_decode_with_kv_cache_mla`` keywords (explicit trtllm-gen, natural-log LSE)."""
+    return {
+        **_decode_kwargs(query, kv_cache, workspace, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                         block_tables=block_tables, seq_lens=seq_lens, max_seq_len=max_seq_len, out=out),
         "bmm1_scale": bmm1_scale,
         "bmm2_scale": bmm2_scale,
         "backend": "trtllm-gen",
@@ -200,16 +196,8 @@ def xqa_kwargs(query: torch.Tensor, kv_cache: torch.Tensor, workspace: torch.Ten
                out: torch.Tensor, bmm1_scale: float, bmm2_scale: float) -> dict[str, Any]:
     """``xqa_batch_decode_with_kv_cache_mla`` keywords (float scales: the wrapper-safe form)."""
     return {
-        "query": query,
-        "kv_cache": kv_cache,
-        "workspace_buffer": workspace,
-        "qk_nope_head_dim": QK_NOPE_HEAD_DIM_PLACEHOLDER,
-        "kv_lora_rank": kv_lora_rank,
-        "qk_rope_head_dim": rope_dim,
-        "block_tables": block_tables,
-        "seq_lens": seq_lens,
-        "max_seq_len": int(max_seq_len),
-        "out": out,
+        **_decode_kwargs(query, kv_cache, workspace, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                         block_tables=block_tables, seq_lens=seq_lens, max_seq_len=max_seq_len, out=out),
         "bmm1_scale": float(bmm1_scale),
         "bmm2_scale": float(bmm2_scale),
     }

@@ -19,14 +19,15 @@ from ..backend import AttentionSpec, Capabilities, QueryLenSupport
 from ..cache import LatentKVCache
 from ..dtypes import dtype_name
 from ..metadata import BatchMetadata
-from ..mqa_inputs import check_mqa_inputs
 from . import api
 from ._common import (
     FlashInferBackendBase,
     PlanSlot,
     cached_block_table,
+    deliver_outputs,
     ensure_planned,
     live_pages,
+    output_buffers,
     pack_query,
     scale_ratio,
     workspace_for,
@@ -154,17 +155,8 @@ class FlashInferMLABackend(FlashInferBackendBase):
                     meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
-                         lse_out=lse_out)
-        if topk_indices is not None:
-            raise ValueError("topk_indices: got a tensor; supported None (FLASHINFER_MLA is dense only)")
-        caps = self.capabilities
-        self._require_dtype("q_latent", q_latent.dtype, caps.dtypes)
-        self._require_kv_dtype(cache, caps.kv_cache_dtypes)
-        self._require_dims(cache, caps.dims)
-        if not cache.is_fp8 and cache.data.dtype != q_latent.dtype:
-            raise TypeError(f"cache.kv_cache_dtype: got {cache.kv_cache_dtype} with "
-                            f"{dtype_name(q_latent.dtype)} queries; supported the query dtype or fp8_e4m3")
+        self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
+                                   out=out, lse_out=lse_out)
         self._require_cuda(cache, self.name)
         if cache.is_fp8:
             cc = torch.cuda.get_device_capability(cache.device)
@@ -180,10 +172,7 @@ class FlashInferMLABackend(FlashInferBackendBase):
         """Plan (once per batch) and run; inputs already validated. ``fi_backend`` overrides fa2/fa3."""
         T, H, r = q_latent.shape
         dev = cache.device
-        result = out if out is not None and out.is_contiguous() else torch.empty_like(q_latent,
-                                                                                      memory_format=torch.contiguous_format)
-        lse = lse_out if lse_out is not None and lse_out.is_contiguous() else torch.empty(
-            T, H, dtype=torch.float32, device=dev)
+        result, lse = output_buffers(q_latent, out, lse_out)
         if T:
             fi_backend = fi_backend or fa_backend_for(dev)
             slot = wrapper_slot(dev, fi_backend)
@@ -195,13 +184,7 @@ class FlashInferMLABackend(FlashInferBackendBase):
             fp8_scale = cache.scale_value if cache.is_fp8 else None  # host sync for fp8 caches only
             slot.wrapper.run(**api.fa_run_kwargs(q_latent.contiguous(), q_rope.contiguous(), cache.latent,
                                                  cache.rope, out=result, lse=lse, fp8_scale=fp8_scale))
-        if out is not None and result is not out:
-            out.copy_(result)
-            result = out
-        if lse_out is not None and lse is not lse_out:
-            lse_out.copy_(lse)
-            lse = lse_out
-        return result, lse
+        return deliver_outputs(result, lse, out, lse_out)
 
 
 class FlashInferCutlassMLABackend(FlashInferBackendBase):
@@ -240,20 +223,8 @@ class FlashInferCutlassMLABackend(FlashInferBackendBase):
                     meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, None]:
-        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
-                         lse_out=lse_out)
-        if topk_indices is not None:
-            raise ValueError(f"topk_indices: got a tensor; supported None ({self.name} is dense only)")
-        if lse_out is not None:
-            raise ValueError(f"lse_out: got a tensor; supported None ({self.name} returns no LSE)")
-        caps = self.capabilities
-        self._require_dtype("q_latent", q_latent.dtype, caps.dtypes)
-        self._require_kv_dtype(cache, caps.kv_cache_dtypes)
-        if cache.data.dtype != q_latent.dtype:
-            raise TypeError(f"cache.kv_cache_dtype: got {cache.kv_cache_dtype} with "
-                            f"{dtype_name(q_latent.dtype)} queries; supported the query dtype")
-        self._require_dims(cache, caps.dims)
-        self._require_page_size(cache, caps.page_sizes)
+        self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
+                                   out=out, lse_out=lse_out)
         self._require_heads(q_latent.shape[1], max_heads=self.KERNEL_HEADS)
         self._require_single_token(meta)
         if not cache.data.is_contiguous():

@@ -18,9 +18,16 @@ import torch
 from ..backend import AttentionSpec, Capabilities, QueryLenSupport
 from ..cache import LatentKVCache
 from ..metadata import BatchMetadata
-from ..mqa_inputs import check_mqa_inputs
 from . import api
-from ._common import FP8_E4M3_MAX, FlashInferBackendBase, cached_block_table, pack_query, workspace_for
+from ._common import (
+    FP8_E4M3_MAX,
+    FlashInferBackendBase,
+    cached_block_table,
+    deliver_outputs,
+    output_buffers,
+    pack_query,
+    workspace_for,
+)
 
 __all__ = ["FlashInferTrtllmMLABackend"]
 
@@ -62,15 +69,8 @@ class FlashInferTrtllmMLABackend(FlashInferBackendBase):
                     meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
-                         lse_out=lse_out)
-        if topk_indices is not None:
-            raise ValueError(f"topk_indices: got a tensor; supported None ({self.name} is dense only)")
-        caps = self.capabilities
-        self._require_dtype("q_latent", q_latent.dtype, caps.dtypes)
-        self._require_kv_dtype(cache, caps.kv_cache_dtypes)
-        self._require_dims(cache, caps.dims)
-        self._require_page_size(cache, caps.page_sizes)
+        self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
+                                   out=out, lse_out=lse_out)
         if not self.heads_ok(q_latent.shape[1]):
             raise ValueError(f"q_latent: got {q_latent.shape[1]} heads; supported {self.HEADS_TEXT}")
         if not meta.is_uniform_query_len or 0 in meta.query_lens_list:
@@ -85,10 +85,7 @@ class FlashInferTrtllmMLABackend(FlashInferBackendBase):
         """Build the call and run it; inputs already validated."""
         T, H, r = q_latent.shape
         dev = cache.device
-        result = out if out is not None and out.is_contiguous() else torch.empty(
-            T, H, r, dtype=q_latent.dtype, device=dev)
-        lse = lse_out if lse_out is not None and lse_out.is_contiguous() else torch.empty(
-            T, H, dtype=torch.float32, device=dev)
+        result, lse = output_buffers(q_latent, out, lse_out)
         if T:
             B = meta.num_requests
             q_len = T // B
@@ -110,10 +107,4 @@ class FlashInferTrtllmMLABackend(FlashInferBackendBase):
                 kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim, block_tables=cached_block_table(meta),
                 seq_lens=meta.seq_lens, max_seq_len=meta.max_seq_len, out=result.view(B, q_len, H, r),
                 lse=lse, bmm1_scale=bmm1, bmm2_scale=bmm2))
-        if out is not None and result is not out:
-            out.copy_(result)
-            result = out
-        if lse_out is not None and lse is not lse_out:
-            lse_out.copy_(lse)
-            lse = lse_out
-        return result, lse
+        return deliver_outputs(result, lse, out, lse_out)

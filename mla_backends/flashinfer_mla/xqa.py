@@ -17,9 +17,7 @@ import torch
 
 from ..backend import AttentionSpec, Capabilities, QueryLenSupport
 from ..cache import LatentKVCache
-from ..dtypes import dtype_name
 from ..metadata import BatchMetadata
-from ..mqa_inputs import check_mqa_inputs
 from . import api
 from ._common import FP8_E4M3_MAX, FlashInferBackendBase, cached_block_table, pack_query, workspace_for
 
@@ -55,20 +53,8 @@ class FlashInferXqaMLABackend(FlashInferBackendBase):
                     meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, None]:
-        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
-                         lse_out=lse_out)
-        if topk_indices is not None:
-            raise ValueError(f"topk_indices: got a tensor; supported None ({self.name} is dense only)")
-        if lse_out is not None:
-            raise ValueError(f"lse_out: got a tensor; supported None ({self.name} returns no LSE)")
-        caps = self.capabilities
-        self._require_dtype("q_latent", q_latent.dtype, caps.dtypes)
-        self._require_kv_dtype(cache, caps.kv_cache_dtypes)
-        if not cache.is_fp8 and cache.data.dtype != q_latent.dtype:
-            raise TypeError(f"cache.kv_cache_dtype: got {cache.kv_cache_dtype} with "
-                            f"{dtype_name(q_latent.dtype)} queries; supported bfloat16 or fp8_e4m3")
-        self._require_dims(cache, caps.dims)
-        self._require_page_size(cache, caps.page_sizes)
+        self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
+                                   out=out, lse_out=lse_out)
         self._require_heads(q_latent.shape[1], max_heads=self.KERNEL_HEADS)
         self._require_single_token(meta)
         self._require_cuda(cache, self.name)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import LatentKVCache
+from ..cache import LatentKVCache, block_table_slots, check_slot_mapping
 from ..dims import MLADims
-from ..validation import require_int, require_tensor
+from ..validation import require_int, require_on_device, require_tensor
 
 __all__ = [
     "IndexerKeyCache",
@@ -223,14 +223,8 @@ class IndexerKeyCache:
         if not k.is_floating_point():
             raise TypeError(f"k: got dtype {k.dtype}; supported floating point")
         require_tensor("slot_mapping", slot_mapping, shape=(k.shape[0],), dtypes=(torch.int32, torch.int64))
-        for name, t in (("k", k), ("slot_mapping", slot_mapping)):
-            if t.device != self.device:
-                raise ValueError(f"{name}: got device {t.device}; supported the cache's device {self.device}")
-        if slot_mapping.numel():
-            lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
-            if lo < -1 or hi >= self.num_slots:
-                raise ValueError(f"slot_mapping: got values in [{lo}, {hi}]; supported -1 (skip) or "
-                                 f"[0, {self.num_slots - 1}] ({self.num_blocks} blocks of {self.block_size})")
+        require_on_device(self.device, k=k, slot_mapping=slot_mapping)
+        check_slot_mapping(slot_mapping, self.num_blocks, self.block_size)
         keep = slot_mapping >= 0
         flat = self.data.view(-1, self.row_width)
         flat[slot_mapping[keep].long()] = self.quantize(k[keep])
@@ -242,10 +236,7 @@ class IndexerKeyCache:
     def gather(self, block_table_row: torch.Tensor, length: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Keys ``[length, head_dim]`` of one sequence, in position order, from its block-table row."""
-        require_int("length", length, minimum=0)
-        pos = torch.arange(length, device=self.device)
-        slots = block_table_row.long()[pos // self.block_size] * self.block_size + pos % self.block_size
-        return self.read_slots(slots, dtype)
+        return self.read_slots(block_table_slots(block_table_row, length, self.block_size), dtype)
 
 
 def _storage_name(storage: str | torch.dtype) -> str:
