@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+        print("note: PYTHONDONTWRITEBYTECODE is set, so every fresh interpreter recompiles the sources and the "
+              "cold figures below include compilation (about 2x); unset it for installed-package figures")
     print("cold: import mla_backends + first select_backend(), after import torch (median of "
           f"{args.repeats} fresh interpreters)")
     for device, autoload in (("auto", True), ("sm100", True), ("sm100", False)):
