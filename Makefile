@@ -36,5 +36,9 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_layer_cpu.py
 
+# regenerate docs/selection.md from the ladders and declarations (tests/test_selector_docs.py checks it)
+docs: $(STAMP)
+	$(BIN)/python -m selector.docs_gen
+
 clean:
 	rm -rf $(VENV) $(TEST_SITE) build dist *.egg-info

@@ -234,7 +234,7 @@ class MLAAttention(torch.nn.Module):
             dtype: model dtype (default bfloat16). device: where weights live (default CPU).
             tp_rank / tp_size: this rank and the tensor-parallel degree (heads split evenly).
             dispatch: ``"per-request"`` (default, vLLM), ``"per-batch"`` (SGLang) or a DispatchPolicy.
-            threshold_table: a ``mla-backends tune --output`` file (or ``tuning.ThresholdTable``) whose
+            threshold_table: a ``mla-backends tune --output`` file (or ``tuning.TunedThresholds``) whose
                 measured thresholds replace the backend's constant; default ``$MLA_BACKENDS_THRESHOLD_TABLE``
                 when no ``dispatch`` is given.
             workspace_rows: ``forward_mha`` context chunk; default ``min(max(8 * max_model_len,

@@ -8,7 +8,7 @@ the folds) and once forced to the expanded path (``forward_mha``), and finds the
 same. The projections and RoPE are identical on both runs, so they add to both times without moving the
 crossover.
 
-The result is a :class:`ThresholdTable`, written as JSON::
+The result is a :class:`TunedThresholds`, written as JSON::
 
     {"format": "mla-backends/threshold-table/v1", "date": "...", "device": {...}, "versions": {...},
      "model": {...}, "grid": {"query_lens": [...], "contexts": [...]},
@@ -48,7 +48,7 @@ __all__ = [
     "QUICK_CONTEXTS",
     "Timing",
     "Crossover",
-    "ThresholdTable",
+    "TunedThresholds",
     "measured_crossover",
     "context_buckets",
     "policy_from_table",
@@ -148,7 +148,7 @@ def context_buckets(contexts: Sequence[int], thresholds: Sequence[int]) -> Conte
 
 # ---- the table -------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class ThresholdTable:
+class TunedThresholds:
     """Measured decode thresholds per backend, with where and when they were measured.
 
     ``backends`` maps a backend name (upper case) to its per-context
@@ -202,7 +202,7 @@ class ThresholdTable:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ThresholdTable:
+    def from_dict(cls, data: Mapping[str, Any]) -> TunedThresholds:
         if not isinstance(data, Mapping):
             raise ValueError(f"table: got {type(data).__name__}; supported a JSON object")
         if data.get("format") != TABLE_FORMAT:
@@ -218,7 +218,7 @@ class ThresholdTable:
         return cls(backends, info)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> ThresholdTable:
+    def load(cls, path: str | os.PathLike[str]) -> TunedThresholds:
         """Read a table written by ``mla-backends tune --output``."""
         p = os.fspath(path)
         if not os.path.isfile(p):
@@ -243,19 +243,19 @@ class ThresholdTable:
 
 
 def policy_from_table(
-    table: ThresholdTable | str | os.PathLike[str], backend_name: str, *, strict: bool = True
+    table: TunedThresholds | str | os.PathLike[str], backend_name: str, *, strict: bool = True
 ) -> PerRequestPolicy | None:
     """The dispatch policy a layer running ``backend_name`` uses under ``table`` (a table or a path).
 
     When the table has no measurement for the backend: ``strict`` raises ValueError naming the measured
     backends; otherwise a warning is logged and None returned (the backend's constant then applies).
     """
-    if not isinstance(table, ThresholdTable):
+    if not isinstance(table, TunedThresholds):
         if not isinstance(table, (str, os.PathLike)):
             raise TypeError(
-                f"threshold_table: got {type(table).__name__}; supported a path or a ThresholdTable"
+                f"threshold_table: got {type(table).__name__}; supported a path or a TunedThresholds"
             )
-        table = ThresholdTable.load(table)
+        table = TunedThresholds.load(table)
     ctx = table.for_backend(backend_name)
     if ctx is None:
         msg = (
@@ -276,7 +276,7 @@ def table_from_env() -> str | None:
 
 
 def layer_policy(
-    threshold_table: ThresholdTable | str | os.PathLike[str] | None, dispatch: Any, backend_name: str
+    threshold_table: TunedThresholds | str | os.PathLike[str] | None, dispatch: Any, backend_name: str
 ) -> PerRequestPolicy | None:
     """The table-driven policy a new layer uses, or None to keep its ``dispatch`` (``MLAAttention`` calls it).
 
@@ -531,8 +531,8 @@ def tune(
     repeats: int = DEFAULT_REPEATS,
     progress: bool = True,
     on_timing: Callable[[str, Timing], None] | None = None,
-) -> ThresholdTable:
-    """Measure every backend over the grid and build the :class:`ThresholdTable`.
+) -> TunedThresholds:
+    """Measure every backend over the grid and build the :class:`TunedThresholds`.
 
     Args:
         dims: the layer's :class:`~mla_backends.dims.MLADims`; a tensor-parallel view
@@ -619,4 +619,4 @@ def tune(
         "modelled_asymptotic_query_threshold": costs.asymptotic_query_threshold(dims),
         "backends": results,
     }
-    return ThresholdTable(per_backend, info)
+    return TunedThresholds(per_backend, info)

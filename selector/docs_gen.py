@@ -32,8 +32,8 @@ _INTRO = """\
 `select_backend(dims, dtype=..., kv_cache_dtype=..., block_size=..., sparse=..., device=...)` picks the
 backend for a request in three steps:
 
-1. **Override.** The `backend=` argument, else the `MLA_BACKEND` environment variable (`auto` or unset: no
-   override), else the CLI's `--backend`. A forced backend that does not fit raises
+1. **Override.** The `backend=` argument (the CLI's `--backend`), else the `MLA_BACKEND` environment variable
+   (`auto` or unset: no override). A forced backend that does not fit raises
    `BackendNotSupportedError` with its reasons; there is no silent fallback.
 2. **Ladder.** The device (NVML through `pynvml`, or simulated: `"sm90"`, `(10, 0)`, `"cpu"`) picks an
    architecture family below; the request picks one of its four orderings (dense or sparse, 16/32-bit or fp8

@@ -69,9 +69,9 @@ def test_context_buckets():
 
 
 # ---- the table -------------------------------------------------------------------------------------------
-def _table(threshold: int = 8, backend: str = "REF_TORCH") -> tuning.ThresholdTable:
+def _table(threshold: int = 8, backend: str = "REF_TORCH") -> tuning.TunedThresholds:
     ctx = ContextThresholds(((12, threshold), (100_000, 2)))
-    return tuning.ThresholdTable(
+    return tuning.TunedThresholds(
         {backend: ctx}, {"date": "2026-01-01T00:00:00+00:00", "device": {"name": "cpu"}}
     )
 
@@ -81,7 +81,7 @@ def test_table_round_trip(tmp_path):
     _table().save(path)
     data = json.loads(path.read_text())
     assert data["format"] == tuning.TABLE_FORMAT and data["device"] == {"name": "cpu"}
-    loaded = tuning.ThresholdTable.load(path)
+    loaded = tuning.TunedThresholds.load(path)
     assert loaded.backend_names == ("REF_TORCH",)
     assert loaded.threshold_for("ref_torch", 10) == 8
     assert loaded.threshold_for("REF_TORCH", 5000) == 2
@@ -96,16 +96,16 @@ def test_table_errors(tmp_path):
     with pytest.raises(ValueError, match="context_len: got -1"):
         t.threshold_for("REF_TORCH", -1)
     with pytest.raises(ValueError, match="which is not a file"):
-        tuning.ThresholdTable.load(tmp_path / "missing.json")
+        tuning.TunedThresholds.load(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        tuning.ThresholdTable.load(bad)
+        tuning.TunedThresholds.load(bad)
     bad.write_text(json.dumps({"format": "other", "backends": {}}))
     with pytest.raises(ValueError, match="table.format: got 'other'"):
-        tuning.ThresholdTable.load(bad)
+        tuning.TunedThresholds.load(bad)
     with pytest.raises(ValueError, match="backends: got none"):
-        tuning.ThresholdTable({}, {})
+        tuning.TunedThresholds({}, {})
     assert tuning.policy_from_table(t, "TRITON_MLA", strict=False) is None
     with pytest.raises(ValueError, match="no measurement for backend 'TRITON_MLA'"):
         tuning.policy_from_table(t, "TRITON_MLA")
@@ -206,7 +206,7 @@ def test_tune_cli_writes_a_loadable_table(tmp_path, capsys):
     assert rc == 0, captured.err
     assert "measured crossover" in captured.out and "REF_TORCH" in captured.out
     assert "1/2" in captured.err and "2/2" in captured.err  # the progress bar
-    table = tuning.ThresholdTable.load(out)
+    table = tuning.TunedThresholds.load(out)
     assert table.backend_names == ("REF_TORCH",)
     assert table.info["model"]["num_heads"] == 2 and table.info["model"]["tp"] == 8
 

@@ -61,7 +61,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("kv-cache", help="bytes per token, tokens that fit, expanded and GQA comparisons")
+    p = sub.add_parser("kv-cache", help="bytes per token, tokens that fit, expanded and GQA comparisons",
+                       description="Size the latent KV cache of a model: bytes per token (per layer and over all "
+                                   "layers, plus the V3.2 indexer cache), against expanded K/V and Llama-3-70B's "
+                                   "GQA cache, and how many tokens fit in --gpu-memory. See docs/cost-model.md.")
     _add_model_args(p)
     p.add_argument(
         "--kv-cache-dtype",
@@ -81,7 +84,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(func=run_kv_cache)
 
-    c = sub.add_parser("crossover", help="modelled FLOP crossover between the absorbed and the expanded path")
+    c = sub.add_parser("crossover", help="modelled FLOP crossover between the absorbed and the expanded path",
+                       description="Print, per context length, the query-block length below which the absorbed "
+                                   "path costs fewer FLOPs than the expanded one (a model; `mla-backends tune` "
+                                   "measures it). See docs/cost-model.md.")
     _add_model_args(c)
     c.add_argument(
         "--context",

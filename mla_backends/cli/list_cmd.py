@@ -7,7 +7,9 @@ import json
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("list", help="list registered backends: capabilities, availability, source plugin")
+    p = sub.add_parser("list", help="list registered backends: capabilities, availability, source plugin",
+                       description="List every registered backend (built-ins and plugins) with its declared "
+                                   "capabilities, whether it can run here, and any plugin that failed to load.")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     p.set_defaults(func=run)
 

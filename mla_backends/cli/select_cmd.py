@@ -11,16 +11,25 @@ import os
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("select", help="choose and explain the backend for a model on this or a simulated GPU")
+    p = sub.add_parser("select", help="choose and explain the backend for a model on this or a simulated GPU",
+                       description="Run select_backend() for a model and print every candidate of the ladder "
+                                   "with its verdict and reasons (the same as Selection.explain()).",
+                       epilog="example: mla-backends select --device sm100 --kv-cache-dtype fp8 --block-size 16")
     p.add_argument("--model", default="deepseek-v3",
-                   help="preset name (deepseek-v3, deepseek-v2-lite, kimi-k2, ...) or a config.json path")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: heads per rank = heads / tp")
-    p.add_argument("--device", default="auto", help="auto (GPU 0 via NVML), cuda:N, cpu, sm80/sm90/sm100/...")
-    p.add_argument("--dtype", default="bfloat16", help="model dtype (bfloat16, float16, float32)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto, bfloat16, float16, fp8_e4m3, fp8_e5m2")
+                   help="preset name (deepseek-v3, deepseek-v2-lite, kimi-k2, ...) or a config.json path "
+                        "(default deepseek-v3)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: heads per rank = heads / tp (default 1)")
+    p.add_argument("--device", default="auto",
+                   help="auto (GPU 0 via NVML; the default), cuda:N (the CPU when no GPU is found), cpu, "
+                        "or a simulated sm80/sm90/sm100/...")
+    p.add_argument("--dtype", default="bfloat16", help="model dtype: bfloat16, float16, float32 (default bfloat16)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype), bfloat16, float16, float32, fp8 (= fp8_e4m3), fp8_e5m2 "
+                        "(default auto)")
     p.add_argument("--block-size", type=int, default=None, help="page size in tokens (default: preferred)")
     p.add_argument("--sparse", action="store_true", help="top-k sparse attention (DeepSeek-V3.2)")
-    p.add_argument("--max-query-len", type=int, default=1, help="query tokens per request sent to the kernel")
+    p.add_argument("--max-query-len", type=int, default=1,
+                   help="query tokens per request sent to the kernel (default 1)")
     p.add_argument("--backend", default=None, help="force a backend (beats MLA_BACKEND); 'auto' = choose")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
     p.set_defaults(func=run)

@@ -19,7 +19,12 @@ __all__ = ["register", "run_tune"]
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "tune", help="measure the absorbed/expanded crossover here and write a threshold table"
+        "tune", help="measure the absorbed/expanded crossover here and write a threshold table",
+        description="Time the layer's absorbed path (folds + forward_mqa) against its expanded path (forward_mha) "
+                    "for each backend that runs on this device, print the measured crossover next to the FLOP "
+                    "model's, and with --output write the threshold table MLAAttention(threshold_table=FILE) "
+                    "or MLA_BACKENDS_THRESHOLD_TABLE=FILE loads. The default grid takes minutes on a CPU; "
+                    "--quick takes seconds.",
     )
     p.add_argument(
         "--model",
