@@ -22,7 +22,7 @@ import torch
 
 from .cache import LatentKVCache
 from .metadata import BatchMetadata
-from .validation import require_int, require_tensor
+from .validation import require_int, require_on_device, require_tensor
 
 __all__ = [
     "forward_mha",
@@ -228,9 +228,7 @@ def forward_mha(
     V = kv_b_weight.shape[0] // H - P
     if meta.block_size != cache.block_size:
         raise ValueError(f"meta.block_size: got {meta.block_size}; supported the cache's {cache.block_size}")
-    for name, t in (("q", q), ("kv_c", kv_c), ("k_pe", k_pe), ("kv_b_weight", kv_b_weight)):
-        if t.device != cache.device:
-            raise ValueError(f"{name}: got device {t.device}; supported the cache's device {cache.device}")
+    require_on_device(cache.device, q=q, kv_c=kv_c, k_pe=k_pe, kv_b_weight=kv_b_weight)
     if workspace is None:
         workspace = PrefillWorkspace(workspace_rows if workspace_rows is not None else MAX_WORKSPACE_ROWS)
     elif workspace_rows is not None and workspace_rows != workspace.rows:

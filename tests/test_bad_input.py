@@ -88,6 +88,19 @@ def test_forward_mqa_block_ids_outside_the_cache(setup):
     _raises(ValueError, "num_blocks", fwd, q_latent, q_rope, small, meta8, scale=0.1)
 
 
+def test_block_ids_are_checked_once_per_step(setup):
+    """Every layer of a step shares one BatchMetadata: the synchronising block-id check runs on the first call
+    only, and its verdict is remembered per cache size (a smaller cache is still checked)."""
+    cache, _, q_latent, q_rope = setup
+    fwd = RefTorchBackend().forward_mqa
+    meta = BatchMetadata.build([1, 1], [20, 5], _table(), BS)  # no num_blocks: build() could not check ids
+    fwd(q_latent, q_rope, cache, meta, scale=0.1)
+    assert meta.plans[("_block_ids_within", cache.num_blocks)] is True
+    small = LatentKVCache(4, BS, R, ROPE, model_dtype=torch.float32)
+    _raises(ValueError, "block_table", fwd, q_latent, q_rope, small, meta, scale=0.1)  # block 6 of 4
+    assert ("_block_ids_within", small.num_blocks) not in meta.plans
+
+
 def test_forward_mqa_page_size_mismatch(setup):
     cache, _, q_latent, q_rope = setup
     meta = BatchMetadata.build([1, 1], [20, 5], torch.tensor([[3, 6, 2], [1, -1, -1]], dtype=torch.int32), 8)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -63,7 +63,6 @@ class PlanSlot:
     wrapper: Any
     current: object | None = None
     plans_made: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def ensure_planned(meta: BatchMetadata, key: tuple, slot: PlanSlot, make_plan: Any) -> None:

@@ -33,7 +33,7 @@ from ..cache import LatentKVCache
 from ..dims import IndexerDims, MLADims
 from ..metadata import BatchMetadata
 from ..rope import RotaryEmbedding
-from ..validation import require_int, require_tensor
+from ..validation import require_int, require_on_device, require_tensor
 from .indexer_cache import IndexerKeyCache
 
 __all__ = ["Indexer", "hadamard_matrix", "index_scores", "causal_topk", "WORKSPACE_ELEMENTS"]
@@ -130,9 +130,7 @@ def causal_topk(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, 
         raise TypeError(f"q/weights: got dtypes {q.dtype}/{weights.dtype}; supported floating point")
     if meta.block_size != cache.block_size:
         raise ValueError(f"meta.block_size: got {meta.block_size}; supported the cache's {cache.block_size}")
-    for name, t in (("q", q), ("weights", weights), ("meta.block_table", meta.block_table)):
-        if t.device != cache.device:
-            raise ValueError(f"{name}: got device {t.device}; supported the cache's device {cache.device}")
+    require_on_device(cache.device, q=q, weights=weights, **{"meta.block_table": meta.block_table})
 
     dev = q.device
     out = torch.full((T, topk), -1, dtype=torch.int32, device=dev)
