@@ -226,3 +226,25 @@ def test_crossover_report(v3):
 def test_validation(v3, call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call(v3)
+
+
+def test_up_projection_and_fold_use_d_nope_and_d_v_separately(v3):
+    # DeepSeek's d_nope == d_v == 128 hides a mix-up; give V a different width
+    d = replace(v3, v_head_dim=64)
+    assert costs.up_projection_flops_per_context_token(d) == 2 * 512 * 128 * (128 + 64)  # 25,165,824
+    assert costs.fold_flops_per_query_token(d) == 2 * 128 * 128 * 512 + 2 * 128 * 512 * 64
+    assert costs.expanded_core_flops_per_context_token(d) == 2 * 128 * (192 + 64)
+
+
+def test_causal_crossover_is_the_root_of_the_flop_balance(v3):
+    # solve diff * (Q S + Q (Q + 1) / 2) = S * up by bisection, with V3's figures written out
+    diff, up = 278_528 - 81_920, 33_554_432
+    for s in (0, 1, 512, 4096):
+        lo, hi = 0.0, 1000.0
+        for _ in range(200):
+            mid = (lo + hi) / 2
+            if diff * (mid * s + mid * (mid + 1) / 2) < s * up:
+                lo = mid
+            else:
+                hi = mid
+        assert costs.crossover_query_len(v3, s, causal=True) == pytest.approx(lo, rel=1e-9, abs=1e-9)

@@ -398,3 +398,11 @@ def test_shared_input_checks_run_first(cls):
         cls().forward_mqa(q, qr, cache, meta, scale=-1.0)
     with pytest.raises(ValueError, match="^q_rope: got shape"):
         cls().forward_mqa(q, qr[:, :8], cache, meta, scale=0.1)
+
+
+def test_xqa_scales_are_passed_as_python_floats():
+    x = torch.zeros(1)
+    kw = api.xqa_kwargs(x, x, x, kv_lora_rank=512, rope_dim=64, block_tables=x, seq_lens=x, max_seq_len=1,
+                        out=x, bmm1_scale=torch.tensor(0.25), bmm2_scale=torch.tensor(2.0))
+    assert type(kw["bmm1_scale"]) is float and kw["bmm1_scale"] == 0.25
+    assert type(kw["bmm2_scale"]) is float and kw["bmm2_scale"] == 2.0

@@ -128,3 +128,11 @@ def test_layer_threshold_follows_policy():
     layer = MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64,
                                         dispatch=PerRequestPolicy(threshold=8))
     assert layer.decode_threshold == 8
+
+
+def test_per_batch_prefix_counts_only_requests_with_new_tokens():
+    # a zero-length request produces no rows: its cached context neither reaches the threshold nor
+    # turns a cold prefill warm
+    pol = PerBatchPolicy(100)
+    assert pol.absorbed([4, 0], [10, 500], backend_threshold=1) == [True, True]
+    assert pol.absorbed([4, 0], [0, 50], backend_threshold=1) == [False, False]

@@ -157,3 +157,11 @@ def test_forward_mha_rejects_bad_inputs():
         forward_mha(q, new_rows[:, :r].float(), new_rows[:, r:], cache, meta, kv_b, scale=0.3)
     with pytest.raises(TypeError, match="cache"):
         forward_mha(q, new_rows[:, :r], new_rows[:, r:], None, meta, kv_b, scale=0.3)
+
+
+def test_context_chunks_fill_every_chunk_but_the_last():
+    # a chunk closes only when exactly full: the second request tops up the first chunk
+    assert context_chunks([3, 2], 4) == [[(0, 0, 3), (1, 0, 1)], [(1, 1, 2)]]
+    assert context_chunks([1, 1, 1], 1) == [[(0, 0, 1)], [(1, 0, 1)], [(2, 0, 1)]]
+    chunks = context_chunks([7, 5, 9], 6)
+    assert [sum(z - a for _, a, z in c) for c in chunks] == [6, 6, 6, 3]

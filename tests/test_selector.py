@@ -261,3 +261,37 @@ def test_sixteen_threads_get_one_consistent_answer(monkeypatch):
         assert all(a is b for a, b in zip(res, first, strict=True))  # the very same cached Selection objects
     assert first[3].name == "REF_TORCH" and first[1].block_size == 16
     assert reg_mod._REGISTRY.plugins == ("builtin",)  # loaded exactly once
+
+
+def test_the_cache_key_includes_the_cache_dtype(fakes):
+    bf16 = select_backend(V3_TP8, device="sm80")
+    fp8 = select_backend(V3_TP8, device="sm80", kv_cache_dtype="fp8_e4m3")
+    assert bf16.name == "FLASHINFER_MLA" and bf16.ladder == "sm80/dense"
+    assert fp8.name == "REF_TORCH" and fp8.ladder == "sm80/dense, fp8 cache"
+    assert fp8.spec.kv_cache_dtype == "fp8_e4m3"
+
+
+def test_page_size_hints_are_kept_only_above_the_chosen_backend(fakes):
+    # LATE_MLA ranks below the winner and only its page size is wrong: no hint for it
+    fakes.add(type("LATE_MLA", (FakeTrtllm,), {"name": "LATE_MLA"}), source="late", after="TRITON_MLA")
+    sel = select_backend(V3_TP8, device="sm100", block_size=16)
+    hints = {v.name: v.page_size_hint for v in sel.verdicts}
+    assert sel.name == "FLASHINFER_MLA_CUTLASS"
+    assert "LATE_MLA" in hints and hints["LATE_MLA"] is None
+    assert hints["FLASHINFER_MLA_TRTLLM"] == 64
+
+
+@pytest.mark.parametrize(("arch", "fits"), [("sm75", False), ("sm80", True), ("sm90", True), ("sm100", False)])
+def test_min_and_max_compute_capability_are_inclusive_bounds(arch, fits):
+    from mla_backends.backend import AttentionSpec
+    from selector.detect import resolve_device
+
+    class Bounded(FakeXqa):
+        capabilities = Capabilities(dtypes=frozenset({torch.bfloat16}),
+                                    kv_cache_dtypes=frozenset({"bfloat16"}),
+                                    min_compute_capability=(8, 0), max_compute_capability=(9, 0))
+
+    reasons = Bounded.device_reasons(resolve_device(arch))
+    assert reasons == ([] if fits else [f"compute capability: got {arch.upper()}; supported SM80..SM90"])
+    spec = AttentionSpec(num_heads=16, device=resolve_device(arch))
+    assert (Bounded.not_supported_reasons(spec) == []) is fits

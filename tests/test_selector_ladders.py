@@ -132,3 +132,14 @@ def test_after_placement_and_several_plugins_keep_registration_order(monkeypatch
     reg.add(type("THIRD_MLA", (FakeXqa,), {"name": "THIRD_MLA"}), source="r", before="REF_TORCH")
     assert candidates(CPU_DEVICE, fp8=False, sparse=False, registry=reg) == (
         "THIRD_MLA", "REF_TORCH", "PLUGIN_MLA", "SECOND_MLA")
+
+
+def test_variant_picks_the_ordering_named_by_fp8_and_sparse():
+    from selector.ladders import Ladder
+
+    lad = Ladder(family="t", archs=(), dense=("D",), dense_fp8=("DF",), sparse=("S",), sparse_fp8=("SF",),
+                 why="test")
+    assert lad.variant(fp8=False, sparse=False) == ("D",)
+    assert lad.variant(fp8=True, sparse=False) == ("DF",)
+    assert lad.variant(fp8=False, sparse=True) == ("S",)
+    assert lad.variant(fp8=True, sparse=True) == ("SF",)
