@@ -1,6 +1,7 @@
-"""REF_TORCH's streamed dense path (sequences >= STREAM_MIN_ROWS, page chunks with an online softmax), which
-the layer's decode benchmark relies on, against a plain float64 absorbed reference: decode and multi-token
-queries, long and short requests mixed, pages that do not divide the lengths, fp8 and bf16 caches."""
+"""REF_TORCH's streamed dense path (sequences >= STREAM_MIN_ROWS, split-K over page chunks whose partials are
+folded every STREAM_FOLD_CHUNKS chunks), which the layer's decode benchmark relies on, against a plain float64
+absorbed reference: decode and multi-token queries, long and short requests mixed, pages that do not divide
+the lengths, fp8 and bf16 caches, default and tiny chunks (many folds, chunks a short request sees nothing in)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from mla_backends.cache import LatentKVCache
 from mla_backends.metadata import BatchMetadata
 from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.ref_torch.backend import STREAM_CHUNK_ROWS, STREAM_MIN_ROWS
+from mla_backends.ref_torch import backend as ref_backend
+from mla_backends.ref_torch.backend import STREAM_MAX_CHUNK_ROWS, STREAM_MIN_ROWS, stream_chunk_pages
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,12 +39,16 @@ def _reference(q, rows, ctx, n, scale):
     ("fp8_e4m3", torch.float32, 2e-5),
 ])
 @pytest.mark.parametrize("block_size", [16, 48])
-def test_streamed_requests_match_reference(kv_cache_dtype, dtype, tol, block_size):
-    assert STREAM_MIN_ROWS > 40 and STREAM_CHUNK_ROWS <= STREAM_MIN_ROWS
+@pytest.mark.parametrize("chunking", ["default", "tiny"])
+def test_streamed_requests_match_reference(kv_cache_dtype, dtype, tol, block_size, chunking, monkeypatch):
+    assert STREAM_MIN_ROWS > 40 and STREAM_MAX_CHUNK_ROWS <= STREAM_MIN_ROWS
+    if chunking == "tiny":  # ~50 rows per request per chunk, partials folded every 3 chunks
+        monkeypatch.setattr(ref_backend, "STREAM_CHUNK_BYTES", 2 * (r + R) * 8 * 50)
+        monkeypatch.setattr(ref_backend, "STREAM_FOLD_CHUNKS", 3)
     g = torch.Generator().manual_seed(block_size)
     # runs: two long decodes of different lengths streamed together, a short request, then two long
     # 4-token extends (the first becomes long only with its new tokens)
-    long = STREAM_MIN_ROWS + STREAM_CHUNK_ROWS + 500  # still running where the second request's edge is
+    long = STREAM_MIN_ROWS + STREAM_MAX_CHUNK_ROWS + 500  # still running where the second request's edge is
     ctx = [long, STREAM_MIN_ROWS + 40, 7, STREAM_MIN_ROWS - 1, STREAM_MIN_ROWS + 5]
     new = [1, 1, 3, 4, 4]
     pages = -(-max(c + n for c, n in zip(ctx, new, strict=True)) // block_size)
@@ -67,3 +73,11 @@ def test_streamed_requests_match_reference(kv_cache_dtype, dtype, tol, block_siz
         # the LSE is float32 by contract
         torch.testing.assert_close(lse[t: t + n].double(), ref_l, rtol=max(tol, 1e-6), atol=max(tol, 1e-6))
         t += n
+
+
+def test_stream_chunk_pages_splits_the_byte_budget():
+    row = 576 * 4
+    assert stream_chunk_pages(8, row, 64) == ref_backend.STREAM_CHUNK_BYTES // (8 * row) // 64
+    assert stream_chunk_pages(1, row, 16) * 16 == STREAM_MAX_CHUNK_ROWS  # capped in rows
+    assert stream_chunk_pages(32, row, 256) == 1  # never less than one page
+    assert stream_chunk_pages(2, row, 64) > stream_chunk_pages(8, row, 64)

@@ -1,10 +1,14 @@
 """``REF_TORCH``: absorbed MLA decode in plain PyTorch, vectorised over requests, heads and pages.
 
-Dense path: requests are processed in groups whose padded working set fits a fixed element budget. For each
-group the pages named by the block table are gathered once into ``[requests, positions, 576]``; scores are one
-batched matmul of ``[requests, q_len * heads, 576]`` against it, the causal mask is applied, and the output is
-the softmax-weighted sum of the leading ``kv_lora_rank`` columns of the same gathered rows (the latent serves
-as K and V). Sparse path: the top-k rows of every token are gathered and attended the same way.
+Dense path, two forms. Requests whose sequence reaches ``STREAM_MIN_ROWS`` are streamed, split-K: a few pages
+of every request of a run are gathered into one cache-sized buffer, scored with one batched matmul, and turned
+into a partial result normalised by its own maximum; the partials are folded into the running result every
+``STREAM_FOLD_CHUNKS`` chunks, so each cached row leaves memory once and memory stays bounded. Shorter requests
+are processed in padded groups whose working set fits a fixed element budget: the pages named by the block
+table are gathered once into ``[requests, positions, 576]``, scores are one batched matmul against it, the
+causal mask is applied, and the output is the softmax-weighted sum of the leading ``kv_lora_rank`` columns of
+the same rows (the latent serves as K and V). Sparse path: the top-k rows of every token are gathered and
+attended the same way.
 """
 
 from __future__ import annotations
@@ -19,17 +23,32 @@ from ..dtypes import KV_CACHE_DTYPES
 from ..metadata import BatchMetadata
 from ..mqa_inputs import check_mqa_inputs
 
-__all__ = ["RefTorchBackend", "WORKSPACE_ELEMENTS"]
+__all__ = ["RefTorchBackend", "WORKSPACE_ELEMENTS", "stream_chunk_pages"]
 
 #: upper bound on elements of the per-group working set (gathered rows + scores), 256 MiB in fp32
 WORKSPACE_ELEMENTS = 1 << 26
 #: sequences at least this long are streamed in page chunks (each cached row read once, chunk kept in cache)
 STREAM_MIN_ROWS = 1024
-#: rows per request per streamed chunk (1024 x 576 fp32 = 2.4 MB: two threads' chunks stay in an 8 MB L3;
-#: measured ~5 % faster than 512 and 768 rows on the 2-core CI machine)
-STREAM_CHUNK_ROWS = 1024
-#: most requests streamed together (bounds the chunk buffer: 32 x 2.4 MB)
+#: bytes of gathered rows per streamed chunk, all requests of a group together. Small enough that the chunk
+#: is still in cache (two 1 MiB L2s, an 8 MiB L3 on the CI machine) when both matmuls read it. At 8 requests
+#: x 128 rows x 576 fp32 this is ~20 % faster than 1024-row chunks (benchmarks/bench_layer_cpu.py).
+STREAM_CHUNK_BYTES = 5 << 19
+#: most rows per request in one streamed chunk
+STREAM_MAX_CHUNK_ROWS = 1024
+#: chunk partials kept before they are folded into the running result (bounds memory for any length)
+STREAM_FOLD_CHUNKS = 16
+#: most requests streamed together (bounds the chunk buffer and the partials)
 STREAM_MAX_REQUESTS = 32
+#: score given to hidden positions in the streamed path: finite, so that a chunk with nothing visible for a
+#: row gives finite partials (weighted by exp(-1e30 - max) = 0 when merged) instead of NaN
+_HIDDEN_SCORE = -1e30
+
+
+def stream_chunk_pages(num_requests: int, row_bytes: int, block_size: int) -> int:
+    """Pages per request in one streamed chunk: ``STREAM_CHUNK_BYTES`` split over the requests, at least one
+    page, at most ``STREAM_MAX_CHUNK_ROWS`` rows."""
+    rows = min(STREAM_MAX_CHUNK_ROWS, STREAM_CHUNK_BYTES // max(1, num_requests * row_bytes))
+    return max(1, rows // block_size)
 
 
 def _compute_dtype(q_dtype: torch.dtype) -> torch.dtype:
@@ -126,56 +145,80 @@ class RefTorchBackend(MLABackend):
     def _stream(q: torch.Tensor, cache: LatentKVCache, block_rows: torch.Tensor,
                 context_lens: tuple[int, ...], seq_lens: tuple[int, ...], scale: float, out: torch.Tensor,
                 lse_out: torch.Tensor) -> None:
-        """Requests with one query length ``n`` (``q [b * n, H, 576]``, compute dtype).
+        """Requests with one query length ``n`` (``q [b * n, H, 576]``, compute dtype), split-K over pages.
 
-        Their pages are gathered ``STREAM_CHUNK_ROWS`` rows per request at a time into a buffer that stays in
-        cache while both batched matmuls read it (one matmul per request, so threads split the requests); the
-        chunks are combined with a running max, sum and output (online softmax). Requests with fewer pages
-        re-read their last page, fully masked. Each cached row leaves memory once.
+        The pages are gathered a few per request at a time (:func:`stream_chunk_pages`) into one buffer that
+        is still in cache when both batched matmuls read it. Each chunk yields a partial result normalised by
+        its own row maximum: ``max [b, n*H]``, ``sum [b, n*H]`` and ``P @ latent [b, n*H, 512]``. Every
+        ``STREAM_FOLD_CHUNKS`` chunks the partials are folded into the running result with one batched
+        matmul, so the per-chunk work is a handful of kernels and memory stays bounded for any length.
+        Requests with fewer pages re-read their last page, hidden. Each cached row leaves memory once.
         """
         b = len(seq_lens)
         n = q.shape[0] // b
         _, H, W = q.shape
-        r, bs = cache.kv_lora_rank, cache.block_size
-        dev = q.device
-        qf = q.reshape(b, n * H, W) * scale  # the scale folded into the queries once
-        per = max(1, STREAM_CHUNK_ROWS // bs)  # pages per chunk
+        nH = n * H
+        r, bs, dev, cdt = cache.kv_lora_rank, cache.block_size, q.device, q.dtype
+        qf = q.reshape(b, nH, W) * scale  # the scale folded into the queries once
+        per = stream_chunk_pages(b, cache.row_width * q.element_size(), bs)
         pages = [-(-s // bs) for s in seq_lens]
-        ids = block_rows[:, : max(pages)].long().clone()
+        n_chunks = -(-max(pages) // per)
+        ids = block_rows[:, : max(pages)].long()
+        # page ids per chunk, [chunks, b, per], short requests padded with their last page
+        padded = torch.empty(b, n_chunks * per, dtype=torch.long, device=dev)
         for i, p in enumerate(pages):
-            ids[i, p:] = ids[i, p - 1]
-        direct = cache.data.dtype == q.dtype and not cache.is_fp8
-        buf = torch.empty(b * per * bs, cache.row_width, dtype=cache.data.dtype, device=dev)
-        # last visible position of every score row (row = token * H + head)
+            padded[i, :p] = ids[i, :p]
+            padded[i, p:] = ids[i, p - 1]
+        chunk_ids = padded.view(b, n_chunks, per).transpose(0, 1).contiguous()
+        rows = per * bs
+        direct = cache.data.dtype == cdt and not cache.is_fp8
+        exact_fp8 = cache.is_fp8 and cdt != torch.float32
+        raw = torch.empty(b * per, bs, W, dtype=cache.data.dtype, device=dev)
+        kv = (raw if direct else torch.empty(b * per, bs, W, dtype=cdt, device=dev)).view(b, rows, W)
+        kv_t, kv_latent = kv.transpose(1, 2), kv[..., :r]
+        s = torch.empty(b, nH, rows, dtype=cdt, device=dev)
+        G = min(STREAM_FOLD_CHUNKS, n_chunks)
+        part = torch.empty(G, b, nH, r, dtype=cdt, device=dev)
+        c_max = torch.empty(G, b, nH, dtype=cdt, device=dev)
+        c_sum = torch.empty(G, b, nH, dtype=cdt, device=dev)
+        m = torch.full((b, nH), _HIDDEN_SCORE, dtype=cdt, device=dev)
+        l_sum = torch.zeros(b, nH, dtype=cdt, device=dev)
+        acc = torch.zeros(b, nH, r, dtype=cdt, device=dev)
+        # last visible position of every (request, token): context + token index
         ctx = torch.tensor(context_lens, device=dev)
-        limit = (ctx[:, None] + torch.arange(n, device=dev)[None, :]).repeat_interleave(H, dim=1)  # [b, n*H]
-        m = torch.full((b, n * H), float("-inf"), dtype=q.dtype, device=dev)
-        l_sum = torch.zeros(b, n * H, dtype=q.dtype, device=dev)
-        acc = torch.zeros(b, n * H, r, dtype=q.dtype, device=dev)
-        for p0 in range(0, max(pages), per):
-            chunk = ids[:, p0: p0 + per]
-            rows = chunk.shape[1] * bs
-            kv = buf[: b * rows]
-            torch.index_select(cache.data, 0, chunk.reshape(-1), out=kv.view(-1, bs, cache.row_width))
-            kv = kv.view(b, rows, cache.row_width)
-            if not direct:
-                kv = cache.dequantize(kv, q.dtype)
-            s = torch.bmm(qf, kv.transpose(1, 2))  # [b, n * H, rows], scaled
-            pos0, pos1 = p0 * bs, p0 * bs + rows
-            if pos1 - 1 > min(context_lens):  # the causal / length edge of some request is in this chunk
-                hidden = torch.arange(pos0, pos1, device=dev)[None, None, :] > limit[:, :, None]
-                s.masked_fill_(hidden, float("-inf"))
-            m_new = torch.maximum(m, s.amax(dim=-1))
-            safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-            p = torch.exp(s - safe[..., None])
-            alpha = torch.exp(m - safe)
-            acc = torch.baddbmm(acc.mul_(alpha[..., None]), p, kv[..., :r])
-            l_sum = l_sum * alpha + p.sum(dim=-1)
-            m = m_new
-        lse = torch.where(l_sum > 0, m + torch.log(l_sum), torch.full_like(l_sum, float("-inf")))
-        o = acc / torch.where(l_sum > 0, l_sum, torch.ones_like(l_sum))[..., None]
-        out.copy_(o.view(b * n, H, r).to(out.dtype))
-        lse_out.copy_(lse.view(b * n, H).to(torch.float32))
+        limit = ctx[:, None] + torch.arange(n, device=dev)[None, :]  # [b, n]
+        edge = min(context_lens)  # chunks reaching past this hold someone's causal / length edge
+        for c in range(n_chunks):
+            g = c % G
+            torch.index_select(cache.data, 0, chunk_ids[c].view(-1), out=raw)
+            if exact_fp8:  # the scale applied in float32 first, as LatentKVCache.dequantize does
+                kv.view_as(raw).copy_(cache.dequantize(raw, cdt))
+            elif not direct:  # one conversion kernel into the compute-dtype buffer, then the fp8 scale
+                kv.view_as(raw).copy_(raw)
+                if cache.is_fp8:
+                    kv.mul_(cache.scale)
+            torch.bmm(qf, kv_t, out=s)
+            pos0 = c * rows
+            if pos0 + rows - 1 > edge:
+                hidden = torch.arange(pos0, pos0 + rows, device=dev)[None, None, :] > limit[:, :, None]
+                s.view(b, n, H, rows).masked_fill_(hidden[:, :, None, :], _HIDDEN_SCORE)
+            torch.amax(s, dim=-1, out=c_max[g])
+            s.sub_(c_max[g][..., None]).exp_()
+            torch.sum(s, dim=-1, out=c_sum[g])
+            torch.bmm(s, kv_latent, out=part[g])
+            if g == G - 1 or c == n_chunks - 1:  # fold the partials: weights exp(chunk max - new max)
+                k = g + 1
+                m_new = torch.maximum(m, c_max[:k].amax(dim=0))
+                w = torch.exp(c_max[:k] - m_new)  # [k, b, nH]
+                alpha = torch.exp(m - m_new)
+                l_sum = l_sum * alpha + (w * c_sum[:k]).sum(dim=0)
+                acc.mul_(alpha[..., None])
+                acc.view(b * nH, 1, r).baddbmm_(w.view(k, b * nH, 1).permute(1, 2, 0),
+                                                 part[:k].view(k, b * nH, r).transpose(0, 1))
+                m = m_new
+        # every row sees position 0, so l_sum > 0 and m is a real score
+        out.copy_((acc / l_sum[..., None]).view(b * n, H, r).to(out.dtype))
+        lse_out.copy_((m + torch.log(l_sum)).view(b * n, H).to(torch.float32))
 
     @staticmethod
     def _groups(meta: BatchMetadata, H: int, width: int) -> list[tuple[int, int]]:
