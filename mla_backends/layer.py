@@ -32,6 +32,12 @@ from .cache import LatentKVCache
 from .dims import MLADims
 from .dispatch import DispatchPolicy, PerRequestPolicy, clamp_to_backend, resolve_policy
 from .dtypes import dtype_name, parse_model_dtype
+from .fp8_checkpoint import (
+    DEFAULT_WEIGHT_BLOCK_SIZE,
+    check_weight_block_size,
+    dequantize_fp8_checkpoint,
+    weight_block_size_from_config,
+)
 from .hf_loading import (
     check_hf_state_dict,
     expected_hf_shapes,
@@ -129,6 +135,7 @@ class MLAAttention(torch.nn.Module):
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         layer_idx: int = 0,
         threshold_table: Any = None,
+        weight_block_size: tuple[int, int] = DEFAULT_WEIGHT_BLOCK_SIZE,
     ) -> None:
         super().__init__()
         if not isinstance(dims, MLADims):
@@ -143,6 +150,8 @@ class MLAAttention(torch.nn.Module):
             require_int("max_model_len", max_model_len, minimum=1)
         self.max_model_len = max_model_len if max_model_len is not None else dims.max_position_embeddings
         self.max_num_seqs = require_int("max_num_seqs", max_num_seqs, minimum=1)
+        #: block of one scale in block-quantised fp8 checkpoints (``quantization_config.weight_block_size``)
+        self.weight_block_size = check_weight_block_size(weight_block_size)
         if dims.qk_rope_head_dim < 2 or dims.qk_rope_head_dim % 2:
             raise ValueError(f"dims.qk_rope_head_dim: got {dims.qk_rope_head_dim}; "
                              "supported an even width >= 2")
@@ -240,13 +249,16 @@ class MLAAttention(torch.nn.Module):
             workspace_rows: ``forward_mha`` context chunk; default ``min(max(8 * max_model_len,
                 4 * max_num_seqs * block_size), 65536)`` with ``max_model_len`` defaulting to the config's
                 ``max_position_embeddings``.
+
+        The block of fp8 checkpoint scales is the config's ``quantization_config.weight_block_size``
+        (``(128, 128)`` when absent); :meth:`load_hf_state_dict` uses it.
         """
         require_int("tp_size", tp_size, minimum=1)
         dims = MLADims.from_hf_config(config).tensor_parallel(tp_size)
         return cls(dims, backend=backend, dtype=dtype, device=device, tp_rank=tp_rank,
                    attention_bias=hf_attention_bias(config), dispatch=dispatch, workspace_rows=workspace_rows,
                    max_model_len=max_model_len, max_num_seqs=max_num_seqs, layer_idx=layer_idx,
-                   threshold_table=threshold_table)
+                   threshold_table=threshold_table, weight_block_size=weight_block_size_from_config(config))
 
     def _spec(self, kv_cache_dtype: str = "auto", block_size: int | None = None) -> AttentionSpec:
         return AttentionSpec(num_heads=self.dims.num_heads, kv_lora_rank=self.dims.kv_lora_rank,
@@ -269,8 +281,11 @@ class MLAAttention(torch.nn.Module):
         Every key is checked before anything is written: missing, unexpected and misshaped keys raise a
         :class:`~mla_backends.hf_loading.StateDictError` listing all of them. Then ``kv_b_proj`` is folded
         into ``W_UK_T`` / ``W_UV``. Tensors are copied in place, so their storage (and pointers) stay put.
-        ``prefix`` (e.g. ``"model.layers.3.self_attn."``) is stripped from the keys.
+        ``prefix`` (e.g. ``"model.layers.3.self_attn."``) is stripped from the keys. Block-quantised fp8
+        checkpoints (DeepSeek's releases: float8 ``X.weight`` plus ``X.weight_scale_inv``) are dequantised
+        first, block by ``self.weight_block_size`` (see :mod:`mla_backends.fp8_checkpoint`).
         """
+        state_dict = dequantize_fp8_checkpoint(state_dict, self.weight_block_size, dtype=self.dtype)
         state_dict, load_indexer = take_indexer_weights(self.indexer, state_dict, prefix)  # V3.2 indexer.*
         found = check_hf_state_dict(state_dict, expected_hf_shapes(self.dims, self.attention_bias), prefix)
         targets = self._named_targets()

@@ -1,0 +1,142 @@
+"""Block-quantised fp8 checkpoints, as DeepSeek releases V3, R1 and V3.2.
+
+Such a checkpoint stores a quantised linear layer ``X`` as two tensors:
+
+- ``X.weight``: ``float8_e4m3fn`` ``[out, in]``;
+- ``X.weight_scale_inv``: float ``[ceil(out / bo), ceil(in / bi)]``, one scale per ``bo x bi`` block (the
+  ``quantization_config.weight_block_size`` of ``config.json``, ``[128, 128]`` in every DeepSeek release).
+
+The real weight is ``X.weight * X.weight_scale_inv`` with each scale spread over its block (the last row and
+column of blocks may be partial). Norms stay in bf16 and carry no scale. :func:`dequantize_fp8_checkpoint`
+turns such a state dict into plain floating-point weights before the layer checks and loads it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .dims import MLADims, read_config_json
+from .hf_loading import StateDictError
+
+__all__ = ["DEFAULT_WEIGHT_BLOCK_SIZE", "SCALE_SUFFIX", "check_weight_block_size", "weight_block_size_from_config",
+           "dequantize_block_fp8", "dequantize_fp8_checkpoint"]
+
+#: ``quantization_config.weight_block_size`` of DeepSeek's fp8 releases: one scale per 128 x 128 block
+DEFAULT_WEIGHT_BLOCK_SIZE: tuple[int, int] = (128, 128)
+#: suffix of a block-scale tensor; it replaces the ``weight`` of the tensor it scales
+SCALE_SUFFIX = "weight_scale_inv"
+
+_FP8_DTYPES = frozenset(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                    "float8_e5m2fnuz") if hasattr(torch, n))
+
+
+def check_weight_block_size(block_size: Any) -> tuple[int, int]:
+    """``block_size`` as ``(rows, columns)``; ValueError unless it is two positive ints."""
+    ok = (isinstance(block_size, Sequence) and not isinstance(block_size, str) and len(block_size) == 2
+          and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block_size))
+    if not ok:
+        raise ValueError(f"weight_block_size: got {block_size!r}; supported two positive ints [rows, columns], "
+                         f"e.g. {list(DEFAULT_WEIGHT_BLOCK_SIZE)}")
+    return int(block_size[0]), int(block_size[1])
+
+
+def weight_block_size_from_config(config: Any) -> tuple[int, int]:
+    """``quantization_config.weight_block_size`` of a transformers config, dict or ``config.json`` path;
+    :data:`DEFAULT_WEIGHT_BLOCK_SIZE` when the config has none (an :class:`MLADims` has none)."""
+    if isinstance(config, MLADims):
+        return DEFAULT_WEIGHT_BLOCK_SIZE
+    if isinstance(config, (str, os.PathLike)):
+        config = read_config_json(config)
+    quant = config.get("quantization_config") if isinstance(config, Mapping) else \
+        getattr(config, "quantization_config", None)
+    if quant is None:
+        return DEFAULT_WEIGHT_BLOCK_SIZE
+    block = quant.get("weight_block_size") if isinstance(quant, Mapping) else \
+        getattr(quant, "weight_block_size", None)
+    return DEFAULT_WEIGHT_BLOCK_SIZE if block is None else check_weight_block_size(tuple(block))
+
+
+def _scale_shape(weight_shape: Sequence[int], block_size: tuple[int, int]) -> tuple[int, int]:
+    return -(-weight_shape[0] // block_size[0]), -(-weight_shape[1] // block_size[1])
+
+
+def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
+                         block_size: Sequence[int] = DEFAULT_WEIGHT_BLOCK_SIZE,
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``weight [out, in]`` (fp8) times ``scale_inv [ceil(out / bo), ceil(in / bi)]`` spread over its blocks.
+
+    The product is formed in float32 (float64 when ``dtype`` is float64) and returned as ``dtype``.
+    """
+    bo, bi = check_weight_block_size(block_size)
+    if not isinstance(weight, torch.Tensor) or weight.dtype not in _FP8_DTYPES or weight.dim() != 2:
+        got = f"{weight.dtype} tensor of shape {list(weight.shape)}" if isinstance(weight, torch.Tensor) \
+            else type(weight).__name__
+        raise TypeError(f"weight: got {got}; supported a 2-D float8 tensor")
+    want = _scale_shape(weight.shape, (bo, bi))
+    if not isinstance(scale_inv, torch.Tensor) or not scale_inv.is_floating_point() \
+            or tuple(scale_inv.shape) != want:
+        got = f"{scale_inv.dtype} tensor of shape {list(scale_inv.shape)}" \
+            if isinstance(scale_inv, torch.Tensor) else type(scale_inv).__name__
+        raise ValueError(f"scale_inv: got {got}; supported a floating-point tensor of shape {list(want)} "
+                         f"(weight {list(weight.shape)} in {bo} x {bi} blocks)")
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    out_rows, in_cols = weight.shape
+    scale = scale_inv.to(device=weight.device, dtype=cdt)
+    scale = scale.repeat_interleave(bo, dim=0)[:out_rows].repeat_interleave(bi, dim=1)[:, :in_cols]
+    return (weight.to(cdt) * scale).to(dtype)
+
+
+def dequantize_fp8_checkpoint(state_dict: Mapping[str, Any], block_size: Sequence[int] = DEFAULT_WEIGHT_BLOCK_SIZE,
+                              dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A copy of ``state_dict`` where every ``X.weight`` / ``X.weight_scale_inv`` pair is one dequantised
+    ``X.weight`` (``dtype``); other entries are passed through untouched.
+
+    Raises :class:`~mla_backends.hf_loading.StateDictError` listing every scale without its weight
+    (unexpected), every float8 weight without its scale and every scale of the wrong shape or dtype
+    (misshaped), before anything is converted.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict: got {type(state_dict).__name__}; supported a mapping of name -> tensor")
+    block = check_weight_block_size(block_size)
+    unexpected: list[str] = []
+    misshaped: list[str] = []
+    pairs: dict[str, str] = {}  # weight key -> scale key
+    for key, value in state_dict.items():
+        if not isinstance(key, str):
+            continue
+        if key.endswith(SCALE_SUFFIX):
+            wkey = key[: -len(SCALE_SUFFIX)] + "weight"
+            weight = state_dict.get(wkey)
+            if not isinstance(weight, torch.Tensor):
+                unexpected.append(f"{key} (no {wkey} to scale)")
+            elif weight.dtype not in _FP8_DTYPES or weight.dim() != 2:
+                misshaped.append(f"{wkey} (got {weight.dtype} of shape {list(weight.shape)} with a {SCALE_SUFFIX}; "
+                                 "supported a 2-D float8 tensor)")
+            else:
+                want = _scale_shape(weight.shape, block)
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point() \
+                        or tuple(value.shape) != want:
+                    got = f"{value.dtype} of shape {list(value.shape)}" if isinstance(value, torch.Tensor) \
+                        else type(value).__name__
+                    misshaped.append(f"{key} (got {got}; supported a floating-point tensor of shape {list(want)} "
+                                     f"for weight {list(weight.shape)} in {block[0]} x {block[1]} blocks)")
+                else:
+                    pairs[wkey] = key
+        elif isinstance(value, torch.Tensor) and value.dtype in _FP8_DTYPES:
+            scale_key = key[: -len("weight")] + SCALE_SUFFIX if key.endswith("weight") else None
+            if scale_key is None or scale_key not in state_dict:
+                misshaped.append(f"{key} (got {value.dtype} without {scale_key or 'a block scale'}; supported "
+                                 f"floating-point weights, or float8 weights with their {SCALE_SUFFIX})")
+    if unexpected or misshaped:
+        raise StateDictError([], sorted(unexpected), sorted(misshaped))
+    scales = set(pairs.values())
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if key in scales:
+            continue
+        out[key] = dequantize_block_fp8(value, state_dict[pairs[key]], block, dtype) if key in pairs else value
+    return out
