@@ -6,6 +6,9 @@
 2. The reference ``forward_mqa`` for the same batch against this machine's roofline
    ``max(FLOPs / fp32 matmul rate, bytes / copy bandwidth)``, both rates measured in this run (interleaved
    with the kernel timings, in rounds; the best of each is kept). Target: <= 2.5x.
+3. The shared prefill ``forward_mha`` for one request extending a cached prefix (``--prefill-new`` tokens over
+   ``--prefill-context``), same dims: torch's fused CPU flash kernel (the default) against the plain matmul
+   kernel (``fused=False``), and both against the roofline of their FLOPs. No target; reported.
 
 Usage: ``python benchmarks/bench_layer_cpu.py [--context 4096] [--batch 8] [--repeat 3] [--json out.json]``
 """
@@ -74,9 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--hf-repeat", type=int, default=2, help="timed transformers steps (default 2)")
     ap.add_argument("--skip-hf", action="store_true", help="skip the transformers comparison")
+    ap.add_argument("--prefill-new", type=int, default=1024, help="new tokens of the prefill figure (default 1024)")
+    ap.add_argument("--prefill-context", type=int, default=3072,
+                    help="cached tokens under the prefill figure's new tokens (default 3072; 0 for none)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
-    for name in ("context", "batch", "block_size", "repeat", "rounds", "hf_repeat"):
+    if args.prefill_context < 0:
+        ap.error(f"--prefill-context: got {args.prefill_context}; supported >= 0")
+    for name in ("context", "batch", "block_size", "repeat", "rounds", "hf_repeat", "prefill_new"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}: got {getattr(args, name)}; supported >= 1")
     if args.threads is not None:
@@ -143,6 +151,41 @@ def main(argv: list[str] | None = None) -> int:
           f"(target <= 2.5x)")
     results.update(forward_mqa_s=t_mqa, roofline_s=roof, roofline_ratio=t_mqa / roof, flops=flops,
                    bytes=bytes_moved, bound=bound)
+
+    # ---- shared prefill: fused CPU kernel vs the plain one -------------------------------------------------
+    from mla_backends.prefill import PrefillWorkspace, forward_mha
+
+    n_new, n_ctx = args.prefill_new, args.prefill_context
+    P, V = dims.qk_nope_head_dim, dims.v_head_dim
+    p_pages = -(-(n_new + n_ctx) // bs)
+    p_cache = layer.allocate_cache(p_pages + 1, bs)
+    p_bt = torch.randperm(p_pages + 1)[:p_pages].view(1, p_pages).int()
+    pos = torch.arange(n_new + n_ctx)
+    p_rows = torch.randn(n_new + n_ctx, r + R)
+    p_cache.write(p_rows[:, :r], p_rows[:, r:], p_bt[0, pos // bs].long() * bs + pos % bs)
+    p_meta = BatchMetadata.build([n_new], [n_ctx], p_bt, bs, decode_threshold=0)
+    p_q = torch.randn(n_new, H, P + R)
+    p_ws = PrefillWorkspace(max(1, n_ctx))
+    p_args = (p_q, p_rows[n_ctx:, :r], p_rows[n_ctx:, r:], p_cache, p_meta, layer.kv_b_proj.weight)
+    t_fused = t_plain = float("inf")
+    with torch.inference_mode():
+        for _ in range(args.rounds):
+            t_fused = min(t_fused, best_time(lambda: forward_mha(*p_args, scale=layer.scale, workspace=p_ws),
+                                             args.repeat))
+            t_plain = min(t_plain, best_time(lambda: forward_mha(*p_args, scale=layer.scale, workspace=p_ws,
+                                                                 fused=False), args.repeat))
+        diff = (forward_mha(*p_args, scale=layer.scale, workspace=p_ws)
+                - forward_mha(*p_args, scale=layer.scale, workspace=p_ws, fused=False)).abs().max().item()
+    # up-projection of every row, then attention: causal among the new tokens (half the square) + the context
+    qk, pairs = P + R, n_new * (n_new + 1) / 2 + n_new * n_ctx
+    p_flops = 2.0 * (n_new + n_ctx) * r * H * (P + V) + 2.0 * H * pairs * (qk + V)
+    p_roof = p_flops / rates["matmul_flops_per_s"]
+    print(f"forward_mha prefill ({n_new} new over {n_ctx} cached tokens): fused CPU kernel {t_fused * 1e3:.1f} ms, "
+          f"plain kernel {t_plain * 1e3:.1f} ms -> {t_plain / t_fused:.2f}x faster; roofline {p_roof * 1e3:.1f} ms "
+          f"({p_flops / 1e9:.1f} GFLOP): fused {t_fused / p_roof:.2f}x, plain {t_plain / p_roof:.2f}x; "
+          f"max difference {diff:.1e}")
+    results.update(prefill_fused_s=t_fused, prefill_plain_s=t_plain, prefill_speedup=t_plain / t_fused,
+                   prefill_roofline_s=p_roof, prefill_flops=p_flops, prefill_max_diff=diff)
 
     # ---- transformers with its cache ---------------------------------------------------------------------
     if not args.skip_hf:

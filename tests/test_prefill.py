@@ -165,3 +165,115 @@ def test_context_chunks_fill_every_chunk_but_the_last():
     assert context_chunks([1, 1, 1], 1) == [[(0, 0, 1)], [(1, 0, 1)], [(2, 0, 1)]]
     chunks = context_chunks([7, 5, 9], 6)
     assert [sum(z - a for _, a, z in c) for c in chunks] == [6, 6, 6, 3]
+
+
+# ---- the prefill kernel: torch's fused CPU flash attention and the plain path ------------------------------
+
+def _naive_attention(q_nope, q_pe, k_nope, k_pe, v, scale, causal):
+    """float64, one head and one query at a time: 192-wide key = [k_nope_h | k_pe], softmax, weighted sum."""
+    n, heads, _ = q_nope.shape
+    m = k_nope.shape[0]
+    o = torch.zeros(n, heads, v.shape[2], dtype=torch.float64)
+    lse = torch.zeros(n, heads, dtype=torch.float64)
+    for i in range(n):
+        seen = i + (m - n) + 1 if causal else m
+        for h in range(heads):
+            k = torch.cat([k_nope[:seen, h].double(), k_pe[:seen].double()], dim=1)
+            s = (k @ torch.cat([q_nope[i, h], q_pe[i, h]]).double()) * scale
+            o[i, h] = torch.softmax(s, 0) @ v[:seen, h].double()
+            lse[i, h] = torch.logsumexp(s, 0)
+    return o, lse
+
+
+def _attention_inputs(n, m, dtype, v_width=V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    return t(n, H, P), t(n, H, R), t(m, H, P), t(m, R), t(m, H, v_width)
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts calls into torch's fused CPU kernel (the test fails if the fused path stops being taken)."""
+    from mla_backends import prefill
+
+    kernel = prefill.fused_prefill_kernel()
+    if kernel is None:
+        pytest.skip(f"torch {torch.__version__} has no fused CPU flash attention kernel")
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[1].shape[2])  # keys in this call
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(prefill, "fused_prefill_kernel", lambda: spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("n, m, causal, v_width", [
+    (1, 1, True, V), (7, 7, True, V), (64, 64, True, V),  # new tokens among themselves
+    (5, 1, False, V), (5, 37, False, V), (3, 300, False, V),  # queries over a context chunk
+    (9, 9, True, 2 * (P + R)), (4, 20, False, 2 * (P + R)),  # value wider than the key: q/k padded instead
+])
+def test_fused_cpu_kernel_matches_naive_float64(n, m, causal, v_width, dtype, tol, fused_calls):
+    from mla_backends.prefill import prefill_attention
+
+    args = _attention_inputs(n, m, dtype, v_width, seed=n * 1000 + m)
+    o, lse = prefill_attention(*args, 0.3, causal=causal)
+    ref_o, ref_lse = _naive_attention(*args, 0.3, causal)
+    assert fused_calls == [m]
+    assert o.dtype == torch.float32 and lse.dtype == torch.float32 and o.shape == (n, H, v_width)
+    torch.testing.assert_close(o.double(), ref_o, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
+
+
+def test_fused_kernel_splits_long_key_ranges_and_merges_them(monkeypatch, fused_calls):
+    from mla_backends import prefill
+
+    monkeypatch.setattr(prefill, "FUSED_KV_BYTES", 2 * H * (P + R) * 4 * 50)  # 50 keys per call
+    args = _attention_inputs(6, 173, torch.float32, seed=4)
+    o, lse = prefill.prefill_attention(*args, 0.25, causal=False)
+    assert fused_calls == [50, 50, 50, 23]
+    ref_o, ref_lse = _naive_attention(*args, 0.25, False)
+    torch.testing.assert_close(o.double(), ref_o, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-5)
+    # a causal call longer than one chunk cannot be split by keys: it takes the plain path, still right
+    args = _attention_inputs(120, 120, torch.float32, seed=5)
+    o, lse = prefill.prefill_attention(*args, 0.25, causal=True)
+    assert fused_calls == [50, 50, 50, 23]
+    assert "FUSED_KV_BYTES" in prefill.fused_applies(args[0], 120, 120, True, H, P + R, V)
+    torch.testing.assert_close(o.double(), _naive_attention(*args, 0.25, True)[0], rtol=2e-5, atol=2e-5)
+
+
+def test_fused_kernel_dispatch_rules(fused_calls):
+    from mla_backends.prefill import fused_applies, prefill_attention
+
+    f64 = _attention_inputs(4, 4, torch.float64)
+    o, _ = prefill_attention(*f64, 0.3, causal=True)  # float64 keeps the plain path, exactly
+    assert fused_calls == []
+    torch.testing.assert_close(o, _naive_attention(*f64, 0.3, True)[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="fused: got True; .*dtype float64"):
+        prefill_attention(*f64, 0.3, causal=True, fused=True)
+    f32 = _attention_inputs(3, 8, torch.float32)
+    with pytest.raises(ValueError, match="causal with 3 queries over 8 keys"):
+        prefill_attention(*f32, 0.3, causal=True, fused=True)
+    o_plain, _ = prefill_attention(*f32, 0.3, causal=True, fused=False)
+    o_auto, _ = prefill_attention(*f32, 0.3, causal=True)  # bottom-right causal, n != m: plain
+    assert fused_calls == [] and torch.equal(o_plain, o_auto)
+    torch.testing.assert_close(o_auto.double(), _naive_attention(*f32, 0.3, True)[0], rtol=2e-5, atol=2e-5)
+    assert "device meta" in fused_applies(torch.empty(1, device="meta"), 1, 1, False, H, P + R, V)
+
+
+def test_forward_mha_float32_runs_the_fused_kernel_and_matches_the_reference(fused_calls):
+    ctx, new = [0, 9, 23], [5, 4, 3]
+    cache, meta, rows, new_rows, q, kv_b = _setup(ctx, new, seed=7)
+    c32 = LatentKVCache(cache.num_blocks, cache.block_size, r, R, model_dtype=torch.float32)
+    c32.data.copy_(cache.data)
+    out = forward_mha(q.float(), new_rows[:, :r].float(), new_rows[:, r:].float(), c32, meta, kv_b.float(),
+                      scale=0.3, workspace_rows=10)
+    assert sorted(fused_calls) == sorted([5, 4, 3] + [9, 1, 10, 10, 2])  # causal parts, 10-row context chunks
+    ref = _reference(q, kv_b, [rw.float().double() for rw in rows], new, 0.3)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

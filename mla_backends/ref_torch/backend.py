@@ -188,9 +188,12 @@ class RefTorchBackend(MLABackend):
         ctx = torch.tensor(context_lens, device=dev)
         limit = ctx[:, None] + torch.arange(n, device=dev)[None, :]  # [b, n]
         edge = min(context_lens)  # chunks reaching past this hold someone's causal / length edge
-        for c in range(n_chunks):
+        # per-slot views made once: the loop below is a handful of kernel calls per chunk, nothing else
+        slot_max, slot_sum, slot_part = c_max.unbind(0), c_sum.unbind(0), part.unbind(0)
+        slot_max_col = [t.unsqueeze(-1) for t in slot_max]
+        for c, page_ids in enumerate(chunk_ids.view(n_chunks, b * per).unbind(0)):
             g = c % G
-            torch.index_select(cache.data, 0, chunk_ids[c].view(-1), out=raw)
+            torch.index_select(cache.data, 0, page_ids, out=raw)
             if exact_fp8:  # the scale applied in float32 first, as LatentKVCache.dequantize does
                 kv.view_as(raw).copy_(cache.dequantize(raw, cdt))
             elif not direct:  # one conversion kernel into the compute-dtype buffer, then the fp8 scale
@@ -202,10 +205,10 @@ class RefTorchBackend(MLABackend):
             if pos0 + rows - 1 > edge:
                 hidden = torch.arange(pos0, pos0 + rows, device=dev)[None, None, :] > limit[:, :, None]
                 s.view(b, n, H, rows).masked_fill_(hidden[:, :, None, :], _HIDDEN_SCORE)
-            torch.amax(s, dim=-1, out=c_max[g])
-            s.sub_(c_max[g][..., None]).exp_()
-            torch.sum(s, dim=-1, out=c_sum[g])
-            torch.bmm(s, kv_latent, out=part[g])
+            torch.amax(s, dim=-1, out=slot_max[g])
+            s.sub_(slot_max_col[g]).exp_()
+            torch.sum(s, dim=-1, out=slot_sum[g])
+            torch.bmm(s, kv_latent, out=slot_part[g])
             if g == G - 1 or c == n_chunks - 1:  # fold the partials: weights exp(chunk max - new max)
                 k = g + 1
                 m_new = torch.maximum(m, c_max[:k].amax(dim=0))
