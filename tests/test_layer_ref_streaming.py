@@ -39,12 +39,15 @@ def _reference(q, rows, ctx, n, scale):
     ("fp8_e4m3", torch.float32, 2e-5),
 ])
 @pytest.mark.parametrize("block_size", [16, 48])
-@pytest.mark.parametrize("chunking", ["default", "tiny"])
+@pytest.mark.parametrize("chunking", ["default", "tiny", "fold-each"])
 def test_streamed_requests_match_reference(kv_cache_dtype, dtype, tol, block_size, chunking, monkeypatch):
     assert STREAM_MIN_ROWS > 40 and STREAM_MAX_CHUNK_ROWS <= STREAM_MIN_ROWS
     if chunking == "tiny":  # ~50 rows per request per chunk, partials folded every 3 chunks
         monkeypatch.setattr(ref_backend, "STREAM_CHUNK_BYTES", 2 * (r + R) * 8 * 50)
         monkeypatch.setattr(ref_backend, "STREAM_FOLD_CHUNKS", 3)
+    if chunking == "fold-each":  # partials over the element budget: every chunk folded as it comes
+        monkeypatch.setattr(ref_backend, "STREAM_CHUNK_BYTES", 2 * (r + R) * 8 * 200)
+        monkeypatch.setattr(ref_backend, "STREAM_PARTIAL_ELEMENTS", 1)
     g = torch.Generator().manual_seed(block_size)
     # runs: two long decodes of different lengths streamed together, a short request, then two long
     # 4-token extends (the first becomes long only with its new tokens)

@@ -37,6 +37,8 @@ STREAM_CHUNK_BYTES = 5 << 19
 STREAM_MAX_CHUNK_ROWS = 1024
 #: chunk partials kept before they are folded into the running result (bounds memory for any length)
 STREAM_FOLD_CHUNKS = 16
+#: most elements of kept partials (``slots x requests x q_len * heads x 512``); long queries fold more often
+STREAM_PARTIAL_ELEMENTS = 1 << 22
 #: most requests streamed together (bounds the chunk buffer and the partials)
 STREAM_MAX_REQUESTS = 32
 #: score given to hidden positions in the streamed path: finite, so that a chunk with nothing visible for a
@@ -177,7 +179,7 @@ class RefTorchBackend(MLABackend):
         kv = (raw if direct else torch.empty(b * per, bs, W, dtype=cdt, device=dev)).view(b, rows, W)
         kv_t, kv_latent = kv.transpose(1, 2), kv[..., :r]
         s = torch.empty(b, nH, rows, dtype=cdt, device=dev)
-        G = min(STREAM_FOLD_CHUNKS, n_chunks)
+        G = max(1, min(STREAM_FOLD_CHUNKS, n_chunks, STREAM_PARTIAL_ELEMENTS // (b * nH * r)))
         part = torch.empty(G, b, nH, r, dtype=cdt, device=dev)
         c_max = torch.empty(G, b, nH, dtype=cdt, device=dev)
         c_sum = torch.empty(G, b, nH, dtype=cdt, device=dev)
