@@ -57,7 +57,15 @@ def weight_block_size_from_config(config: Any) -> tuple[int, int]:
         return DEFAULT_WEIGHT_BLOCK_SIZE
     block = quant.get("weight_block_size") if isinstance(quant, Mapping) else \
         getattr(quant, "weight_block_size", None)
-    return DEFAULT_WEIGHT_BLOCK_SIZE if block is None else check_weight_block_size(tuple(block))
+    if block is None:
+        return DEFAULT_WEIGHT_BLOCK_SIZE
+    return check_weight_block_size(tuple(block) if isinstance(block, (list, tuple)) else block)
+
+
+def _check_out_dtype(dtype: Any) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in _FP8_DTYPES:
+        raise TypeError(f"dtype: got {dtype!r}; supported a floating-point torch.dtype other than float8, "
+                        "e.g. torch.bfloat16")
 
 
 def _scale_shape(weight_shape: Sequence[int], block_size: tuple[int, int]) -> tuple[int, int]:
@@ -83,11 +91,16 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
             if isinstance(scale_inv, torch.Tensor) else type(scale_inv).__name__
         raise ValueError(f"scale_inv: got {got}; supported a floating-point tensor of shape {list(want)} "
                          f"(weight {list(weight.shape)} in {bo} x {bi} blocks)")
+    _check_out_dtype(dtype)
     cdt = torch.float64 if dtype == torch.float64 else torch.float32
-    out_rows, in_cols = weight.shape
-    scale = scale_inv.to(device=weight.device, dtype=cdt)
-    scale = scale.repeat_interleave(bo, dim=0)[:out_rows].repeat_interleave(bi, dim=1)[:, :in_cols]
-    return (weight.to(cdt) * scale).to(dtype)
+    rows, cols = weight.shape
+    nbr, nbc = want
+    w = weight.to(cdt)
+    if nbr * bo != rows or nbc * bi != cols:  # partial last blocks: pad, scale whole blocks, crop
+        w = torch.nn.functional.pad(w, (0, nbc * bi - cols, 0, nbr * bo - rows))
+    # each scale broadcast over its block in place: no weight-sized scale matrix
+    w.view(nbr, bo, nbc, bi).mul_(scale_inv.to(device=weight.device, dtype=cdt)[:, None, :, None])
+    return w[:rows, :cols].to(dtype).contiguous()
 
 
 def dequantize_fp8_checkpoint(state_dict: Mapping[str, Any], block_size: Sequence[int] = DEFAULT_WEIGHT_BLOCK_SIZE,
@@ -102,6 +115,7 @@ def dequantize_fp8_checkpoint(state_dict: Mapping[str, Any], block_size: Sequenc
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict: got {type(state_dict).__name__}; supported a mapping of name -> tensor")
     block = check_weight_block_size(block_size)
+    _check_out_dtype(dtype)
     unexpected: list[str] = []
     misshaped: list[str] = []
     pairs: dict[str, str] = {}  # weight key -> scale key

@@ -10,12 +10,12 @@ Every backend shares it; backends only supply the absorbed ``forward_mqa``. For 
    chunk up-projected into a reused workspace and attended without a mask;
 4. the partial results are merged by their log-sum-exp; an empty part has LSE ``-inf`` and weight 0.
 
-Scores are computed as ``q_nope . k_nope + q_pe . k_pe`` (the rope term shared by the heads), which is the
-192-wide dot product without materialising the broadcast key. Softmax and accumulation run in float32 (float64
-for float64 inputs). The attention itself is :func:`prefill_attention`: on the CPU in float32/bf16/fp16 it runs
-torch's blocked flash-attention kernel, which also returns the LSE (about 3x faster than plain matmuls for the
-causal part, which it skips); everywhere else, and in float64, plain torch with bounded memory, so the path runs
-on any device torch supports.
+Scores are ``q_nope . k_nope + q_pe . k_pe``, the 192-wide dot product. Softmax and accumulation run in float32
+(float64 for float64 inputs). The attention itself is :func:`prefill_attention`: on the CPU in
+float32/bf16/fp16 it runs torch's blocked flash-attention kernel, which also returns the LSE (queries in blocks,
+keys in chunks, the rope key broadcast and the value padded to one head size); everywhere else, and in float64,
+plain matmuls with bounded memory that never materialise the broadcast rope key, so the path runs on any device
+torch supports.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ __all__ = [
 MAX_WORKSPACE_ROWS = 64 * 1024
 #: most score elements one :func:`prefill_attention` call materialises at once (64 MiB in float32)
 SCORE_BUDGET = 1 << 24
-#: most bytes the fused CPU kernel spends on one call's materialised ``[keys, heads, 192]`` key and padded value
-#: (float32); longer non-causal key ranges are split and merged by LSE, longer causal ones take the plain path
+#: most bytes the fused CPU kernel spends on one materialised float32 pair: the ``[keys, heads, 192]`` key and
+#: padded value of a key chunk, or a query block and its output; longer ranges are split and merged by LSE
 FUSED_KV_BYTES = 256 << 20
 
 
@@ -147,6 +147,8 @@ def prefill_attention(
     Returns:
         ``(o [n, H, V], lse [n, H])`` in float32 (float64 for float64 inputs).
     """
+    if fused is not None and not isinstance(fused, bool):
+        raise TypeError(f"fused: got {type(fused).__name__}; supported None, True or False")
     n, m = q_nope.shape[0], k_nope.shape[0]
     why = fused_applies(q_nope, n, m, causal, k_nope.shape[1], q_nope.shape[2] + q_pe.shape[2], v.shape[2]) \
         if fused is not False else "fused=False"
@@ -157,7 +159,9 @@ def prefill_attention(
     return _plain_attention(q_nope, q_pe, k_nope, k_pe, v, scale, causal, budget)
 
 
-def _fused_chunk_rows(heads: int, width: int) -> int:
+def _fused_block_rows(heads: int, width: int) -> int:
+    """Queries per block and keys per chunk of the fused kernel: ``FUSED_KV_BYTES`` over a float32
+    ``[rows, heads, width]`` pair (keys and values; padded queries and their output)."""
     return max(1, FUSED_KV_BYTES // (2 * heads * width * 4))
 
 
@@ -172,8 +176,6 @@ def fused_applies(q: torch.Tensor, n: int, m: int, causal: bool, heads: int, qk_
         return f"{n} queries over {m} keys; it needs both"
     if causal and n != m:
         return f"causal with {n} queries over {m} keys; it aligns the mask top-left, so it needs n == m"
-    if causal and m > _fused_chunk_rows(heads, max(qk_width, v_width)):
-        return f"causal over {m} keys; more than FUSED_KV_BYTES ({FUSED_KV_BYTES}) of keys and values"
     if fused_prefill_kernel() is None:
         return f"torch {torch.__version__} has no aten::_scaled_dot_product_flash_attention_for_cpu"
     return ""
@@ -181,32 +183,50 @@ def fused_applies(q: torch.Tensor, n: int, m: int, causal: bool, heads: int, qk_
 
 def _fused_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
                      v: torch.Tensor, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's fused CPU flash attention, float32, on ``[1, H, len, D]`` views: the 64-wide rope key
-    broadcast over the heads and the value zero-padded to the key width (the kernel wants one head size)."""
+    """torch's fused CPU flash attention, float32, on ``[1, H, rows, D]`` views: the 64-wide rope key
+    broadcast over the heads and the value zero-padded to the key width (the kernel wants one head size).
+
+    Memory stays within ``FUSED_KV_BYTES`` per materialised pair: queries go in blocks, keys in chunks, and
+    the parts are merged by LSE. Causal (queries are the keys, ``n == m``): a query block attends the keys
+    before it without a mask and its own diagonal block with the kernel's (top-left) causal mask.
+    """
     kernel = fused_prefill_kernel()
     assert kernel is not None
+    n = q_nope.shape[0]
     m, H, P = k_nope.shape
     R, V = k_pe.shape[1], v.shape[2]
     D = max(P + R, V)
     f32 = torch.float32
-    q = torch.nn.functional.pad(torch.cat([q_nope.to(f32), q_pe.to(f32)], dim=-1), (0, D - P - R))
-    q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    o_acc: torch.Tensor | None = None
-    lse_acc: torch.Tensor | None = None
-    step = _fused_chunk_rows(H, D)  # causal calls fit in one chunk (fused_applies checked)
-    for k0 in range(0, m, step):
-        k1 = min(m, k0 + step)
+    pad = torch.nn.functional.pad
+    block = _fused_block_rows(H, D)
+
+    def keys(k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = torch.cat([k_nope[k0:k1].to(f32), k_pe[k0:k1, None, :].to(f32).expand(k1 - k0, H, R)], dim=-1)
-        k = torch.nn.functional.pad(k, (0, D - P - R)).transpose(0, 1).unsqueeze(0)
-        vv = torch.nn.functional.pad(v[k0:k1].to(f32), (0, D - V)).transpose(0, 1).unsqueeze(0)
-        o, lse = kernel(q, k, vv, 0.0, causal, scale=scale)
-        o, lse = o[0, :, :, :V].transpose(0, 1), lse[0].transpose(0, 1)  # [n, H, V], [n, H]
-        if o_acc is None or lse_acc is None:
-            o_acc, lse_acc = o, lse
-        else:
-            o_acc, lse_acc = merge_attention_states(o_acc, lse_acc, o, lse)
-    assert o_acc is not None and lse_acc is not None
-    return o_acc.contiguous(), lse_acc.contiguous()
+        vv = pad(v[k0:k1].to(f32), (0, D - V))
+        return pad(k, (0, D - P - R)).transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)
+
+    o_all = torch.empty(n, H, V, dtype=f32, device=q_nope.device)
+    lse_all = torch.empty(n, H, dtype=f32, device=q_nope.device)
+    for i0 in range(0, n, block):
+        i1 = min(n, i0 + block)
+        q = pad(torch.cat([q_nope[i0:i1].to(f32), q_pe[i0:i1].to(f32)], dim=-1), (0, D - P - R))
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
+        parts = [(k0, min(k0 + block, i0 if causal else m), False) for k0 in range(0, i0 if causal else m, block)]
+        if causal:
+            parts.append((i0, i1, True))  # the diagonal block: these queries are these keys
+        o_acc: torch.Tensor | None = None
+        lse_acc: torch.Tensor | None = None
+        for k0, k1, masked in parts:
+            o, lse = kernel(q, *keys(k0, k1), 0.0, masked, scale=scale)
+            o, lse = o[0, :, :, :V].transpose(0, 1), lse[0].transpose(0, 1)  # [rows, H, V], [rows, H]
+            if o_acc is None or lse_acc is None:
+                o_acc, lse_acc = o, lse
+            else:
+                o_acc, lse_acc = merge_attention_states(o_acc, lse_acc, o, lse)
+        assert o_acc is not None and lse_acc is not None
+        o_all[i0:i1] = o_acc
+        lse_all[i0:i1] = lse_acc
+    return o_all, lse_all
 
 
 def _plain_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,

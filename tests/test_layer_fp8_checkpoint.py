@@ -223,3 +223,25 @@ def test_weight_block_size_from_every_config_form(tmp_path):
         weight_block_size_from_config({"quantization_config": {"weight_block_size": [128]}})
     with pytest.raises(ValueError, match="weight_block_size: got"):
         MLAAttention(MLADims.deepseek_v2_lite(), dtype=torch.float32, weight_block_size=(128, -1))
+
+
+def test_fp8_checkpoint_into_a_bf16_layer_rounds_the_float32_product_once():
+    cfg = _config([16, 16])
+    fp8, plain = fp8_checkpoint(hf_attention(cfg).state_dict(), (16, 16))
+    layer = MLAAttention.from_hf_config(cfg, dtype=torch.bfloat16)
+    layer.load_hf_state_dict(fp8)
+    for k in ("kv_b_proj.weight", "o_proj.weight", "kv_a_proj_with_mqa.weight"):
+        # float64 holds the fp8 x float32 product exactly, so .float() is the correctly rounded float32 product
+        assert torch.equal(layer.state_dict()[k], plain[k].float().bfloat16()), k
+
+
+def test_dequantize_rejects_bad_output_dtypes_and_block_sizes():
+    w, s = torch.ones(4, 4).to(FP8), torch.ones(1, 1)
+    for bad in ("bfloat16", torch.int8, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="dtype: got .*; supported a floating-point torch.dtype other than float8"):
+            dequantize_block_fp8(w, s, (4, 4), dtype=bad)
+        with pytest.raises(TypeError, match="dtype: got"):
+            dequantize_fp8_checkpoint({"x.weight": w, "x.weight_scale_inv": s}, (4, 4), dtype=bad)
+    with pytest.raises(ValueError, match="weight_block_size: got 128; supported two positive ints"):
+        weight_block_size_from_config({"quantization_config": {"weight_block_size": 128}})
+    assert dequantize_block_fp8(w, s * 3, (4, 4), dtype=torch.float16).dtype == torch.float16

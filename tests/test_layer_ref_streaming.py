@@ -37,6 +37,7 @@ def _reference(q, rows, ctx, n, scale):
     ("auto", torch.float32, 2e-5),
     ("bfloat16", torch.float32, 2e-5),  # the reference reads the same bf16 rows back
     ("fp8_e4m3", torch.float32, 2e-5),
+    ("fp8_e4m3", torch.float64, 1e-10),  # the scale applied in float32 first, as LatentKVCache.dequantize does
 ])
 @pytest.mark.parametrize("block_size", [16, 48])
 @pytest.mark.parametrize("chunking", ["default", "tiny", "fold-each"])
@@ -84,3 +85,43 @@ def test_stream_chunk_pages_splits_the_byte_budget():
     assert stream_chunk_pages(1, row, 16) * 16 == STREAM_MAX_CHUNK_ROWS  # capped in rows
     assert stream_chunk_pages(32, row, 256) == 1  # never less than one page
     assert stream_chunk_pages(2, row, 64) > stream_chunk_pages(8, row, 64)
+
+    with pytest.raises(ValueError, match="block_size: got 0; supported >= 1"):
+        stream_chunk_pages(2, row, 0)
+    with pytest.raises(TypeError, match="num_requests: got float"):
+        stream_chunk_pages(2.0, row, 16)
+
+
+def test_streamed_groups_hold_requests_of_similar_length(monkeypatch):
+    """A long request does not drag short ones through all its chunks: groups are cut where the longest would
+    exceed STREAM_LENGTH_RATIO x the shortest (and at a change of query length)."""
+    g = torch.Generator().manual_seed(11)
+    bs, L = 64, STREAM_MIN_ROWS
+    ctx = [5 * L, L + 76, L + 76, 2 * L, L + 76, L + 300, L + 300]
+    new = [1, 1, 1, 1, 1, 1, 2]
+    pages = -(-max(c + n for c, n in zip(ctx, new, strict=True)) // bs)
+    nb = len(ctx) * pages + 1
+    bt = torch.randperm(nb, generator=g)[: len(ctx) * pages].view(len(ctx), pages).int()
+    cache = LatentKVCache(nb, bs, r, R, model_dtype=torch.float64)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g, dtype=torch.float64))
+    meta = BatchMetadata.build(new, ctx, bt, bs, decode_threshold=0, reorder=False)
+    groups = []
+    inner = RefTorchBackend._stream
+
+    def spy(q, cache_, block_rows, context_lens, seq_lens, *rest):
+        groups.append(tuple(seq_lens))
+        return inner(q, cache_, block_rows, context_lens, seq_lens, *rest)
+
+    monkeypatch.setattr(RefTorchBackend, "_stream", staticmethod(spy))
+    T = sum(new)
+    q = torch.randn(T, H, r + R, generator=g, dtype=torch.float64)
+    out, lse = RefTorchBackend().forward_mqa(q[..., :r].contiguous(), q[..., r:].contiguous(), cache, meta,
+                                             scale=0.2)
+    seq = [c + n for c, n in zip(ctx, new, strict=True)]
+    assert groups == [(seq[0],), tuple(seq[1:6]), (seq[6],)]
+    t = 0
+    for b, (c, n) in enumerate(zip(ctx, new, strict=True)):
+        ref_o, ref_l = _reference(q[t: t + n], cache.gather(meta.block_table[b], c + n, torch.float64), c, n, 0.2)
+        torch.testing.assert_close(out[t: t + n], ref_o, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(lse[t: t + n].double(), ref_l, rtol=1e-6, atol=1e-6)
+        t += n

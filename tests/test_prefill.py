@@ -212,7 +212,7 @@ def fused_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("n, m, causal, v_width", [
     (1, 1, True, V), (7, 7, True, V), (64, 64, True, V),  # new tokens among themselves
     (5, 1, False, V), (5, 37, False, V), (3, 300, False, V),  # queries over a context chunk
@@ -230,22 +230,29 @@ def test_fused_cpu_kernel_matches_naive_float64(n, m, causal, v_width, dtype, to
     torch.testing.assert_close(lse.double(), ref_lse, rtol=tol, atol=tol)
 
 
-def test_fused_kernel_splits_long_key_ranges_and_merges_them(monkeypatch, fused_calls):
+def test_fused_kernel_blocks_queries_and_keys_and_merges_them(monkeypatch, fused_calls):
     from mla_backends import prefill
 
-    monkeypatch.setattr(prefill, "FUSED_KV_BYTES", 2 * H * (P + R) * 4 * 50)  # 50 keys per call
+    monkeypatch.setattr(prefill, "FUSED_KV_BYTES", 2 * H * (P + R) * 4 * 50)  # 50 rows per block / chunk
     args = _attention_inputs(6, 173, torch.float32, seed=4)
     o, lse = prefill.prefill_attention(*args, 0.25, causal=False)
-    assert fused_calls == [50, 50, 50, 23]
+    assert fused_calls == [50, 50, 50, 23]  # one query block, four key chunks
     ref_o, ref_lse = _naive_attention(*args, 0.25, False)
     torch.testing.assert_close(o.double(), ref_o, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-5)
-    # a causal call longer than one chunk cannot be split by keys: it takes the plain path, still right
+    fused_calls.clear()
+    args = _attention_inputs(120, 70, torch.float32, seed=6)
+    o, lse = prefill.prefill_attention(*args, 0.25, causal=False)
+    assert fused_calls == [50, 20] * 3  # three query blocks, each over two key chunks
+    torch.testing.assert_close(o.double(), _naive_attention(*args, 0.25, False)[0], rtol=2e-5, atol=2e-5)
+    # causal: each query block sees the blocks before it unmasked, then its own diagonal block masked
+    fused_calls.clear()
     args = _attention_inputs(120, 120, torch.float32, seed=5)
     o, lse = prefill.prefill_attention(*args, 0.25, causal=True)
-    assert fused_calls == [50, 50, 50, 23]
-    assert "FUSED_KV_BYTES" in prefill.fused_applies(args[0], 120, 120, True, H, P + R, V)
-    torch.testing.assert_close(o.double(), _naive_attention(*args, 0.25, True)[0], rtol=2e-5, atol=2e-5)
+    assert fused_calls == [50, 50, 50, 50, 50, 20]
+    ref_o, ref_lse = _naive_attention(*args, 0.25, True)
+    torch.testing.assert_close(o.double(), ref_o, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, rtol=2e-5, atol=2e-5)
 
 
 def test_fused_kernel_dispatch_rules(fused_calls):
@@ -260,6 +267,8 @@ def test_fused_kernel_dispatch_rules(fused_calls):
     f32 = _attention_inputs(3, 8, torch.float32)
     with pytest.raises(ValueError, match="causal with 3 queries over 8 keys"):
         prefill_attention(*f32, 0.3, causal=True, fused=True)
+    with pytest.raises(TypeError, match="fused: got int; supported None, True or False"):
+        prefill_attention(*f32, 0.3, causal=False, fused=0)
     o_plain, _ = prefill_attention(*f32, 0.3, causal=True, fused=False)
     o_auto, _ = prefill_attention(*f32, 0.3, causal=True)  # bottom-right causal, n != m: plain
     assert fused_calls == [] and torch.equal(o_plain, o_auto)

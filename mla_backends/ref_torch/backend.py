@@ -22,6 +22,7 @@ from ..cache import LatentKVCache
 from ..dtypes import KV_CACHE_DTYPES
 from ..metadata import BatchMetadata
 from ..mqa_inputs import check_mqa_inputs
+from ..validation import require_int
 
 __all__ = ["RefTorchBackend", "WORKSPACE_ELEMENTS", "stream_chunk_pages"]
 
@@ -41,6 +42,9 @@ STREAM_FOLD_CHUNKS = 16
 STREAM_PARTIAL_ELEMENTS = 1 << 22
 #: most requests streamed together (bounds the chunk buffer and the partials)
 STREAM_MAX_REQUESTS = 32
+#: longest / shortest sequence within one streamed group. Every chunk is scored for every request of the group
+#: (finished ones re-read their last page, hidden), so the group's work is requests x its longest length
+STREAM_LENGTH_RATIO = 2.0
 #: score given to hidden positions in the streamed path: finite, so that a chunk with nothing visible for a
 #: row gives finite partials (weighted by exp(-1e30 - max) = 0 when merged) instead of NaN
 _HIDDEN_SCORE = -1e30
@@ -49,7 +53,10 @@ _HIDDEN_SCORE = -1e30
 def stream_chunk_pages(num_requests: int, row_bytes: int, block_size: int) -> int:
     """Pages per request in one streamed chunk: ``STREAM_CHUNK_BYTES`` split over the requests, at least one
     page, at most ``STREAM_MAX_CHUNK_ROWS`` rows."""
-    rows = min(STREAM_MAX_CHUNK_ROWS, STREAM_CHUNK_BYTES // max(1, num_requests * row_bytes))
+    require_int("num_requests", num_requests, minimum=1)
+    require_int("row_bytes", row_bytes, minimum=1)
+    require_int("block_size", block_size, minimum=1)
+    rows = min(STREAM_MAX_CHUNK_ROWS, STREAM_CHUNK_BYTES // (num_requests * row_bytes))
     return max(1, rows // block_size)
 
 
@@ -119,8 +126,9 @@ class RefTorchBackend(MLABackend):
     # ---- dense -----------------------------------------------------------------------------------------
     def _dense_dispatch(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
                         out: torch.Tensor, lse_out: torch.Tensor) -> None:
-        """Long sequences stream through page chunks (:meth:`_stream`), several requests of one query length
-        at a time; runs of short sequences take the padded batched path (:meth:`_dense`)."""
+        """Long sequences stream through page chunks (:meth:`_stream`), several consecutive requests of one
+        query length and similar lengths (within ``STREAM_LENGTH_RATIO``) at a time; runs of short sequences
+        take the padded batched path (:meth:`_dense`)."""
         seqs, qlens = meta.seq_lens_list, meta.query_lens_list
         if all(s < STREAM_MIN_ROWS for s in seqs):
             self._dense(q, cache, meta, scale, out, lse_out)
@@ -131,9 +139,12 @@ class RefTorchBackend(MLABackend):
         b = 0
         while b < meta.num_requests:
             long_run = seqs[b] >= STREAM_MIN_ROWS
-            e = b + 1
-            while (e < meta.num_requests and (seqs[e] >= STREAM_MIN_ROWS) == long_run
-                   and (not long_run or (qlens[e] == qlens[b] and e - b < STREAM_MAX_REQUESTS))):
+            e, lo, hi = b + 1, seqs[b], seqs[b]
+            while e < meta.num_requests and (seqs[e] >= STREAM_MIN_ROWS) == long_run:
+                if long_run:  # one query length, bounded size, and lengths close enough that padding is cheap
+                    lo, hi = min(lo, seqs[e]), max(hi, seqs[e])
+                    if qlens[e] != qlens[b] or e - b >= STREAM_MAX_REQUESTS or hi > STREAM_LENGTH_RATIO * lo:
+                        break
                 e += 1
             t0, t1 = starts[b], starts[e]
             if t1 > t0 and long_run:
