@@ -66,14 +66,25 @@ def peak_gbps_for(name: str) -> float | None:
     return None
 
 
-def cache_bytes_read(seq_lens: list[int], row_width: int, element_size: int) -> int:
+def point_dims(heads: int) -> Any:
+    """The benchmarked shapes: DeepSeek-V3's latent (512 + 64) with ``heads`` query heads."""
+    from mla_backends.dims import MLADims
+
+    return MLADims(num_heads=heads)
+
+
+def cache_bytes_read(seq_lens: list[int], dims: Any, element_size: int) -> int:
     """Bytes of latent cache one call reads: every visible row once (576 * 2 bytes per token in bf16)."""
-    return sum(seq_lens) * row_width * element_size
+    from mla_backends import costs
+
+    return sum(seq_lens) * costs.latent_bytes_per_token_per_layer(dims, element_size)
 
 
-def absorbed_flops(seq_lens: list[int], heads: int, kv_lora_rank: int, qk_rope_head_dim: int) -> int:
+def absorbed_flops(seq_lens: list[int], dims: Any) -> int:
     """FLOPs of the absorbed core for one decode token per request: QK^T (r + rope wide) plus PV (r wide)."""
-    return sum(2 * heads * s * (2 * kv_lora_rank + qk_rope_head_dim) for s in seq_lens)
+    from mla_backends import costs
+
+    return sum(seq_lens) * costs.absorbed_core_flops_per_context_token(dims)
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -199,13 +210,14 @@ def build_inputs(torch: Any, point: dict[str, Any], page: int, device: Any) -> t
     from mla_backends.metadata import BatchMetadata
 
     B, ctx, H = point["batch"], point["context"], point["heads"]
+    dims = point_dims(H)
     pages = -(-ctx // page)
     num_blocks = B * pages
     cache = LatentKVCache(
         num_blocks,
         page,
-        512,
-        64,
+        dims.kv_lora_rank,
+        dims.qk_rope_head_dim,
         kv_cache_dtype=point["kv_cache_dtype"],
         model_dtype=torch.bfloat16,
         device=device,
@@ -220,8 +232,8 @@ def build_inputs(torch: Any, point: dict[str, Any], page: int, device: Any) -> t
         flat[r0 : r0 + rows.shape[0]] = cache.quantize(rows)
     bt = torch.randperm(num_blocks, device=device, dtype=torch.int64).to(torch.int32).view(B, pages)
     meta = BatchMetadata.build([1] * B, [ctx - 1] * B, bt, page, num_blocks=num_blocks)
-    q_latent = torch.randn(B, H, 512, device=device, dtype=torch.bfloat16)
-    q_rope = torch.randn(B, H, 64, device=device, dtype=torch.bfloat16)
+    q_latent = torch.randn(B, H, dims.kv_lora_rank, device=device, dtype=torch.bfloat16)
+    q_rope = torch.randn(B, H, dims.qk_rope_head_dim, device=device, dtype=torch.bfloat16)
     return cache, meta, q_latent, q_rope
 
 
@@ -276,8 +288,9 @@ def time_backend(
 
 def rates(point: dict[str, Any], ms: float, elem_size: int, peak: float | None) -> dict[str, Any]:
     seq = [point["context"]] * point["batch"]
-    nbytes = cache_bytes_read(seq, 576, elem_size)
-    flops = absorbed_flops(seq, point["heads"], 512, 64)
+    dims = point_dims(point["heads"])
+    nbytes = cache_bytes_read(seq, dims, elem_size)
+    flops = absorbed_flops(seq, dims)
     gbps = nbytes / (ms * 1e-3) / 1e9
     return {
         "bytes": nbytes,

@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
+    from mla_backends import costs
     from mla_backends.dims import MLADims
     from mla_backends.hf_loading import random_hf_state_dict
     from mla_backends.layer import MLAAttention
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- reference forward_mqa against the roofline ------------------------------------------------------
     L = S + 1
-    flops = 2.0 * B * H * L * (r + R) + 2.0 * B * H * L * r  # scores over 576, then P @ latent (512)
+    flops = B * L * costs.absorbed_core_flops_per_context_token(dims)  # scores over 576, then P @ latent (512)
     bytes_moved = B * L * (r + R) * 4 + 2 * B * H * (r + R) * 4  # cache rows once, queries and outputs
     roof = max(flops / rates["matmul_flops_per_s"], bytes_moved / rates["copy_bytes_per_s"])
     bound = "compute" if flops / rates["matmul_flops_per_s"] >= bytes_moved / rates["copy_bytes_per_s"] \
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     from mla_backends.prefill import PrefillWorkspace, forward_mha
 
     n_new, n_ctx = args.prefill_new, args.prefill_context
-    P, V = dims.qk_nope_head_dim, dims.v_head_dim
+    P = dims.qk_nope_head_dim
     p_pages = -(-(n_new + n_ctx) // bs)
     p_cache = layer.allocate_cache(p_pages + 1, bs)
     p_bt = torch.randperm(p_pages + 1)[:p_pages].view(1, p_pages).int()
@@ -177,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         diff = (forward_mha(*p_args, scale=layer.scale, workspace=p_ws)
                 - forward_mha(*p_args, scale=layer.scale, workspace=p_ws, fused=False)).abs().max().item()
     # up-projection of every row, then attention: causal among the new tokens (half the square) + the context
-    qk, pairs = P + R, n_new * (n_new + 1) / 2 + n_new * n_ctx
-    p_flops = 2.0 * (n_new + n_ctx) * r * H * (P + V) + 2.0 * H * pairs * (qk + V)
+    p_flops = costs.expanded_path_flops(dims, n_new, n_ctx, causal=True)
     p_roof = p_flops / rates["matmul_flops_per_s"]
     print(f"forward_mha prefill ({n_new} new over {n_ctx} cached tokens): fused CPU kernel {t_fused * 1e3:.1f} ms, "
           f"plain kernel {t_plain * 1e3:.1f} ms -> {t_plain / t_fused:.2f}x faster; roofline {p_roof * 1e3:.1f} ms "

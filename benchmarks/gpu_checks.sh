@@ -12,6 +12,7 @@ export PYTHONUNBUFFERED=1
 # 1. numerics and conformance on the GPU (the CPU-only cases run too; GPU ones no longer skip)
 "$PY" -m pytest -q -rs tests/test_triton_mla.py tests/test_conformance_triton.py tests/test_conformance_ref.py \
     tests/test_flashinfer_gpu.py tests/test_conformance_flashinfer.py tests/test_selector_device.py \
+    tests/test_sparse_layer.py \
     2>&1 | tee "$OUT/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 # 2. decode benchmark of every backend that runs here (GB/s, TFLOP/s, fraction of peak HBM bandwidth)

@@ -41,7 +41,7 @@ def plot_bytes(path: str) -> None:
         ),
         (
             "DeepSeek-V3.2 latent + indexer, bf16",
-            costs.latent_bytes_per_token(v32, 2) + costs.indexer_bytes_per_token(v32),
+            costs.cache_bytes_per_token(v32, 2),
             "tab:purple",
             ":",
         ),
@@ -73,11 +73,27 @@ def plot_bytes(path: str) -> None:
     plt.close(fig)
 
 
-def plot_crossover(path: str, table_path: str) -> None:
+#: the shapes a threshold table records under "model" (``tuning.tune``); the modelled curves use exactly these
+TABLE_DIMS = ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "hidden_size")
+
+
+def table_dims(m: dict) -> MLADims | None:
+    """The per-rank dims a threshold table was measured with, or None when its "model" lacks a shape."""
+    if "tp" not in m or any(k not in m for k in TABLE_DIMS):
+        return None
+    shapes = {k: m[k] for k in TABLE_DIMS}
+    shapes["num_heads"] *= m["tp"]  # the table records one rank's heads
+    return MLADims(**shapes, name=m.get("name", "custom")).tensor_parallel(m["tp"])
+
+
+def plot_crossover(path: str, table_path: str) -> bool:
+    """Write the crossover figure; False (nothing written) when the table does not record its shapes."""
     with open(table_path, encoding="utf-8") as fh:
         table = json.load(fh)
     m = table["model"]
-    dims = MLADims.preset(m["name"]).tensor_parallel(m["tp"])
+    dims = table_dims(m)
+    if dims is None:
+        return False
     grid = table["grid"]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
 
@@ -166,6 +182,7 @@ def plot_crossover(path: str, table_path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,7 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     plot_bytes(os.path.join(args.out_dir, "kv-cache-bytes.png"))
     if os.path.isfile(args.table):
-        plot_crossover(os.path.join(args.out_dir, "crossover.png"), args.table)
+        if not plot_crossover(os.path.join(args.out_dir, "crossover.png"), args.table):
+            print(
+                f"{args.table} does not record the model's shapes ({', '.join(TABLE_DIMS)}, tp); skipped "
+                f"crossover.png",
+                file=sys.stderr,
+            )
     else:
         print(
             f"no threshold table at {args.table}; skipped crossover.png (run `mla-backends tune --output "

@@ -17,7 +17,7 @@ import torch
 
 from selector.device import CPU_DEVICE, DeviceInfo
 
-from .dtypes import FP8_CACHE_DTYPES, dtype_name, resolve_kv_cache_dtype
+from .dtypes import FP8_CACHE_DTYPES, KV_CACHE_DTYPES, canonical_kv_cache_dtype, dtype_name, resolve_kv_cache_dtype
 
 if TYPE_CHECKING:
     from .cache import LatentKVCache
@@ -32,6 +32,18 @@ class QueryLenSupport(enum.IntEnum):
     SINGLE = 1  # exactly one token per request
     UNIFORM = 2  # several, the same count for every request
     VARLEN = 3  # any count per request
+
+
+_STORAGE_NAMES = tuple(n for n in KV_CACHE_DTYPES if n != "auto")
+
+
+def _is_storage_kv_cache_dtype(name: object) -> bool:
+    """True for a canonical storage name: what a spec's cache dtype resolves to, so the only names that can
+    match (aliases such as ``"bf16"`` and ``"auto"``, which resolves to the model dtype, never do)."""
+    try:
+        return name != "auto" and canonical_kv_cache_dtype(name) == name  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
 
 
 @dataclass(frozen=True)
@@ -100,6 +112,9 @@ class Capabilities:
             out.append(f"dtypes: got {sorted(map(str, self.dtypes))}; supported torch dtypes")
         if not self.kv_cache_dtypes:
             out.append("kv_cache_dtypes: got an empty set; supported at least one cache dtype name")
+        for n in sorted(self.kv_cache_dtypes, key=repr):
+            if not _is_storage_kv_cache_dtype(n):
+                out.append(f"kv_cache_dtypes: got {n!r}; supported canonical names {', '.join(_STORAGE_NAMES)}")
         for cc_name in ("min_compute_capability", "max_compute_capability", "fp8_min_compute_capability"):
             cc = getattr(self, cc_name)
             if cc is not None and not (isinstance(cc, tuple) and len(cc) == 2):
@@ -186,8 +201,6 @@ class MLABackend:
     name: ClassVar[str] = "ABSTRACT"
     description: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities]
-    #: set by the registry: which plugin registered this backend
-    source: ClassVar[str] = "builtin"
 
     # ---- capability checks -------------------------------------------------------------------------------
     @classmethod

@@ -74,8 +74,7 @@ class LatentKVCache:
         require_int("kv_lora_rank", kv_lora_rank, minimum=1)
         require_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
         self.model_dtype = parse_model_dtype(model_dtype)
-        name = canonical_kv_cache_dtype(kv_cache_dtype)
-        storage = kv_cache_torch_dtype(name, self.model_dtype)
+        storage = kv_cache_torch_dtype(kv_cache_dtype, self.model_dtype)
         self.kv_cache_dtype = canonical_kv_cache_dtype(storage)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim

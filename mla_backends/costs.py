@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .dims import MLADims
-from .dtypes import canonical_kv_cache_dtype, kv_cache_torch_dtype, parse_model_dtype
+from .dtypes import canonical_kv_cache_dtype, kv_cache_torch_dtype, parse_model_dtype, resolve_kv_cache_dtype
 
 __all__ = [
     "GQAConfig",
@@ -38,6 +38,7 @@ __all__ = [
     "uncached_kv_bytes_per_token_per_layer",
     "gqa_bytes_per_token",
     "gqa_cluster_bytes_per_token",
+    "cache_bytes_per_token",
     "mla_cluster_bytes_per_token",
     "tp_break_even",
     "up_projection_flops_per_context_token",
@@ -212,17 +213,29 @@ def gqa_cluster_bytes_per_token(gqa: GQAConfig = LLAMA3_70B, dtype_bytes: int = 
     return tp * gqa_bytes_per_token(gqa, dtype_bytes, tp)
 
 
+def cache_bytes_per_token(dims: MLADims, dtype_bytes: int = 2) -> int:
+    """Per-rank cache bytes per token: the latent plus, for DeepSeek-V3.2, the (fp8) indexer key.
+
+    70,272 for DeepSeek-V3 in bf16; 70,272 + 8,052 = 78,324 for V3.2. Same on every TP rank.
+    """
+    return latent_bytes_per_token(dims, dtype_bytes) + indexer_bytes_per_token(dims)
+
+
 def mla_cluster_bytes_per_token(dims: MLADims, dtype_bytes: int = 2, tp: int = 1) -> int:
-    """MLA bytes per token summed over ``tp`` ranks: ``tp * L * (r + d_rope) * b`` (latent replicated)."""
-    return _pos_int("tp", tp) * latent_bytes_per_token(dims, dtype_bytes)
+    """MLA bytes per token summed over ``tp`` ranks: ``tp`` times :func:`cache_bytes_per_token` (replicated).
+
+    ``tp * L * (r + d_rope) * b`` for a dense model, plus ``tp`` times the indexer bytes for V3.2.
+    """
+    return _pos_int("tp", tp) * cache_bytes_per_token(dims, dtype_bytes)
 
 
 def tp_break_even(dims: MLADims, gqa: GQAConfig = LLAMA3_70B, dtype_bytes: int = 2) -> float:
     """TP size at which MLA's replicated cache costs the cluster as much as the sharded GQA cache.
 
-    ``gqa_cluster_bytes / latent_bytes``: 327,680 / 70,272 = 4.66 (about 4.7) for DeepSeek-V3 vs Llama-3-70B.
+    ``gqa_cluster_bytes / cache_bytes``: 327,680 / 70,272 = 4.66 (about 4.7) for DeepSeek-V3 vs Llama-3-70B;
+    327,680 / 78,324 = 4.18 (about 4.2) for V3.2, whose indexer key is replicated too.
     """
-    return gqa_cluster_bytes_per_token(gqa, dtype_bytes, 1) / latent_bytes_per_token(dims, dtype_bytes)
+    return gqa_cluster_bytes_per_token(gqa, dtype_bytes, 1) / cache_bytes_per_token(dims, dtype_bytes)
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------------------
@@ -322,10 +335,12 @@ def expanded_path_flops(
     ) + pairs * expanded_core_flops_per_context_token(dims, tp)
 
 
-def cheaper_path(dims: MLADims, query_len: int, context_len: int, *, causal: bool = False) -> str:
+def cheaper_path(
+    dims: MLADims, query_len: int, context_len: int, *, tp: int = 1, causal: bool = False
+) -> str:
     """``"absorbed"`` when its FLOPs are strictly lower, else ``"expanded"`` (ties go to expanded)."""
-    a = absorbed_path_flops(dims, query_len, context_len, causal=causal)
-    e = expanded_path_flops(dims, query_len, context_len, causal=causal)
+    a = absorbed_path_flops(dims, query_len, context_len, tp=tp, causal=causal)
+    e = expanded_path_flops(dims, query_len, context_len, tp=tp, causal=causal)
     return "absorbed" if a < e else "expanded"
 
 
@@ -439,7 +454,9 @@ def workspace_upprojected_bytes(
     """Bytes once the workspace is up-projected: ``rows * h * (d_nope + d_rope) * b`` keys.
 
     3,221,225,472 bytes (3 GiB) of keys at 64k rows of V3 in bf16 (``2 * 192 * 128 * 65,536``, the figure in
-    vLLM's comment); ``include_values`` adds the ``h * d_v`` values (5 GiB in all).
+    vLLM's comment); ``include_values`` adds the ``h * d_v`` values (5 GiB in all). ``forward_mha``'s own
+    workspace holds K-nope and V instead (the RoPE part is shared by the heads):
+    ``rows * uncached_kv_bytes_per_token_per_layer`` = 4 GiB.
     """
     d = _dims(dims)
     width = d.qk_head_dim + (d.v_head_dim if include_values else 0)
@@ -488,34 +505,33 @@ def kv_cache_report(
     """Everything ``mla-backends kv-cache`` prints, as a JSON-ready dict (bytes are per rank unless noted).
 
     ``gpu_memory_gib`` is the memory one rank gives to the KV cache; ``tokens_that_fit`` counts latent plus
-    indexer bytes. ``context_len`` adds per-sequence bytes and how many such sequences fit.
+    indexer bytes. ``context_len`` adds per-sequence bytes and how many such sequences fit. ``kv_cache_dtype``
+    in the result is the stored dtype (``auto`` resolved against ``model_dtype``).
     """
     d = _dims(dims)
     b = element_bytes(kv_cache_dtype, model_dtype)
     _heads_per_rank(d, tp)
-    per_token = latent_bytes_per_token(d, b)
-    indexer = indexer_bytes_per_token(d)
-    cell = per_token + indexer
+    cell = cache_bytes_per_token(d, b)
     rep: dict[str, Any] = {
         "model": d.name,
-        "kv_cache_dtype": canonical_kv_cache_dtype(kv_cache_dtype),
+        "kv_cache_dtype": resolve_kv_cache_dtype(kv_cache_dtype, parse_model_dtype(model_dtype)),
         "element_bytes": b,
         "num_layers": d.num_layers,
         "tp": tp,
         "bytes_per_token_per_layer": latent_bytes_per_token_per_layer(d, b),
-        "bytes_per_token": per_token,
+        "bytes_per_token": latent_bytes_per_token(d, b),
         "expanded_bytes_per_token": expanded_bytes_per_token(d, b, tp=tp),
         "expanded_ratio": expanded_ratio(d, tp),
         "indexer_bytes_per_token_per_layer": indexer_bytes_per_token_per_layer(d),
-        "indexer_bytes_per_token": indexer,
+        "indexer_bytes_per_token": indexer_bytes_per_token(d),
         "indexing_layers": indexing_layers(d),
-        "indexer_overhead": indexer_bytes_per_token(d) / per_token,
+        "indexer_overhead": indexer_overhead(d, b),
         "total_bytes_per_token": cell,
-        "cluster_bytes_per_token": tp * cell,
+        "cluster_bytes_per_token": mla_cluster_bytes_per_token(d, b, tp),
         "gqa_model": gqa.name,
         "gqa_bytes_per_token": gqa_bytes_per_token(gqa, b, tp),
         "gqa_cluster_bytes_per_token": gqa_cluster_bytes_per_token(gqa, b, tp),
-        "tp_break_even": gqa_cluster_bytes_per_token(gqa, b, 1) / cell,
+        "tp_break_even": tp_break_even(d, gqa, b),
         "decode_arithmetic_intensity": decode_arithmetic_intensity(d, b, tp),
         "gqa_decode_arithmetic_intensity": gqa_decode_arithmetic_intensity(gqa, b),
     }
@@ -560,14 +576,12 @@ def crossover_report(
         _pos_int("context_len", s)
         cells = []
         for q in qs:
-            a = absorbed_path_flops(d, q, s, tp=tp, causal=causal)
-            e = expanded_path_flops(d, q, s, tp=tp, causal=causal)
             cells.append(
                 {
                     "query_len": q,
-                    "absorbed_flops": a,
-                    "expanded_flops": e,
-                    "cheaper": "absorbed" if a < e else "expanded",
+                    "absorbed_flops": absorbed_path_flops(d, q, s, tp=tp, causal=causal),
+                    "expanded_flops": expanded_path_flops(d, q, s, tp=tp, causal=causal),
+                    "cheaper": cheaper_path(d, q, s, tp=tp, causal=causal),
                 }
             )
         rows.append(

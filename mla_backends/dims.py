@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .validation import require_int
+
 __all__ = ["MLADims", "RopeScaling", "IndexerDims", "yarn_mscale", "read_config_json"]
 
 
@@ -130,13 +132,9 @@ class MLADims:
     def __post_init__(self) -> None:
         for attr in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                      "hidden_size", "num_layers", "tp_size"):
-            v = getattr(self, attr)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"MLADims.{attr}: got {type(v).__name__} {v!r}; supported a positive int")
-            if v <= 0 and not (attr == "qk_rope_head_dim" and v == 0):
-                raise ValueError(f"MLADims.{attr}: got {v}; supported a positive int")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
-            raise ValueError(f"MLADims.q_lora_rank: got {self.q_lora_rank!r}; supported None or a positive int")
+            require_int(f"MLADims.{attr}", getattr(self, attr), minimum=0 if attr == "qk_rope_head_dim" else 1)
+        if self.q_lora_rank is not None:
+            require_int("MLADims.q_lora_rank", self.q_lora_rank, minimum=1)
 
     # ---- derived widths -------------------------------------------------------------------------------
     @property
@@ -174,8 +172,7 @@ class MLADims:
 
     def tensor_parallel(self, tp_size: int) -> MLADims:
         """Per-rank view: ``num_heads / tp_size`` heads. The latent cache stays replicated on every rank."""
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size <= 0:
-            raise ValueError(f"tp_size: got {tp_size!r}; supported a positive int")
+        require_int("tp_size", tp_size, minimum=1)
         if self.num_heads % tp_size:
             raise ValueError(
                 f"tp_size: got {tp_size}; supported a divisor of num_heads={self.num_heads} "
@@ -254,9 +251,9 @@ class MLADims:
         indexer = None
         if d.get("index_topk") is not None or d.get("index_n_heads") is not None:
             indexer = IndexerDims(
-                n_heads=int(d.get("index_n_heads", 64)),
-                head_dim=int(d.get("index_head_dim", 128)),
-                topk=int(d.get("index_topk", 2048)),
+                n_heads=require_int("config.index_n_heads", d.get("index_n_heads", 64), minimum=1),
+                head_dim=require_int("config.index_head_dim", d.get("index_head_dim", 128), minimum=1),
+                topk=require_int("config.index_topk", d.get("index_topk", 2048), minimum=1),
                 skip_layers=_indexer_skip_layers(d, int(d.get("num_hidden_layers", 1))),
                 rope_interleave=bool(d.get("indexer_rope_interleave", False)),
             )
@@ -299,11 +296,10 @@ def _indexer_skip_layers(d: Mapping[str, Any], num_layers: int) -> frozenset[int
         if not set(pattern) <= {"F", "S"}:
             raise ValueError(f"config.index_topk_pattern: got {pattern!r}; supported a string of 'F' and 'S'")
         return frozenset(i for i, c in enumerate(pattern) if c == "S")
-    freq = int(d.get("index_topk_freq") or 1)
+    freq = d.get("index_topk_freq")
+    freq = 1 if freq is None else require_int("config.index_topk_freq", freq, minimum=1)
     offset = d.get("index_skip_topk_offset")
     offset = 2 if offset is None else int(offset)
-    if freq < 1:
-        raise ValueError(f"config.index_topk_freq: got {freq}; supported >= 1")
     return frozenset(i for i in range(num_layers) if max(i - offset + 1, 0) % freq != 0)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "accumulate_dtype",
     "KV_CACHE_DTYPES",
     "FP8_CACHE_DTYPES",
     "MODEL_DTYPES",
@@ -86,3 +87,8 @@ def parse_model_dtype(dtype: str | torch.dtype | None, default: torch.dtype = to
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
+
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where softmax, norms and products of ``dtype`` inputs accumulate: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .dims import MLADims, read_config_json
+from .dtypes import accumulate_dtype
 from .hf_loading import StateDictError
 
 __all__ = ["DEFAULT_WEIGHT_BLOCK_SIZE", "SCALE_SUFFIX", "check_weight_block_size", "weight_block_size_from_config",
@@ -72,6 +73,17 @@ def _scale_shape(weight_shape: Sequence[int], block_size: tuple[int, int]) -> tu
     return -(-weight_shape[0] // block_size[0]), -(-weight_shape[1] // block_size[1])
 
 
+def _scale_problem(scale_inv: Any, weight_shape: Sequence[int], block_size: tuple[int, int]) -> str:
+    """Why ``scale_inv`` cannot scale a weight of ``weight_shape`` in ``block_size`` blocks ("" when it can)."""
+    want = _scale_shape(weight_shape, block_size)
+    if isinstance(scale_inv, torch.Tensor) and scale_inv.is_floating_point() and tuple(scale_inv.shape) == want:
+        return ""
+    got = f"{scale_inv.dtype} tensor of shape {list(scale_inv.shape)}" if isinstance(scale_inv, torch.Tensor) \
+        else type(scale_inv).__name__
+    return (f"got {got}; supported a floating-point tensor of shape {list(want)} "
+            f"(weight {list(weight_shape)} in {block_size[0]} x {block_size[1]} blocks)")
+
+
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
                          block_size: Sequence[int] = DEFAULT_WEIGHT_BLOCK_SIZE,
                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -84,17 +96,13 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
         got = f"{weight.dtype} tensor of shape {list(weight.shape)}" if isinstance(weight, torch.Tensor) \
             else type(weight).__name__
         raise TypeError(f"weight: got {got}; supported a 2-D float8 tensor")
-    want = _scale_shape(weight.shape, (bo, bi))
-    if not isinstance(scale_inv, torch.Tensor) or not scale_inv.is_floating_point() \
-            or tuple(scale_inv.shape) != want:
-        got = f"{scale_inv.dtype} tensor of shape {list(scale_inv.shape)}" \
-            if isinstance(scale_inv, torch.Tensor) else type(scale_inv).__name__
-        raise ValueError(f"scale_inv: got {got}; supported a floating-point tensor of shape {list(want)} "
-                         f"(weight {list(weight.shape)} in {bo} x {bi} blocks)")
+    problem = _scale_problem(scale_inv, weight.shape, (bo, bi))
+    if problem:
+        raise ValueError(f"scale_inv: {problem}")
     _check_out_dtype(dtype)
-    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    cdt = accumulate_dtype(dtype)
     rows, cols = weight.shape
-    nbr, nbc = want
+    nbr, nbc = _scale_shape(weight.shape, (bo, bi))
     w = weight.to(cdt)
     if nbr * bo != rows or nbc * bi != cols:  # partial last blocks: pad, scale whole blocks, crop
         w = torch.nn.functional.pad(w, (0, nbc * bi - cols, 0, nbr * bo - rows))
@@ -130,16 +138,10 @@ def dequantize_fp8_checkpoint(state_dict: Mapping[str, Any], block_size: Sequenc
             elif weight.dtype not in _FP8_DTYPES or weight.dim() != 2:
                 misshaped.append(f"{wkey} (got {weight.dtype} of shape {list(weight.shape)} with a {SCALE_SUFFIX}; "
                                  "supported a 2-D float8 tensor)")
+            elif problem := _scale_problem(value, weight.shape, block):
+                misshaped.append(f"{key} ({problem})")
             else:
-                want = _scale_shape(weight.shape, block)
-                if not isinstance(value, torch.Tensor) or not value.is_floating_point() \
-                        or tuple(value.shape) != want:
-                    got = f"{value.dtype} of shape {list(value.shape)}" if isinstance(value, torch.Tensor) \
-                        else type(value).__name__
-                    misshaped.append(f"{key} (got {got}; supported a floating-point tensor of shape {list(want)} "
-                                     f"for weight {list(weight.shape)} in {block[0]} x {block[1]} blocks)")
-                else:
-                    pairs[wkey] = key
+                pairs[wkey] = key
         elif isinstance(value, torch.Tensor) and value.dtype in _FP8_DTYPES:
             scale_key = key[: -len("weight")] + SCALE_SUFFIX if key.endswith("weight") else None
             if scale_key is None or scale_key not in state_dict:

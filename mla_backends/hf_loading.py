@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .dims import MLADims, read_config_json
+from .dtypes import accumulate_dtype
 
 __all__ = ["expected_hf_shapes", "check_hf_state_dict", "shard_hf_tensor", "fold_kv_b", "hf_attention_bias",
            "random_hf_state_dict", "StateDictError"]
@@ -162,7 +163,7 @@ def random_hf_state_dict(dims: MLADims, *, attention_bias: bool = False, dtype: 
                          seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
     """A random full-size checkpoint for ``dims`` (normal(0, std) weights, norms near 1): demos, tests."""
     g = torch.Generator().manual_seed(seed)
-    gen_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    gen_dtype = accumulate_dtype(dtype)
     out = {}
     for name, shape in expected_hf_shapes(dims, attention_bias).items():
         t = torch.randn(shape, generator=g, dtype=gen_dtype)

@@ -27,11 +27,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from selector.device import cuda_device_index, device_info_for
+
 from .backend import AttentionSpec, MLABackend, QueryLenSupport
 from .cache import LatentKVCache
 from .dims import MLADims
 from .dispatch import DispatchPolicy, PerRequestPolicy, clamp_to_backend, resolve_policy
-from .dtypes import dtype_name, parse_model_dtype
+from .dtypes import accumulate_dtype, dtype_name, parse_model_dtype
 from .fp8_checkpoint import (
     DEFAULT_WEIGHT_BLOCK_SIZE,
     check_weight_block_size,
@@ -58,28 +60,20 @@ __all__ = ["MLAAttention"]
 DEFAULT_MAX_NUM_SEQS = 256
 
 
-def _device_info(device: torch.device) -> Any:
-    from selector.device import CPU_DEVICE, DeviceInfo
-
-    if device.type != "cuda":
-        return CPU_DEVICE
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(idx)
-    return DeviceInfo(kind="cuda", name=props.name, compute_capability=(props.major, props.minor),
-                      total_memory=props.total_memory, index=idx, sm_count=props.multi_processor_count)
-
-
 def _choose_backend(backend: Any, dims: MLADims, dtype: torch.dtype,
                     device: torch.device) -> type[MLABackend]:
-    """A named/given backend through the registry; otherwise the selector's choice (REF_TORCH without it)."""
+    """A named/given backend through the registry; otherwise the selector's choice."""
     if backend is not None:
         return get_backend(backend)
-    try:
-        from selector import select_backend
-    except (ImportError, AttributeError):
-        return get_backend("REF_TORCH")
-    dev = "cpu" if device.type != "cuda" else f"cuda:{device.index or 0}"
+    from selector import select_backend  # selector.select imports the registry: loaded on first use
+
+    dev = "cpu" if device.type != "cuda" else f"cuda:{cuda_device_index(device)}"
     return select_backend(dims, dtype=dtype, device=dev, sparse=dims.is_sparse).backend
+
+
+def _blocking_reasons(backend_cls: type[MLABackend], spec: AttentionSpec) -> list[str]:
+    """Why ``backend_cls`` cannot run ``spec``, less missing packages (those fail when the backend runs)."""
+    return [r for r in backend_cls.not_supported_reasons(spec) if not r.startswith("package")]
 
 
 #: token counts up to this use ``weight @ x.T`` (a GEMV-shaped product CPU BLAS streams at copy speed)
@@ -97,8 +91,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm as DeepSeek computes it: normalise in float32 (float64 stays float64), cast, then scale."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(acc)
+    xf = x.to(accumulate_dtype(x.dtype))
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * y.to(x.dtype)
 
@@ -152,14 +145,10 @@ class MLAAttention(torch.nn.Module):
         self.max_num_seqs = require_int("max_num_seqs", max_num_seqs, minimum=1)
         #: block of one scale in block-quantised fp8 checkpoints (``quantization_config.weight_block_size``)
         self.weight_block_size = check_weight_block_size(weight_block_size)
-        if dims.qk_rope_head_dim < 2 or dims.qk_rope_head_dim % 2:
-            raise ValueError(f"dims.qk_rope_head_dim: got {dims.qk_rope_head_dim}; "
-                             "supported an even width >= 2")
         self.dims = dims
         self.dtype = parse_model_dtype(dtype, default=torch.bfloat16)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.tp_rank = tp_rank
-        self.tp_size = dims.tp_size
         self.attention_bias = bool(attention_bias)
         self.dispatch = resolve_policy(dispatch)
         self._workspace_rows = workspace_rows
@@ -172,7 +161,7 @@ class MLAAttention(torch.nn.Module):
         self._loaded = False
 
         backend_cls = _choose_backend(backend, dims, self.dtype, self.device)
-        reasons = [r for r in backend_cls.not_supported_reasons(self._spec()) if not r.startswith("package")]
+        reasons = _blocking_reasons(backend_cls, self._spec())
         if reasons:
             raise ValueError(f"backend: got {backend_cls.name}, which cannot run this layer: "
                              + "; ".join(reasons))
@@ -239,7 +228,7 @@ class MLAAttention(torch.nn.Module):
         """Build the layer for a transformers config, a dict, a ``config.json`` path or an :class:`MLADims`.
 
         Args:
-            backend: backend name or class; None = the selector's choice (REF_TORCH where no selector exists).
+            backend: backend name or class; None = ``selector.select_backend``'s choice for the device.
             dtype: model dtype (default bfloat16). device: where weights live (default CPU).
             tp_rank / tp_size: this rank and the tensor-parallel degree (heads split evenly).
             dispatch: ``"per-request"`` (default, vLLM), ``"per-batch"`` (SGLang) or a DispatchPolicy.
@@ -253,8 +242,7 @@ class MLAAttention(torch.nn.Module):
         The block of fp8 checkpoint scales is the config's ``quantization_config.weight_block_size``
         (``(128, 128)`` when absent); :meth:`load_hf_state_dict` uses it.
         """
-        require_int("tp_size", tp_size, minimum=1)
-        dims = MLADims.from_hf_config(config).tensor_parallel(tp_size)
+        dims = MLADims.from_hf_config(config).tensor_parallel(tp_size)  # checks tp_size
         return cls(dims, backend=backend, dtype=dtype, device=device, tp_rank=tp_rank,
                    attention_bias=hf_attention_bias(config), dispatch=dispatch, workspace_rows=workspace_rows,
                    max_model_len=max_model_len, max_num_seqs=max_num_seqs, layer_idx=layer_idx,
@@ -264,7 +252,7 @@ class MLAAttention(torch.nn.Module):
         return AttentionSpec(num_heads=self.dims.num_heads, kv_lora_rank=self.dims.kv_lora_rank,
                              qk_rope_head_dim=self.dims.qk_rope_head_dim, dtype=self.dtype,
                              kv_cache_dtype=kv_cache_dtype, block_size=block_size, sparse=self.dims.is_sparse,
-                             device=_device_info(self.device))
+                             device=device_info_for(self.device))
 
     # ---- weights -----------------------------------------------------------------------------------------
     def _named_targets(self) -> dict[str, torch.Tensor]:
@@ -305,9 +293,8 @@ class MLAAttention(torch.nn.Module):
         backend takes ``block_size`` and ``kv_cache_dtype``."""
         require_int("num_blocks", num_blocks, minimum=1)
         require_int("block_size", block_size, minimum=1)
-        reasons = [r for r in self.backend_cls.not_supported_reasons(
-            self._spec(kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype),
-                       block_size)) if not r.startswith("package")]
+        reasons = _blocking_reasons(self.backend_cls, self._spec(
+            kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype), block_size))
         if reasons:
             raise ValueError(f"allocate_cache: backend {self.backend_cls.name} cannot use this cache: "
                              + "; ".join(reasons))
@@ -329,12 +316,13 @@ class MLAAttention(torch.nn.Module):
 
     @property
     def decode_threshold(self) -> int:
-        """Largest query length run absorbed under a per-request policy (build metadata with it)."""
+        """Largest query length run absorbed under a per-request policy (build metadata with it): the policy's
+        fixed threshold (0: nothing absorbed), at most 1 on single-token backends; else the backend's own."""
         pol = self.dispatch
         if isinstance(pol, PerRequestPolicy) and pol.threshold is not None and pol.table is None:
             if self.backend_cls.capabilities.query_len == QueryLenSupport.SINGLE:
-                return 1
-            return max(1, pol.threshold)
+                return min(1, pol.threshold)
+            return pol.threshold
         return self.backend_cls.capabilities.decode_threshold
 
     def plan(self, meta: BatchMetadata, *, sparse: bool = False) -> list[tuple[bool, int, int]]:
@@ -358,7 +346,7 @@ class MLAAttention(torch.nn.Module):
 
     # ---- forward -------------------------------------------------------------------------------------------
     def _check_inputs(self, hidden_states: torch.Tensor, positions: torch.Tensor | None, cache: LatentKVCache,
-                      meta: BatchMetadata) -> None:
+                      meta: BatchMetadata, topk_indices: torch.Tensor | None) -> None:
         if not self._loaded:
             raise RuntimeError("MLAAttention: weights not loaded; call load_hf_state_dict(state_dict) first")
         if not isinstance(meta, BatchMetadata):
@@ -371,6 +359,13 @@ class MLAAttention(torch.nn.Module):
         if positions is not None:
             require_tensor("positions", positions, shape=(T,), dtypes=(torch.int32, torch.int64))
         d = self.dims
+        if topk_indices is not None:
+            if d.indexer is None:
+                raise ValueError("topk_indices: got a tensor on a dense layer; supported None")
+            require_tensor("topk_indices", topk_indices, shape=(T, None), dtypes=(torch.int32, torch.int64))
+        elif d.indexer is not None and self.indexer is None:
+            raise ValueError(f"topk_indices: got None on layer {self.layer_idx}, which reuses the previous "
+                             "layer's top-k; supported that layer's last_topk_indices")
         if (cache.kv_lora_rank, cache.qk_rope_head_dim) != (d.kv_lora_rank, d.qk_rope_head_dim):
             raise ValueError(f"cache: got rows of {cache.kv_lora_rank}+{cache.qk_rope_head_dim}; supported "
                              f"{self.dims.kv_lora_rank}+{self.dims.qk_rope_head_dim} (this layer's dims)")
@@ -428,14 +423,12 @@ class MLAAttention(torch.nn.Module):
             ``[tokens, hidden_size]`` in the caller's token order; with ``tp_size > 1`` the rank's partial
             ``o_proj`` output, to be summed across ranks.
         """
-        self._check_inputs(hidden_states, positions, cache, meta)
+        self._check_inputs(hidden_states, positions, cache, meta, topk_indices)
         d = self.dims
         H, P, R, V, r = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
         x = meta.to_processing_order(hidden_states)
         pos = meta.token_positions if positions is None else meta.to_processing_order(positions)
         if topk_indices is not None:
-            require_tensor("topk_indices", topk_indices, shape=(meta.num_tokens, None),
-                           dtypes=(torch.int32, torch.int64))
             topk_indices = meta.to_processing_order(topk_indices)
         T = x.shape[0]
 
@@ -447,20 +440,15 @@ class MLAAttention(torch.nn.Module):
         q = torch.cat([q[..., :P], self.rotary.apply(q[..., P:], cos, sin)], dim=-1)
         k_pe = self.rotary.apply(kv[:, r:], cos, sin)
         cache.write(latent, k_pe, meta.slot_mapping)
-        if d.indexer is not None:  # DeepSeek-V3.2: the indexer caches its keys and picks the rows
-            if self.indexer is not None and topk_indices is None:
+        if self.indexer is not None:  # DeepSeek-V3.2: the indexer caches its keys and picks the rows
+            if topk_indices is None:
                 topk_indices = self.indexer(x, q_resid, cache, meta, positions=pos)
                 self.last_topk_indices = meta.to_caller_order(topk_indices)
-            elif self.indexer is not None:  # the caller's top-k; this step's indexer keys are still cached
+            else:  # the caller's top-k; this step's indexer keys are still cached
                 self.indexer.write_keys(x, cache, meta, positions=pos)
-            elif topk_indices is None:
-                raise ValueError(f"topk_indices: got None on layer {self.layer_idx}, which reuses the "
-                                 "previous layer's top-k; supported that layer's last_topk_indices")
 
         attn = torch.empty(T, H, V, dtype=x.dtype, device=x.device)
-        starts = [0]
-        for n in meta.query_lens_list:
-            starts.append(starts[-1] + n)
+        starts = meta.query_starts_list
         for absorbed, b0, b1 in self.plan(meta, sparse=topk_indices is not None):
             t0, t1 = starts[b0], starts[b1]
             if t0 == t1:
@@ -481,7 +469,7 @@ class MLAAttention(torch.nn.Module):
 
     def extra_repr(self) -> str:
         d = self.dims
-        return (f"heads={d.num_heads} (tp {self.tp_rank}/{self.tp_size}), r={d.kv_lora_rank}, "
+        return (f"heads={d.num_heads} (tp {self.tp_rank}/{d.tp_size}), r={d.kv_lora_rank}, "
                 f"nope={d.qk_nope_head_dim}, rope={d.qk_rope_head_dim}, v={d.v_head_dim}, "
                 f"q_lora={d.q_lora_rank}, dtype={dtype_name(self.dtype)}, backend={self.backend_cls.name}, "
                 f"dispatch={self.dispatch.name}, scale={self.scale:.6g}")

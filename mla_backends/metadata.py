@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -33,12 +34,7 @@ def _as_int_list(name: str, x: IntsLike) -> list[int]:
         return [int(v) for v in x.tolist()]
     if isinstance(x, (str, bytes)) or not isinstance(x, Sequence):
         raise TypeError(f"{name}: got {type(x).__name__}; supported a sequence of ints or a 1-D int tensor")
-    out = []
-    for i, v in enumerate(x):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name}[{i}]: got {type(v).__name__} {v!r}; supported int")
-        out.append(int(v))
-    return out
+    return [require_int(f"{name}[{i}]", v) for i, v in enumerate(x)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,9 +53,9 @@ class BatchMetadata:
         slot_mapping: ``[T]`` int64 cache slot of every new token, processing order.
         token_request: ``[T]`` int64 processing request index of every token.
         token_positions: ``[T]`` int64 position of every token in its sequence (``context_len + j``).
-        num_decodes / num_decode_tokens: the leading decode requests and their tokens.
-        decode_threshold: largest query length treated as decode.
-        plans: scratch dict where backends cache per-batch plans (e.g. FlashInfer's ``plan()``).
+        num_blocks: pages of the cache the block ids were checked against in :meth:`build` (None: unchecked).
+        plans: scratch dict where backends cache per-batch plans (e.g. FlashInfer's ``plan()``) and
+            :meth:`select_requests` its sub-batches; never copied (``dataclasses.replace`` starts a new one).
     """
 
     block_size: int
@@ -75,11 +71,8 @@ class BatchMetadata:
     token_positions: torch.Tensor
     query_lens_list: tuple[int, ...]
     context_lens_list: tuple[int, ...]
-    num_decodes: int
-    num_decode_tokens: int
-    decode_threshold: int
     num_blocks: int | None = None
-    plans: dict[Any, Any] = field(default_factory=dict, repr=False)
+    plans: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
 
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -106,8 +99,7 @@ class BatchMetadata:
             decode_threshold: requests with ``1 <= query_len <= decode_threshold`` are decodes.
             num_blocks: pages in the cache; when given, block ids are checked against it.
             device: where the tensors go (default: the block table's device, else CPU).
-            reorder: put decodes first (default). With False the caller's order is kept (the split then
-                requires the decodes to already come first).
+            reorder: put decodes first (default). With False the caller's order is kept.
         """
         require_int("block_size", block_size, minimum=1)
         require_int("decode_threshold", decode_threshold, minimum=0)
@@ -160,15 +152,7 @@ class BatchMetadata:
             order = [b for b in range(B) if is_dec[b]] + [b for b in range(B) if not is_dec[b]]
         else:
             order = list(range(B))
-        num_decodes = 0
-        for b in order:
-            if 1 <= q[b] <= decode_threshold:
-                num_decodes += 1
-            else:
-                break
-        caller_start = [0]
-        for v in q:
-            caller_start.append(caller_start[-1] + v)
+        caller_start = list(accumulate(q, initial=0))
         qo = [q[b] for b in order]
         co = [c[b] for b in order]
         token_order = [t for b in order for t in range(caller_start[b], caller_start[b] + q[b])]
@@ -181,9 +165,6 @@ class BatchMetadata:
             slots = bt_proc[req, pos // block_size] * block_size + pos % block_size
         else:
             slots = torch.zeros(0, dtype=torch.int64)
-        qsl = [0]
-        for v in qo:
-            qsl.append(qsl[-1] + v)
 
         def i32(vals: Sequence[int]) -> torch.Tensor:
             return torch.tensor(list(vals), dtype=torch.int32, device=dev)
@@ -198,16 +179,13 @@ class BatchMetadata:
             query_lens=i32(qo),
             context_lens=i32(co),
             seq_lens=i32([a + b for a, b in zip(qo, co, strict=True)]),
-            query_start_loc=i32(qsl),
+            query_start_loc=i32(list(accumulate(qo, initial=0))),
             block_table=bt_proc.to(dev, torch.int32).contiguous(),
             slot_mapping=i64(slots),
             token_request=i64(token_request),
             token_positions=i64(pos),
             query_lens_list=tuple(qo),
             context_lens_list=tuple(co),
-            num_decodes=num_decodes,
-            num_decode_tokens=sum(qo[:num_decodes]),
-            decode_threshold=decode_threshold,
             num_blocks=num_blocks,
         )
 
@@ -221,12 +199,9 @@ class BatchMetadata:
         return sum(self.query_lens_list)
 
     @property
-    def num_prefills(self) -> int:
-        return self.num_requests - self.num_decodes
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_tokens - self.num_decode_tokens
+    def query_starts_list(self) -> tuple[int, ...]:
+        """Host copy of ``query_start_loc``: ``[B + 1]`` token offsets of each request (processing order)."""
+        return tuple(accumulate(self.query_lens_list, initial=0))
 
     @property
     def seq_lens_list(self) -> tuple[int, ...]:
@@ -269,44 +244,37 @@ class BatchMetadata:
 
     # ---- sub-batches --------------------------------------------------------------------------------------
     def select_requests(self, start: int, stop: int) -> BatchMetadata:
-        """Metadata for processing requests ``start:stop`` (already ordered; the permutation is identity)."""
-        q = self.query_lens_list[start:stop]
-        c = self.context_lens_list[start:stop]
-        tok0 = sum(self.query_lens_list[:start])
-        tok1 = tok0 + sum(q)
-        nd = sum(1 for v in q if 1 <= v <= self.decode_threshold)
-        qsl = torch.zeros(len(q) + 1, dtype=torch.int32)
-        if q:
-            qsl[1:] = torch.tensor(q, dtype=torch.int64).cumsum(0)
+        """Metadata for processing requests ``start:stop`` (already ordered; the permutation is identity).
+
+        Built once per ``(start, stop)`` and kept in ``plans``: every layer of a step gets the same sub-batch,
+        so the checks and plans cached on it run once per step.
+        """
+        key = ("select", start, stop)
+        sub = self.plans.get(key)
+        if sub is not None:
+            return sub
+        require_int("start", start, minimum=0)
+        require_int("stop", stop, minimum=start)
+        if stop > self.num_requests:
+            raise ValueError(f"stop: got {stop}; supported <= {self.num_requests} (the batch's requests)")
+        starts = self.query_starts_list
+        tok0, tok1 = starts[start], starts[stop]
         dev = self.device
-        return BatchMetadata(
+        sub = BatchMetadata(
             block_size=self.block_size,
-            order=torch.arange(len(q), device=dev),
+            order=torch.arange(stop - start, device=dev),
             token_order=torch.arange(tok1 - tok0, device=dev),
             query_lens=self.query_lens[start:stop],
             context_lens=self.context_lens[start:stop],
             seq_lens=self.seq_lens[start:stop],
-            query_start_loc=qsl.to(dev),
+            query_start_loc=torch.tensor([s - tok0 for s in starts[start:stop + 1]], dtype=torch.int32, device=dev),
             block_table=self.block_table[start:stop],
             slot_mapping=self.slot_mapping[tok0:tok1],
             token_request=self.token_request[tok0:tok1] - start,
             token_positions=self.token_positions[tok0:tok1],
-            query_lens_list=tuple(q),
-            context_lens_list=tuple(c),
-            num_decodes=nd,
-            num_decode_tokens=sum(q[:nd]),
-            decode_threshold=self.decode_threshold,
+            query_lens_list=self.query_lens_list[start:stop],
+            context_lens_list=self.context_lens_list[start:stop],
             num_blocks=self.num_blocks,
         )
-
-    def decode_part(self) -> BatchMetadata:
-        """The leading decode requests (built once, then cached on this object)."""
-        if "_decode_part" not in self.plans:
-            self.plans["_decode_part"] = self.select_requests(0, self.num_decodes)
-        return self.plans["_decode_part"]
-
-    def prefill_part(self) -> BatchMetadata:
-        """The trailing prefill requests (built once, then cached on this object)."""
-        if "_prefill_part" not in self.plans:
-            self.plans["_prefill_part"] = self.select_requests(self.num_decodes, self.num_requests)
-        return self.plans["_prefill_part"]
+        self.plans[key] = sub
+        return sub

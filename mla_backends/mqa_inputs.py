@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from selector.device import device_info_for
+
+from .backend import AttentionSpec, QueryLenSupport
 from .cache import LatentKVCache
+from .dtypes import MODEL_DTYPES
 from .metadata import BatchMetadata
 from .validation import require_on_device, require_tensor
 
-__all__ = ["check_mqa_inputs", "QUERY_DTYPES"]
-
-QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+__all__ = ["check_mqa_inputs", "check_declared_support"]
 
 
 def check_mqa_inputs(
@@ -36,37 +38,39 @@ def check_mqa_inputs(
     if not isinstance(meta, BatchMetadata):
         raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata")
     T = meta.num_tokens
-    require_tensor("q_latent", q_latent, shape=(T, None, cache.kv_lora_rank), dtypes=QUERY_DTYPES)
+    require_tensor("q_latent", q_latent, shape=(T, None, cache.kv_lora_rank), dtypes=MODEL_DTYPES)
     H = q_latent.shape[1]
     require_tensor("q_rope", q_rope, shape=(T, H, cache.qk_rope_head_dim), dtypes=(q_latent.dtype,))
     if H < 1:
         raise ValueError(f"q_latent: got {H} heads; supported >= 1")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale: got {scale!r}; supported a positive float (the unabsorbed softmax scale)")
-    require_on_device(cache.device, q_latent=q_latent, q_rope=q_rope, **{"meta.block_table": meta.block_table})
+    if topk_indices is not None:
+        require_tensor("topk_indices", topk_indices, shape=(T, None), dtypes=(torch.int32, torch.int64))
+        if topk_indices.shape[1] < 1:
+            raise ValueError("topk_indices: got width 0; supported >= 1 (pad with -1)")
+    if out is not None:
+        require_tensor("out", out, shape=(T, H, cache.kv_lora_rank), dtypes=(q_latent.dtype,))
+    if lse_out is not None:
+        require_tensor("lse_out", lse_out, shape=(T, H), dtypes=(torch.float32,))
+    optional = {"topk_indices": topk_indices, "out": out, "lse_out": lse_out}
+    require_on_device(cache.device, q_latent=q_latent, q_rope=q_rope, **{"meta.block_table": meta.block_table},
+                      **{k: v for k, v in optional.items() if v is not None})
     if meta.block_size != cache.block_size:
         raise ValueError(f"meta.block_size: got {meta.block_size}; supported the cache's {cache.block_size}")
     if meta.num_blocks is not None and meta.num_blocks > cache.num_blocks:
         raise ValueError(f"meta.num_blocks: got {meta.num_blocks}; supported <= the cache's {cache.num_blocks}")
     if check_values:
         _check_block_ids(meta, cache)
-    if topk_indices is not None:
-        require_tensor("topk_indices", topk_indices, shape=(T, None), dtypes=(torch.int32, torch.int64))
-        if topk_indices.shape[1] < 1:
-            raise ValueError("topk_indices: got width 0; supported >= 1 (pad with -1)")
-        if check_values and topk_indices.numel():
-            limit = meta.token_positions.to(topk_indices.device)[:, None]
-            bad = (topk_indices < -1) | (topk_indices > limit)
-            if bool(bad.any()):
-                t = int(bad.any(dim=1).nonzero()[0])
-                raise ValueError(
-                    f"topk_indices: token {t} selects position(s) outside [0, {int(limit[t])}] (its causal "
-                    f"window); supported -1 (padding) or a visible position"
-                )
-    if out is not None:
-        require_tensor("out", out, shape=(T, H, cache.kv_lora_rank), dtypes=(q_latent.dtype,))
-    if lse_out is not None:
-        require_tensor("lse_out", lse_out, shape=(T, H), dtypes=(torch.float32,))
+    if check_values and topk_indices is not None and topk_indices.numel():
+        limit = meta.token_positions[:, None]  # on the cache's device, as topk_indices (checked above)
+        bad = (topk_indices < -1) | (topk_indices > limit)
+        if bool(bad.any()):
+            t = int(bad.any(dim=1).nonzero()[0])
+            raise ValueError(
+                f"topk_indices: token {t} selects position(s) outside [0, {int(limit[t])}] (its causal "
+                f"window); supported -1 (padding) or a visible position"
+            )
 
 
 def _check_block_ids(meta: BatchMetadata, cache: LatentKVCache) -> None:
@@ -89,4 +93,51 @@ def _check_block_ids(meta: BatchMetadata, cache: LatentKVCache) -> None:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cache.num_blocks):
         raise ValueError(f"meta.block_table: got block ids in [{int(ids.min())}, {int(ids.max())}]; "
                          f"supported [0, {cache.num_blocks - 1}] for this cache")
+    meta.plans[key] = True
+
+
+def check_declared_support(
+    backend_cls: type,
+    q_latent: torch.Tensor,
+    cache: LatentKVCache,
+    meta: BatchMetadata,
+    *,
+    topk_indices: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+) -> None:
+    """Raise when the declarations of ``backend_cls`` (an ``MLABackend`` subclass) reject these ``forward_mqa``
+    inputs, listing every reason. Run after :func:`check_mqa_inputs`.
+
+    Builds the ``AttentionSpec`` the inputs describe (heads and dtype of ``q_latent [T, H, r]``; the cache's
+    dims, dtype, page size and device; the query lengths of ``meta``; sparse when ``topk_indices`` is given; an
+    LSE wanted when ``lse_out`` is given) and asks ``backend_cls.not_supported_reasons``, the question the
+    selector asks, so no backend re-checks its declarations by hand. Reasons about installed packages are left
+    out (importing the kernel reports them). Kernels with fixed query lengths (single-token or uniform) also
+    need at least one token in every request.
+
+    Raises:
+        TypeError: when every reason is about a dtype.
+        ValueError: otherwise. Message: ``"<BACKEND> cannot run these inputs: <reason>; <reason> ..."``.
+    """
+    # every layer of a step shares ``meta``: an accepted combination is looked up, not re-derived (hot path)
+    key = ("declared", backend_cls, q_latent.dtype, q_latent.shape[1], cache.kv_cache_dtype, cache.block_size,
+           cache.kv_lora_rank, cache.qk_rope_head_dim, cache.device, topk_indices is None, lse_out is None)
+    if key in meta.plans:
+        return
+    caps = backend_cls.capabilities
+    lens = meta.query_lens_list
+    spec = AttentionSpec(num_heads=q_latent.shape[1], kv_lora_rank=cache.kv_lora_rank,
+                         qk_rope_head_dim=cache.qk_rope_head_dim, dtype=q_latent.dtype,
+                         kv_cache_dtype=cache.kv_cache_dtype, block_size=cache.block_size,
+                         sparse=topk_indices is not None, max_query_len=meta.max_query_len,
+                         uniform_query_len=meta.is_uniform_query_len, need_lse=lse_out is not None,
+                         device=device_info_for(cache.device))
+    reasons = [r for r in backend_cls.not_supported_reasons(spec) if not r.startswith("package:")]
+    if caps.query_len != QueryLenSupport.VARLEN and meta.num_tokens and 0 in lens:
+        reasons.append(f"meta.query_lens: got {sorted(set(lens))}; supported >= 1 token in every request "
+                       f"({caps.query_len.name.lower()} query lengths)")
+    if reasons:
+        dtype_only = all(r.startswith(("dtype:", "kv cache dtype:")) for r in reasons)
+        raise (TypeError if dtype_only else ValueError)(
+            f"{backend_cls.name} cannot run these inputs: " + "; ".join(reasons))
     meta.plans[key] = True

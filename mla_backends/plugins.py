@@ -58,8 +58,6 @@ def _resolve(target: Any) -> Any:
         if exc.name and (mod_name == exc.name or mod_name.startswith(exc.name + ".")):
             raise _NotBuilt(f"module {mod_name} is not part of this installation") from exc
         raise
-    if not hasattr(module, attr) and getattr(module, "__file__", None) is None:
-        raise _NotBuilt(f"module {mod_name} is an empty package (no {attr} yet)")
     return getattr(module, attr)
 
 

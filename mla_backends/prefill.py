@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .cache import LatentKVCache
+from .dtypes import accumulate_dtype
 from .metadata import BatchMetadata
 from .validation import require_int, require_on_device, require_tensor
 
@@ -39,6 +40,7 @@ __all__ = [
     "MAX_WORKSPACE_ROWS",
     "fused_prefill_kernel",
     "fused_applies",
+    "softmax_with_lse",
 ]
 
 #: cap of the default workspace (vLLM's 64k rows)
@@ -68,8 +70,15 @@ def default_workspace_rows(max_model_len: int, max_num_seqs: int, block_size: in
     return min(max(8 * max_model_len, 4 * max_num_seqs * block_size), MAX_WORKSPACE_ROWS)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def softmax_with_lse(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores [..., n, S]`` (masked with -inf) and ``values [..., S, V]`` -> ``(out [..., n, V], lse [..., n])``.
+
+    Rows with nothing visible get LSE ``-inf`` and output 0.
+    """
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    p = torch.exp(scores - safe.unsqueeze(-1))
+    return torch.matmul(p, values), lse
 
 
 class PrefillWorkspace:
@@ -150,8 +159,7 @@ def prefill_attention(
     if fused is not None and not isinstance(fused, bool):
         raise TypeError(f"fused: got {type(fused).__name__}; supported None, True or False")
     n, m = q_nope.shape[0], k_nope.shape[0]
-    why = fused_applies(q_nope, n, m, causal, k_nope.shape[1], q_nope.shape[2] + q_pe.shape[2], v.shape[2]) \
-        if fused is not False else "fused=False"
+    why = fused_applies(q_nope, n, m, causal) if fused is not False else "fused=False"
     if fused and why:
         raise ValueError(f"fused: got True; the fused prefill kernel cannot run here: {why}")
     if not why:
@@ -165,9 +173,8 @@ def _fused_block_rows(heads: int, width: int) -> int:
     return max(1, FUSED_KV_BYTES // (2 * heads * width * 4))
 
 
-def fused_applies(q: torch.Tensor, n: int, m: int, causal: bool, heads: int, qk_width: int,
-                  v_width: int) -> str:
-    """Why the fused CPU kernel cannot run this call (empty string: it can)."""
+def fused_applies(q: torch.Tensor, n: int, m: int, causal: bool) -> str:
+    """Why the fused CPU kernel cannot run ``n`` queries ``q`` over ``m`` keys (empty string: it can)."""
     if q.device.type != "cpu":
         return f"device {q.device.type}; it runs on the CPU only"
     if q.dtype == torch.float64:
@@ -234,7 +241,7 @@ def _plain_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Ten
     """Matmuls, mask, softmax, matmul, in slices of queries that hold at most ``budget`` scores."""
     n, H, _ = q_nope.shape
     m = k_nope.shape[0]
-    acc = _acc_dtype(q_nope.dtype)
+    acc = accumulate_dtype(q_nope.dtype)
     kn = k_nope.to(acc).permute(1, 2, 0)  # [H, P, m]
     kp = k_pe.to(acc).t()  # [R, m]
     vv = v.to(acc).transpose(0, 1)  # [H, m, V]
@@ -251,10 +258,8 @@ def _plain_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Ten
             rows = torch.arange(i0, i1, device=s.device)[:, None] + (m - n)
             hidden = torch.arange(m, device=s.device)[None, :] > rows  # [c, m]
             s.masked_fill_(hidden[None], float("-inf"))
-        part_lse = torch.logsumexp(s, dim=-1)  # [H, c]
-        safe = torch.where(torch.isfinite(part_lse), part_lse, torch.zeros_like(part_lse))
-        p = torch.exp(s - safe.unsqueeze(-1))
-        o[i0:i1] = torch.bmm(p, vv).transpose(0, 1)
+        o_c, part_lse = softmax_with_lse(s, vv)  # [H, c, V], [H, c]
+        o[i0:i1] = o_c.transpose(0, 1)
         lse[i0:i1] = part_lse.t()
     return o, lse
 
@@ -355,9 +360,7 @@ def forward_mha(
     q_nope, q_pe = q[..., :P], q[..., P:]
     w_t = kv_b_weight.t()  # [r, H * (P + V)]
     new_kv = torch.matmul(kv_c, w_t).view(T, H, P + V)
-    starts = [0]
-    for n in meta.query_lens_list:
-        starts.append(starts[-1] + n)
+    starts = meta.query_starts_list
 
     # 1) new tokens among themselves, causally: this initialises every request's running (o, lse)
     acc_o: list[torch.Tensor | None] = []

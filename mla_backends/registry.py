@@ -193,7 +193,6 @@ class Registry:
                 prev = self._entries[key]
                 raise RegistrationError(f"name: got {key!r}, already registered by {prev.source!r}; "
                                         "supported a unique name")
-            cls.source = source
             entry = RegisteredBackend(name=key, cls=cls, source=source, placement=placement)
             self._entries[key] = entry
             self.generation += 1
@@ -228,8 +227,15 @@ class Registry:
         return tuple(self._entries)
 
     def get(self, name: str | BackendName | type[MLABackend]) -> type[MLABackend]:
-        """Resolve a (case-insensitive) name, enum member or class; unknown names raise with a suggestion."""
+        """Resolve a (case-insensitive) name, enum member or class; unknown names raise with a suggestion.
+
+        A class need not be registered, but it is checked as :meth:`add` would (``ValueError`` listing every
+        problem: the abstract base, a missing ``forward_mqa``, malformed capabilities ...).
+        """
         if isinstance(name, type) and issubclass(name, MLABackend):
+            problems = validate_backend_class(name)
+            if problems:
+                raise ValueError(f"backend {name.__qualname__}: " + "; ".join(problems))
             return name
         if isinstance(name, BackendName):
             name = name.value

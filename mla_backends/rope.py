@@ -44,9 +44,9 @@ def rope_inv_freq(dim: int, base: float, scaling: RopeScaling | None) -> tuple[t
     with a linear ramp between the ``beta_fast``/``beta_slow`` correction dimensions; the magnitude factor is
     ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (1.0 for the published checkpoints).
     """
-    require_int("dim", dim, minimum=2)
-    if dim % 2:
-        raise ValueError(f"qk_rope_head_dim: got {dim}; supported an even width")
+    require_int("qk_rope_head_dim", dim)
+    if dim < 2 or dim % 2:
+        raise ValueError(f"qk_rope_head_dim: got {dim}; supported an even width >= 2")
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if scaling is None or scaling.type == "default":
         return 1.0 / pos_freqs, 1.0

@@ -37,6 +37,7 @@ from typing import Any, TextIO
 
 from .dispatch import PerRequestPolicy
 from .dispatch import ThresholdTable as ContextThresholds
+from .validation import require_int
 
 __all__ = [
     "THRESHOLD_TABLE_ENV",
@@ -309,11 +310,12 @@ def tunable_backends(
     """
     import torch
 
+    from selector.device import device_info_for
+
     from .backend import AttentionSpec
-    from .layer import _device_info
     from .registry import get_backend, registered_backends
 
-    info = _device_info(torch.device(device))
+    info = device_info_for(torch.device(device))
     spec = AttentionSpec(
         num_heads=dims.num_heads,
         kv_lora_rank=dims.kv_lora_rank,
@@ -365,10 +367,10 @@ class PathTimer:
         from .prefill import PrefillWorkspace
         from .registry import get_backend
 
-        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-            raise ValueError(f"repeats: got {repeats!r}; supported an int >= 1")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens: got {max_tokens!r}; supported a positive int")
+        require_int("repeats", repeats, minimum=1)
+        require_int("max_tokens", max_tokens, minimum=1)
+        if block_size is not None:
+            require_int("block_size", block_size, minimum=1)
         self.torch = torch
         self.device = torch.device(device)
         cls = get_backend(backend)
@@ -491,9 +493,9 @@ def _versions() -> dict[str, str]:
 def _device_record(device: Any) -> dict[str, Any]:
     import torch
 
-    from .layer import _device_info
+    from selector.device import device_info_for
 
-    info = _device_info(torch.device(device))
+    info = device_info_for(torch.device(device))
     rec: dict[str, Any] = {"kind": info.kind, "name": info.name}
     if info.is_cuda:
         rec.update(
@@ -538,9 +540,13 @@ def tune(
         dims: the layer's :class:`~mla_backends.dims.MLADims`; a tensor-parallel view
             (``dims.tensor_parallel(tp)``) times what one rank computes.
         backends: backend names to measure.
-        query_lens / contexts: the grid (positive ints; query lengths increasing).
+        query_lens / contexts: the grid (non-empty, positive ints; sorted and deduplicated here).
         dtype: model dtype (default float32 on the CPU, bfloat16 on CUDA).
-        repeats: passes over the grid; each point keeps its best time per path (the first pass warms up).
+        block_size: page size in tokens (>= 1; None = each backend's preferred size).
+        repeats: passes over the grid (>= 1); each point keeps its best time per path (the first pass warms
+            up).
+
+    Raises ``ValueError``/``TypeError`` for a bad argument before anything is timed.
     """
     import torch
 
@@ -550,13 +556,15 @@ def tune(
     names = [str(b).upper() for b in backends]
     if not names:
         raise ValueError("backends: got none; supported at least one backend name")
-    qs = sorted({int(q) for q in query_lens})
-    ss = sorted({int(s) for s in contexts})
-    if not qs or qs[0] < 1 or not ss or ss[0] < 1:
+    qs = sorted({require_int(f"query_lens[{i}]", q, minimum=1) for i, q in enumerate(query_lens)})
+    ss = sorted({require_int(f"contexts[{i}]", c, minimum=1) for i, c in enumerate(contexts)})
+    if not qs or not ss:
         raise ValueError(
-            f"query_lens/contexts: got {list(query_lens)} / {list(contexts)}; supported "
-            f"non-empty lists of positive ints"
+            f"query_lens/contexts: got {list(query_lens)} / {list(contexts)}; supported non-empty lists"
         )
+    require_int("repeats", repeats, minimum=1)
+    if block_size is not None:
+        require_int("block_size", block_size, minimum=1)
     dev = torch.device(device)
     model_dtype = parse_model_dtype(dtype, default=torch.float32 if dev.type == "cpu" else torch.bfloat16)
     bar = ProgressBar(len(names) * len(qs) * len(ss) * repeats, enabled=progress)

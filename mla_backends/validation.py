@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .dtypes import dtype_name
+
 __all__ = ["require_tensor", "require_int", "require_same_device", "require_on_device"]
 
 
@@ -35,8 +37,8 @@ def require_tensor(
                 spec = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
                 raise ValueError(f"{name}: got shape {list(x.shape)}; supported {spec}")
     if dtypes is not None and x.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{name}: got dtype {str(x.dtype).removeprefix('torch.')}; supported {names}")
+        names = ", ".join(dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name}: got dtype {dtype_name(x.dtype)}; supported {names}")
     return x
 
 

@@ -1,14 +1,20 @@
 """What the selector knows about a device: :class:`DeviceInfo`.
 
-Built from NVML (:func:`detect_device`, see ``selector.detect``) or given for simulation (``"sm90"``,
-``(10, 0)``, ``"cpu"``). This module imports nothing heavier than the standard library.
+Built from NVML (:func:`detect_device`, see ``selector.detect``), from a torch device
+(:func:`device_info_for`) or given for simulation (``"sm90"``, ``(10, 0)``, ``"cpu"``). Importing this module
+loads nothing heavier than the standard library (torch only when :func:`device_info_for` runs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["DeviceInfo", "CPU_DEVICE", "simulated_device", "parse_device_spec"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DeviceInfo", "CPU_DEVICE", "simulated_device", "parse_device_spec", "cuda_device_index",
+           "device_info_for"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,25 @@ class DeviceInfo:
 
 
 CPU_DEVICE = DeviceInfo()
+
+
+def cuda_device_index(device: torch.device) -> int:
+    """The index of a torch ``cuda`` device: its own, else torch's current device (what ``"cuda"`` means)."""
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def device_info_for(device: torch.device) -> DeviceInfo:
+    """:class:`DeviceInfo` of a real torch device (read from torch; no NVML needed)."""
+    if device.type != "cuda":
+        return CPU_DEVICE
+    import torch
+
+    idx = cuda_device_index(device)
+    props = torch.cuda.get_device_properties(idx)
+    return DeviceInfo(kind="cuda", name=props.name, compute_capability=(props.major, props.minor),
+                      total_memory=props.total_memory, index=idx, sm_count=props.multi_processor_count)
 
 
 #: marketing names used for simulated devices (what a user asking "what would I get on X" most likely has)

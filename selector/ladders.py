@@ -114,8 +114,8 @@ LADDERS: tuple[Ladder, ...] = (
     Ladder(
         family="sm120",
         archs=((12, 0), (12, 1)),
-        # Blackwell consumer/workstation: FlashInfer's xqa MLA decode (single-token, page 32/64, bf16 or fp8)
-        # is the only vendor kernel; it also gives SM120 an fp8 cache path (vllm#35577 had none).
+        # Blackwell consumer/workstation: FlashInfer's xqa MLA decode (single-token, page 16/32/64/128, bf16 or
+        # fp8) is the only vendor kernel; it also gives SM120 an fp8 cache path (vllm#35577 had none).
         dense=(XQA, TRITON, REF),
         dense_fp8=(XQA, TRITON, REF),
         sparse=(TRITON, REF),

@@ -19,6 +19,7 @@ from mla_backends.backend import AttentionSpec, MLABackend
 from mla_backends.dims import MLADims
 from mla_backends.dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, parse_model_dtype
 from mla_backends.registry import BackendName, PluginProblem, Registry, UnknownBackendError, get_registry
+from mla_backends.validation import require_int
 
 from .detect import clear_device_cache, resolve_device
 from .device import DeviceInfo
@@ -241,17 +242,6 @@ def _dims(dims: object) -> MLADims:
     raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims or a preset name ('deepseek-v3')")
 
 
-def _positive_int(name: str, value: object, *, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}: got {type(value).__name__}; supported a positive int"
-                        + (" or None" if allow_none else ""))
-    if value < 1:
-        raise ValueError(f"{name}: got {value}; supported >= 1")
-    return value
-
-
 def _override(backend: object) -> tuple[object, str] | None:
     """(name or class, who forced it) or None; the argument beats ``MLA_BACKEND``; ``auto`` means none."""
     if backend is not None and not (isinstance(backend, str) and backend.strip().lower() in ("", "auto")):
@@ -322,8 +312,8 @@ def _select(registry: Registry, dims: object, dtype: object, kv_cache_dtype: obj
     d = _dims(dims)
     model_dtype = parse_model_dtype(dtype)  # type: ignore[arg-type]
     kv = canonical_kv_cache_dtype(kv_cache_dtype)  # type: ignore[arg-type]
-    bs = _positive_int("block_size", block_size, allow_none=True)
-    mql = _positive_int("max_query_len", max_query_len)
+    bs = None if block_size is None else require_int("block_size", block_size, minimum=1)
+    mql = require_int("max_query_len", max_query_len, minimum=1)
     flags = (("sparse", sparse), ("uniform_query_len", uniform_query_len), ("need_lse", need_lse))
     for flag_name, flag in flags:
         if not isinstance(flag, bool):
@@ -370,7 +360,7 @@ def _forced(registry: Registry, spec: AttentionSpec, backend: object, forced_by:
             raise UnknownBackendError(f"{MLA_BACKEND_ENV} environment variable: {exc}") from None
         raise
     entry = registry.entry(cls.name)
-    source = entry.source if entry is not None and entry.cls is cls else getattr(cls, "source", "api")
+    source = entry.source if entry is not None and entry.cls is cls else "api"
     reasons = evaluate(cls, spec)
     bs = spec.block_size if spec.block_size is not None else cls.capabilities.preferred_page_size
     verdict = Verdict(name=cls.name.upper(), source=source, reasons=reasons, selected=not reasons,

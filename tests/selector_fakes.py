@@ -1,82 +1,48 @@
-"""Fake backends for the selector tests: declarations only, mirroring the intended built-in capabilities.
+"""Fake backends for the selector tests: the real built-ins' declarations, without their packages.
 
 The selector reads declarations, so tests that assert exact choices and reasons use these stand-ins (plus
-the real REF_TORCH). They never depend on how the real kernel backends evolve; a few tests check the real
-built-ins separately.
+the real REF_TORCH). Each copies its real backend's ``capabilities`` and rules (so the tests follow what the
+real backends declare) but requires no package, so the answers do not depend on what this machine has
+installed; tests that patch the package probe use the real classes.
 """
 
 from __future__ import annotations
 
-import os
-from typing import ClassVar
+import dataclasses
 
-import torch
-
-from mla_backends.backend import AttentionSpec, Capabilities, MLABackend, QueryLenSupport
+from mla_backends.backend import MLABackend
+from mla_backends.flashinfer_mla import (
+    FlashInferCutlassMLABackend,
+    FlashInferMLABackend,
+    FlashInferTrtllmMLABackend,
+    FlashInferXqaMLABackend,
+)
+from mla_backends.flashinfer_mla._common import FlashInferBackendBase
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.registry import Registry
+from mla_backends.triton_mla import TritonMLABackend
 
-BF16_FP16 = frozenset({torch.bfloat16, torch.float16})
 
+def _fake_of(real: type[MLABackend]) -> type[MLABackend]:
+    """A subclass of ``real`` keeping its declarations and rules (``capabilities``, device rule, extra rules)
+    but requiring no package: ``requires``/``extra`` are dropped and FlashInfer's installed-version check
+    answers "fine", so no test depends on what this machine has installed. It never runs a kernel."""
 
-class _Fake(MLABackend):
     def forward_mqa(self, *args, **kwargs):  # never run: the selector only reads declarations
         raise AssertionError("fake backends are for selection tests only")
 
-
-class FakeTriton(_Fake):
-    name: ClassVar[str] = "TRITON_MLA"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
-        kv_cache_dtypes=frozenset({"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"}),
-        min_compute_capability=(8, 0), fp8_min_compute_capability=(8, 9), preferred_page_size=64,
-        sparse=True)
-
-    @classmethod
-    def device_reasons(cls, device):
-        if not device.is_cuda and os.environ.get("TRITON_INTERPRET") == "1":
-            return []
-        return super().device_reasons(device)
+    body = {"capabilities": dataclasses.replace(real.capabilities, requires=(), extra=None),
+            "forward_mqa": forward_mqa, "__module__": __name__}
+    if issubclass(real, FlashInferBackendBase):
+        body["installed_reasons"] = classmethod(lambda cls: [])
+    return type("Fake" + real.__name__.removesuffix("Backend"), (real,), body)
 
 
-class FakeFlashInfer(_Fake):
-    name: ClassVar[str] = "FLASHINFER_MLA"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        dtypes=BF16_FP16, kv_cache_dtypes=frozenset({"bfloat16", "float16", "fp8_e4m3"}),
-        compute_capabilities=frozenset({(8, 0), (8, 6), (8, 9), (9, 0)}), preferred_page_size=64,
-        dims=frozenset({(512, 64)}))
-
-    @classmethod
-    def not_supported_reasons(cls, spec: AttentionSpec) -> list[str]:
-        reasons = super().not_supported_reasons(spec)
-        if spec.resolved_kv_cache_dtype == "fp8_e4m3" and spec.device.compute_capability != (9, 0):
-            reasons.append(f"fp8 cache: got {spec.device.arch_label.upper()}; supported SM90 only (fa3)")
-        return reasons
-
-
-class FakeCutlass(_Fake):
-    name: ClassVar[str] = "FLASHINFER_MLA_CUTLASS"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        dtypes=BF16_FP16, kv_cache_dtypes=frozenset({"bfloat16", "float16"}),
-        compute_capabilities=frozenset({(10, 0), (10, 3), (11, 0)}), page_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
-        preferred_page_size=128, dims=frozenset({(512, 64)}), max_num_heads=128,
-        query_len=QueryLenSupport.SINGLE, returns_lse=False)
-
-
-class FakeTrtllm(_Fake):
-    name: ClassVar[str] = "FLASHINFER_MLA_TRTLLM"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        dtypes=frozenset({torch.bfloat16}), kv_cache_dtypes=frozenset({"bfloat16", "fp8_e4m3"}),
-        compute_capabilities=frozenset({(10, 0), (10, 3)}), page_sizes=(32, 64), preferred_page_size=64,
-        dims=frozenset({(512, 64)}), max_num_heads=128, query_len=QueryLenSupport.UNIFORM)
-
-
-class FakeXqa(_Fake):
-    name: ClassVar[str] = "FLASHINFER_MLA_XQA"
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        dtypes=frozenset({torch.bfloat16}), kv_cache_dtypes=frozenset({"bfloat16", "fp8_e4m3"}),
-        compute_capabilities=frozenset({(12, 0), (12, 1)}), page_sizes=(32, 64), preferred_page_size=64,
-        dims=frozenset({(512, 64)}), query_len=QueryLenSupport.SINGLE, returns_lse=False)
+FakeTriton = _fake_of(TritonMLABackend)
+FakeFlashInfer = _fake_of(FlashInferMLABackend)
+FakeCutlass = _fake_of(FlashInferCutlassMLABackend)
+FakeTrtllm = _fake_of(FlashInferTrtllmMLABackend)
+FakeXqa = _fake_of(FlashInferXqaMLABackend)
 
 
 FAKES: tuple[type[MLABackend], ...] = (RefTorchBackend, FakeTriton, FakeFlashInfer, FakeCutlass, FakeTrtllm,

@@ -99,6 +99,10 @@ def test_block_ids_are_checked_once_per_step(setup):
     small = LatentKVCache(4, BS, R, ROPE, model_dtype=torch.float32)
     _raises(ValueError, "block_table", fwd, q_latent, q_rope, small, meta, scale=0.1)  # block 6 of 4
     assert ("_block_ids_within", small.num_blocks) not in meta.plans
+    # a layer running a sub-batch asks for it on every layer: it is the same object, checked once
+    sub = meta.select_requests(1, 2)
+    fwd(q_latent[1:], q_rope[1:], cache, sub, scale=0.1)
+    assert meta.select_requests(1, 2).plans[("_block_ids_within", cache.num_blocks)] is True
 
 
 def test_forward_mqa_page_size_mismatch(setup):
@@ -113,6 +117,12 @@ def test_forward_mqa_wrong_device(setup):
     _raises(ValueError, "q_latent", fwd, q_latent.to("meta"), q_rope.to("meta"), cache, meta, scale=0.1)
     meta_elsewhere = BatchMetadata.build([1, 1], [20, 5], _table(), BS, device="meta")
     _raises(ValueError, "block_table", fwd, q_latent, q_rope, cache, meta_elsewhere, scale=0.1)
+    _raises(ValueError, "out", fwd, q_latent, q_rope, cache, meta, scale=0.1,
+            out=torch.empty(2, H, R, device="meta"))
+    _raises(ValueError, "lse_out", fwd, q_latent, q_rope, cache, meta, scale=0.1,
+            lse_out=torch.empty(2, H, device="meta"))
+    _raises(ValueError, "topk_indices", fwd, q_latent, q_rope, cache, meta, scale=0.1,
+            topk_indices=torch.zeros(2, 1, dtype=torch.int64, device="meta"))
 
 
 def test_forward_mqa_does_not_touch_out_on_bad_input(setup):

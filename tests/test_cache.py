@@ -30,11 +30,12 @@ def test_layout_and_storage_dtype(name, storage):
     assert cache.scale.dtype == torch.float32 and cache.scale.shape == (1,)
 
 
-@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
-def test_auto_follows_model_dtype(model_dtype):
+@pytest.mark.parametrize("model_dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"),
+                                              (torch.float32, "float32"), (torch.float64, "float64")])
+def test_auto_follows_model_dtype(model_dtype, name):
     cache = LatentKVCache(2, 4, 8, 4, kv_cache_dtype="auto", model_dtype=model_dtype)
     assert cache.data.dtype == model_dtype
-    assert cache.kv_cache_dtype != "auto"
+    assert cache.kv_cache_dtype == name
 
 
 def test_latent_and_rope_are_views_of_one_tensor():

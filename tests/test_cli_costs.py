@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import shlex
+from pathlib import Path
 
 import pytest
 
+from mla_backends import costs
 from mla_backends.cli import main
 from mla_backends.dims import MLADims
 
@@ -20,6 +23,7 @@ def test_kv_cache_json_v3(capsys):
     rc, out, _ = _run(capsys, "kv-cache", "--model", "deepseek-v3", "--json")
     assert rc == 0
     rep = json.loads(out)
+    assert rep["kv_cache_dtype"] == "bfloat16"  # "auto", resolved against --dtype
     assert rep["bytes_per_token_per_layer"] == 1_152
     assert rep["bytes_per_token"] == 70_272
     assert rep["expanded_bytes_per_token"] == 4_997_120
@@ -46,8 +50,11 @@ def test_kv_cache_text_fp8_tp8(capsys):
     assert "576 B/token/layer" in out and "35,136 B/token" in out
     assert "fp8_e4m3" in out and "TP=8" in out
     assert f"{40 * 2**30 // 35_136:,} tokens" in out
-    assert "4.7" in out  # TP break-even (fp8 on both sides)
-    assert round(278_528 / 8 / 576) == 60 and "60 FLOP/B" in out
+    v3 = MLADims.deepseek_v3()
+    break_even = costs.tp_break_even(v3, dtype_bytes=1)  # fp8 on both sides
+    assert f"{break_even:.1f}" == "4.7" and "sharded GQA cache at TP ~ 4.7\n" in out
+    intensity = costs.decode_arithmetic_intensity(v3, 1, tp=8)
+    assert round(intensity) == 60 and "decode arithmetic intensity 60 FLOP/B per rank" in out
 
 
 def test_kv_cache_from_config_json(tmp_path, capsys):
@@ -105,7 +112,32 @@ def test_crossover_json_and_text(capsys):
     rc, out, _ = _run(capsys, "crossover", "--context", "512,4096", "--query-lens", "1,128,200")
     assert rc == 0
     assert "170.67" in out and "3.4x" in out
-    assert out.count("abs") >= 3  # Q=1 absorbed at both contexts, Q=128 absorbed at 4096
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip()[:1].isdigit()}
+    # Q=1 absorbed at both contexts; Q=128 ties at 512 (expanded) and is absorbed at 4096; Q=200 expanded
+    assert rows == {"512": ["128.0", "abs", "exp", "exp"], "4,096": ["163.8", "abs", "abs", "exp"]}
+
+
+def _doc_examples() -> list[tuple[list[str], list[str]]]:
+    """The ``$ mla-backends ...`` blocks of docs/cost-model.md: (argv, the output lines shown under it)."""
+    lines = (Path(__file__).resolve().parents[1] / "docs" / "cost-model.md").read_text().splitlines()
+    examples = []
+    for i, line in enumerate(lines):
+        if line.startswith("    $ mla-backends "):
+            shown = []
+            for follow in lines[i + 1 :]:
+                if not follow.startswith("    "):
+                    break
+                shown.append(follow[4:])
+            examples.append((shlex.split(line[len("    $ mla-backends ") :]), shown))
+    return examples
+
+
+def test_cost_model_doc_examples_match_the_commands(capsys):
+    examples = _doc_examples()
+    assert [argv[0] for argv, _ in examples] == ["crossover", "kv-cache"]
+    for argv, shown in examples:
+        rc, out, _ = _run(capsys, *argv)
+        assert rc == 0 and out.splitlines() == shown, argv
 
 
 @pytest.mark.parametrize(
@@ -124,6 +156,14 @@ def test_errors(capsys, argv, message):
     rc, _, err = _run(capsys, *argv)
     assert rc == 2
     assert message in err
+
+
+def test_help_shows_the_default_grid(capsys):
+    with pytest.raises(SystemExit):
+        main(["crossover", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"(default {','.join(map(str, costs.DEFAULT_CONTEXTS))})" in out
+    assert f"(default {','.join(map(str, costs.DEFAULT_QUERY_LENS))})" in out
 
 
 def test_bad_list_is_an_argparse_error(capsys):

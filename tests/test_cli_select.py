@@ -71,6 +71,11 @@ def test_select_bad_arguments_exit_2(fakes, capsys):
     assert "device: got 'tpu'" in capsys.readouterr().err
     assert main(["select", "--backend", "tritn_mla"]) == 2
     assert "did you mean TRITON_MLA" in capsys.readouterr().err
+    # --model and --tp are read as kv-cache/crossover/tune read them, and the errors name the flag
+    assert main(["select", "--model", "missing/config.json"]) == 2
+    assert "--model: got 'missing/config.json', which does not exist" in capsys.readouterr().err
+    assert main(["select", "--tp", "3"]) == 2
+    assert "--tp: got 3; supported a positive divisor of the model's 128 heads" in capsys.readouterr().err
 
 
 def test_select_reads_a_config_json(fakes, capsys, tmp_path: Path):

@@ -44,7 +44,7 @@ def test_expanded_bytes_and_ratio(v3):
     assert costs.expanded_ratio(v3, tp=8) == pytest.approx(71.11111 / 8, rel=1e-5)
     # K-nope and V never cached: 65,536 bytes, 57x the cached row
     assert costs.uncached_kv_bytes_per_token_per_layer(v3) == 65_536
-    assert round(65_536 / costs.latent_bytes_per_token_per_layer(v3)) == 57
+    assert round(costs.uncached_kv_bytes_per_token_per_layer(v3) / costs.latent_bytes_per_token_per_layer(v3)) == 57
 
 
 def test_element_bytes():
@@ -74,6 +74,18 @@ def test_gqa_comparison_and_tp_break_even(v3):
         < 327_680
         < costs.mla_cluster_bytes_per_token(v3, 2, tp=5)
     )
+
+
+def test_v32_indexer_counts_in_the_cluster_bytes_and_break_even(v3, v32):
+    assert costs.cache_bytes_per_token(v3) == costs.latent_bytes_per_token(v3) == 70_272
+    assert costs.cache_bytes_per_token(v32) == 70_272 + 8_052 == 78_324
+    assert costs.mla_cluster_bytes_per_token(v32, 2, tp=4) == 4 * 78_324
+    be = costs.tp_break_even(v32)
+    assert be == pytest.approx(327_680 / 78_324) and round(be, 1) == 4.2  # "drops to 4.2"
+    rep = costs.kv_cache_report(v32, tp=4)
+    assert rep["tp_break_even"] == be
+    assert rep["cluster_bytes_per_token"] == costs.mla_cluster_bytes_per_token(v32, 2, tp=4)
+    assert rep["indexer_overhead"] == costs.indexer_overhead(v32)
 
 
 def test_decode_arithmetic_intensity(v3):
@@ -145,6 +157,13 @@ def test_asymptotic_threshold_and_crossover(v3):
     assert costs.min_context_for_absorption(v3, 170) is not None
 
 
+def test_documented_crossovers(v3):
+    # docs/cost-model.md: rectangular 163.8 at 4,096, 169.8 at 32,768, 170.4 at 131,072; causal 167.2 at 4,096
+    rect = {s: round(costs.crossover_query_len(v3, s), 1) for s in (4096, 32768, 131072)}
+    assert rect == {4096: 163.8, 32768: 169.8, 131072: 170.4}
+    assert round(costs.crossover_query_len(v3, 4096, causal=True), 1) == 167.2
+
+
 def test_causal_pairs_and_crossover(v3):
     assert costs.attention_pairs(3, 5, causal=True) == 21  # the seed's prefix P=5, Q=3 check
     assert costs.attention_pairs(3, 5) == 15
@@ -168,7 +187,9 @@ def test_workspace(v3):
     assert costs.workspace_latent_bytes(v3, 65_536) == 75_497_472 == 72 * costs.MiB
     assert costs.workspace_upprojected_bytes(v3, 65_536) == 3_221_225_472 == 3 * costs.GiB
     assert costs.workspace_upprojected_bytes(v3, 65_536, include_values=True) == 65_536 * 128 * 320 * 2
-    assert round(3_221_225_472 / 75_497_472, 1) == 42.7
+    # forward_mha's own workspace: per-head K-nope and V (256 wide), 4 GiB, 57x the latent chunk
+    kv = 65_536 * costs.uncached_kv_bytes_per_token_per_layer(v3)
+    assert kv == 4 * costs.GiB and round(kv / costs.workspace_latent_bytes(v3, 65_536)) == 57
 
 
 # ---- V3.2 indexer ----------------------------------------------------------------------------------------
@@ -176,7 +197,7 @@ def test_indexer(v3, v32):
     assert costs.indexer_bytes_per_token_per_layer(v32) == 132
     assert costs.indexing_layers(v32) == 61
     assert costs.indexer_bytes_per_token(v32) == 8_052
-    assert round(8_052 / costs.KiB, 2) == 7.86
+    assert round(costs.indexer_bytes_per_token(v32) / costs.KiB, 2) == 7.86
     assert round(100 * costs.indexer_overhead(v32), 1) == 11.5
     assert costs.indexer_bytes_per_token(v3) == 0  # dense model: no indexer
 
@@ -201,6 +222,9 @@ def test_kv_cache_report(v3, v32):
     assert rep["gqa_tokens_that_fit"] == 10 * costs.GiB // 327_680
     fp8 = costs.kv_cache_report(v3, kv_cache_dtype="fp8", tp=8)
     assert fp8["bytes_per_token"] == 35_136 and fp8["expanded_bytes_per_token"] == 4_997_120 // 2 // 8
+    assert fp8["kv_cache_dtype"] == "fp8_e4m3"
+    # "auto" is reported as the dtype actually stored
+    assert costs.kv_cache_report(v3, model_dtype="float16")["kv_cache_dtype"] == "float16"
 
 
 def test_crossover_report(v3):
@@ -208,6 +232,9 @@ def test_crossover_report(v3):
     assert rep["asymptotic_query_threshold"] == pytest.approx(170.6667, abs=1e-4)
     cells = rep["contexts"][0]["paths"]
     assert [c["cheaper"] for c in cells] == ["absorbed", "expanded"]
+    # a tie (Q=128, S=512: equal FLOPs) goes to expanded, as in cheaper_path; the TP size changes no verdict
+    tie = costs.crossover_report(v3, query_lens=[128], contexts=[512], tp=8)["contexts"][0]["paths"][0]
+    assert tie["absorbed_flops"] == tie["expanded_flops"] and tie["cheaper"] == "expanded"
 
 
 @pytest.mark.parametrize(

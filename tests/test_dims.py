@@ -134,6 +134,13 @@ def test_from_hf_config_rejects_bad_input(tmp_path):
         MLADims.from_hf_config(42)
     with pytest.raises(ValueError, match="rope_scaling"):
         MLADims.from_hf_config(dict(DEEPSEEK_V3_CONFIG, rope_scaling={"type": "dynamic", "factor": 2.0}))
+    with pytest.raises(TypeError, match="config.index_n_heads: got NoneType"):
+        MLADims.from_hf_config(dict(DEEPSEEK_V3_CONFIG, index_topk=2048, index_n_heads=None))
+    for freq in (0, -4):
+        with pytest.raises(ValueError, match=f"config.index_topk_freq: got {freq}; supported >= 1"):
+            MLADims.from_hf_config(dict(DEEPSEEK_V3_CONFIG, index_topk=2048, index_topk_freq=freq))
+    absent = MLADims.from_hf_config(dict(DEEPSEEK_V3_CONFIG, index_topk=2048, index_topk_freq=None))
+    assert absent.indexer.n_heads == 64 and absent.indexer.skip_layers == frozenset()  # freq 1: every layer
 
 
 def _tiny_hf_config(**rope):
@@ -181,8 +188,8 @@ def test_tensor_parallel_divides_heads():
     with pytest.raises(ValueError, match="tp_size") as info:
         v3.tensor_parallel(3)
     assert "128" in str(info.value)
-    for bad in (0, -2, True, 2.0):
-        with pytest.raises((ValueError, TypeError), match="tp_size"):
+    for exc, bad in ((ValueError, 0), (ValueError, -2), (TypeError, True), (TypeError, 2.0)):
+        with pytest.raises(exc, match="tp_size: got"):
             v3.tensor_parallel(bad)
 
 
@@ -193,5 +200,9 @@ def test_dims_validate_fields():
         MLADims(num_heads=4, kv_lora_rank=512.0)
     with pytest.raises(ValueError, match="q_lora_rank"):
         MLADims(num_heads=4, q_lora_rank=-1)
+    for bad in (True, "1536", 1536.0):
+        with pytest.raises(TypeError, match="MLADims.q_lora_rank: got"):
+            MLADims(num_heads=4, q_lora_rank=bad)
+    assert MLADims(num_heads=4, qk_rope_head_dim=0).cache_row_width == 512  # no RoPE slice is allowed
     with pytest.raises(ValueError, match="rope_scaling"):
         RopeScaling(type="linear")

@@ -23,6 +23,7 @@ import typing
 import pytest
 import torch
 
+from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
 from mla_backends.cache import LatentKVCache
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
@@ -35,6 +36,7 @@ from mla_backends.flashinfer_mla import (
 )
 from mla_backends.metadata import BatchMetadata
 from mla_backends.registry import BackendName, get_backend
+from selector.device import simulated_device
 
 pytest.importorskip("flashinfer",
                     reason="flashinfer-python is not installed (pip install 'mla-backends[flashinfer]')")
@@ -350,45 +352,91 @@ def test_one_zeroed_workspace_per_device_and_path(monkeypatch):
 
 
 # ---- input validation before FlashInfer -------------------------------------------------------------------
-def test_forward_rejects_cpu_tensors_naming_the_cache():
+@pytest.fixture
+def on_declared_device(monkeypatch):
+    """Make :func:`check_declared_support` see a device the backend declares (the tensors stay on the CPU), so
+    that the reason a test provokes is the only one."""
+    def use(cls):
+        cc = min(cls.capabilities.compute_capabilities)
+        monkeypatch.setattr(device_module, "device_info_for", lambda device: simulated_device(*cc))
+    return use
+
+
+def test_forward_rejects_cpu_tensors_naming_the_device():
     cache, meta, q, qr = make_batch(block_size=64, heads=16)
     for cls in ALL:
-        with pytest.raises(ValueError, match=r"^cache: got device cpu; supported a CUDA device"):
+        with pytest.raises(ValueError) as info:
             cls().forward_mqa(q, qr, cache, meta, scale=0.1)
+        want = f"device: got CPU; supported a CUDA device ({cls.capabilities.compute_capability_text()})"
+        assert str(info.value) == f"{cls.name} cannot run these inputs: {want}"
 
 
 @pytest.mark.parametrize("cls,change,exc,message", [
-    (FlashInferMLABackend, dict(dtype=torch.float32), TypeError, "q_latent: got dtype float32"),
-    (FlashInferMLABackend, dict(kv="fp8_e5m2"), TypeError, "cache.kv_cache_dtype: got fp8_e5m2"),
-    (FlashInferMLABackend, dict(kv="float16"), TypeError, "cache.kv_cache_dtype: got float16 with bfloat16"),
-    (FlashInferCutlassMLABackend, dict(heads=129), ValueError, "q_latent: got 129 heads; supported <= 128"),
-    (FlashInferCutlassMLABackend, dict(q_lens=(1, 2, 1)), ValueError, "meta.query_lens: got [1, 2]"),
-    (FlashInferCutlassMLABackend, dict(block_size=48), ValueError, "cache.block_size: got 48"),
-    (FlashInferTrtllmMLABackend, dict(heads=96), ValueError, "q_latent: got 96 heads; supported <= 64 or "
+    (FlashInferMLABackend, dict(dtype=torch.float32), TypeError, "dtype: got float32; supported bfloat16, "
+                                                                 "float16"),
+    (FlashInferMLABackend, dict(kv="fp8_e5m2"), TypeError, "kv cache dtype: got fp8_e5m2"),
+    (FlashInferMLABackend, dict(kv="float16"), TypeError, "kv cache dtype: got float16 with bfloat16"),
+    (FlashInferCutlassMLABackend, dict(heads=129), ValueError, "num_heads: got 129; supported <= 128"),
+    (FlashInferCutlassMLABackend, dict(q_lens=(1, 2, 1)), ValueError, "query length: got 2; supported 1"),
+    (FlashInferCutlassMLABackend, dict(q_lens=(1, 0, 1)), ValueError,
+     "meta.query_lens: got [0, 1]; supported >= 1 token in every request"),
+    (FlashInferCutlassMLABackend, dict(block_size=48), ValueError, "page size: got 48"),
+    (FlashInferTrtllmMLABackend, dict(heads=96), ValueError, "num_heads: got 96; supported <= 64 or "
                                                              "exactly 128"),
+    (FlashInferTrtllmMLABackend, dict(heads=129), ValueError, "num_heads: got 129; supported <= 128"),
     (FlashInferTrtllmMLABackend, dict(q_lens=(1, 2, 1)), ValueError,
-     "meta.query_lens: got [1, 2]; supported one"),
-    (FlashInferTrtllmMLABackend, dict(block_size=16), ValueError,
-     "cache.block_size: got 16; supported 32, 64"),
-    (FlashInferTrtllmMLABackend, dict(dtype=torch.float16), TypeError, "q_latent: got dtype float16"),
-    (FlashInferXqaMLABackend, dict(q_lens=(2, 2, 2)), ValueError, "meta.query_lens: got [2]; supported 1"),
+     "query length: got varying lengths per request; supported uniform lengths"),
+    (FlashInferTrtllmMLABackend, dict(block_size=16), ValueError, "page size: got 16; supported 32, 64"),
+    (FlashInferTrtllmMLABackend, dict(dtype=torch.float16), TypeError, "dtype: got float16"),
+    (FlashInferXqaMLABackend, dict(heads=129), ValueError, "num_heads: got 129; supported <= 128"),
+    (FlashInferXqaMLABackend, dict(q_lens=(2, 2, 2)), ValueError, "query length: got 2; supported 1"),
     (FlashInferXqaMLABackend, dict(kv="float16", dtype=torch.bfloat16), TypeError,
-     "cache.kv_cache_dtype: got float16"),
+     "kv cache dtype: got float16"),
 ])
-def test_forward_rejects_what_the_kernel_cannot_run(cls, change, exc, message):
+def test_forward_rejects_what_the_kernel_cannot_run(cls, change, exc, message, on_declared_device):
+    on_declared_device(cls)
     kw = dict(block_size=64, heads=16)
     kw.update(change)
     cache, meta, q, qr = make_batch(**kw)
     with pytest.raises(exc) as info:
         cls().forward_mqa(q, qr, cache, meta, scale=0.1)
-    assert str(info.value).startswith(message), str(info.value)
+    assert str(info.value).startswith(f"{cls.name} cannot run these inputs: {message}"), str(info.value)
+
+
+def test_trtllm_reports_over_128_heads_once(on_declared_device):
+    on_declared_device(FlashInferTrtllmMLABackend)
+    cache, meta, q, qr = make_batch(block_size=64, heads=129)
+    with pytest.raises(ValueError) as info:
+        FlashInferTrtllmMLABackend().forward_mqa(q, qr, cache, meta, scale=0.1)
+    assert str(info.value).count("num_heads") == 1, str(info.value)
 
 
 @pytest.mark.parametrize("cls", [FlashInferCutlassMLABackend, FlashInferXqaMLABackend], ids=lambda c: c.name)
-def test_no_lse_backends_refuse_an_lse_buffer(cls):
+def test_no_lse_backends_refuse_an_lse_buffer(cls, on_declared_device):
+    on_declared_device(cls)
     cache, meta, q, qr = make_batch(block_size=64, heads=16)
-    with pytest.raises(ValueError, match=r"^lse_out: got a tensor; supported None"):
+    with pytest.raises(ValueError) as info:
         cls().forward_mqa(q, qr, cache, meta, scale=0.1, lse_out=torch.empty(q.shape[:2]))
+    assert str(info.value) == f"{cls.name} cannot run these inputs: LSE: got a request for it; supported " \
+                              "output only (no LSE)"
+
+
+@pytest.mark.parametrize("cls", ALL, ids=lambda c: c.name)
+def test_dense_only_backends_refuse_topk_indices(cls, on_declared_device):
+    on_declared_device(cls)
+    cache, meta, q, qr = make_batch(block_size=64, heads=16)
+    with pytest.raises(ValueError) as info:
+        cls().forward_mqa(q, qr, cache, meta, scale=0.1, topk_indices=torch.zeros(3, 1, dtype=torch.int32))
+    assert str(info.value) == f"{cls.name} cannot run these inputs: attention: got sparse (top-k indices); " \
+                              "supported dense only"
+
+
+def test_cutlass_refuses_a_non_contiguous_cache(on_declared_device):
+    on_declared_device(FlashInferCutlassMLABackend)
+    cache, meta, q, qr = make_batch(block_size=64, heads=16)
+    cache.data = torch.zeros(cache.num_blocks, 2 * cache.block_size, 576, dtype=cache.data.dtype)[:, ::2]
+    with pytest.raises(ValueError, match=r"^cache.data: got a non-contiguous tensor; supported a contiguous"):
+        FlashInferCutlassMLABackend().forward_mqa(q, qr, cache, meta, scale=0.1)
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.name)

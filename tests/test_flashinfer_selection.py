@@ -25,7 +25,8 @@ from mla_backends.flashinfer_mla import (
     FlashInferXqaMLABackend,
     _install,
 )
-from selector.device import CPU_DEVICE, DeviceInfo
+from selector import select
+from selector.device import CPU_DEVICE, DeviceInfo, simulated_device
 
 FA, CUTLASS, TRTLLM, XQA = (FlashInferMLABackend, FlashInferCutlassMLABackend, FlashInferTrtllmMLABackend,
                             FlashInferXqaMLABackend)
@@ -33,8 +34,7 @@ ALL = (FA, CUTLASS, TRTLLM, XQA)
 
 
 def sm(major: int, minor: int = 0) -> DeviceInfo:
-    return DeviceInfo(kind="cuda", name=f"simulated SM{major}{minor}", compute_capability=(major, minor),
-                      simulated=True)
+    return simulated_device(major, minor)
 
 
 def spec(device: DeviceInfo, **kw) -> AttentionSpec:
@@ -100,10 +100,11 @@ def test_fa_accepts_any_page_and_varlen_and_lse_but_not_fp32_or_sparse():
         "attention: got sparse (top-k indices); supported dense only"]
 
 
-@pytest.mark.parametrize("cls,device", [(FA, sm(9)), (CUTLASS, sm(10))], ids=["fa", "cutlass"])
-def test_cache_dtype_must_match_a_16_bit_query(cls, device):
+@pytest.mark.parametrize("cls,device,fp8_text", [(FA, sm(9), " or fp8_e4m3"), (CUTLASS, sm(10), "")],
+                         ids=["fa", "cutlass"])
+def test_cache_dtype_must_match_a_16_bit_query(cls, device, fp8_text):
     assert cls.not_supported_reasons(spec(device, dtype=torch.bfloat16, kv_cache_dtype="float16")) == [
-        "kv cache dtype: got float16 with bfloat16 queries; supported the query dtype (bfloat16) or fp8_e4m3"]
+        f"kv cache dtype: got float16 with bfloat16 queries; supported the query dtype (bfloat16){fp8_text}"]
 
 
 def test_cutlass_rules():
@@ -122,7 +123,7 @@ def test_cutlass_rules():
     assert CUTLASS.capabilities.preferred_page_size == 128
 
 
-@pytest.mark.parametrize("heads,ok", [(1, True), (16, True), (64, True), (65, False), (96, False),
+@pytest.mark.parametrize("heads,ok", [(0, False), (1, True), (16, True), (64, True), (65, False), (96, False),
                                       (127, False), (128, True), (129, False)])
 def test_trtllm_heads_at_most_64_or_exactly_128(heads, ok):
     reasons = TRTLLM.not_supported_reasons(spec(sm(10), num_heads=heads))
@@ -236,7 +237,6 @@ def test_missing_package_is_a_reason_not_an_exception(monkeypatch):
 
 
 # ---- the selector ---------------------------------------------------------------------------------------
-select = pytest.importorskip("selector.select", reason="selector.select is not available")
 
 
 def v3(heads: int | None = None) -> MLADims:

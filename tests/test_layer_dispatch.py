@@ -130,6 +130,17 @@ def test_layer_threshold_follows_policy():
     assert layer.decode_threshold == 8
 
 
+@pytest.mark.parametrize("threshold", [0, 1, 3])
+def test_layer_threshold_is_the_largest_absorbed_query_length(threshold):
+    layer = MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64,
+                                        dispatch=PerRequestPolicy(threshold=threshold))
+    th = layer.decode_threshold
+    assert th == threshold
+    lens = [th, th + 1] if th else [th + 1]
+    flags = layer.dispatch.absorbed(lens, [5] * len(lens), backend_threshold=1)
+    assert flags == ([True, False] if th else [False])
+
+
 def test_per_batch_prefix_counts_only_requests_with_new_tokens():
     # a zero-length request produces no rows: its cached context neither reaches the threshold nor
     # turns a cold prefill warm

@@ -186,8 +186,8 @@ def test_malformed_fp8_pairs_are_all_listed_and_nothing_is_loaded():
         layer.load_hf_state_dict(bad)
     msg = str(info.value)
     assert "o_proj.weight (got torch.float8_e4m3fn without o_proj.weight_scale_inv" in msg
-    assert "kv_b_proj.weight_scale_inv (got torch.float32 of shape [2, 2]; supported a floating-point tensor " \
-           "of shape [5, 1]" in msg
+    assert "kv_b_proj.weight_scale_inv (got torch.float32 tensor of shape [2, 2]; supported a floating-point " \
+           "tensor of shape [5, 1] (weight [80, 16] in 16 x 16 blocks)" in msg
     assert "q_a_layernorm.weight (got torch.float64 of shape [24] with a weight_scale_inv" in msg
     assert info.value.unexpected == ["extra.weight_scale_inv (no extra.weight to scale)"]
     assert len(info.value.misshaped) == 3

@@ -3,6 +3,8 @@ place; construction and forward arguments are validated."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from layer_cases import (
@@ -108,6 +110,12 @@ def test_construction_arguments_are_validated():
     cfg = tiny_config()
     with pytest.raises(ValueError, match="tp_size: got 3"):
         MLAAttention.from_hf_config(cfg, tp_size=3)
+    for bad in (0, "2", True):
+        with pytest.raises((ValueError, TypeError), match="tp_size: got"):
+            MLAAttention.from_hf_config(cfg, tp_size=bad)
+    for rope in (0, 7):
+        with pytest.raises(ValueError, match=f"qk_rope_head_dim: got {rope}; supported an even width >= 2"):
+            MLAAttention(replace(MLADims.from_hf_config(cfg), qk_rope_head_dim=rope))
     with pytest.raises(ValueError, match="tp_rank: got 2"):
         MLAAttention.from_hf_config(cfg, tp_size=2, tp_rank=2)
     with pytest.raises(ValueError, match="dtype: got 'int8'"):

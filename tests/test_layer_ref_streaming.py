@@ -125,3 +125,35 @@ def test_streamed_groups_hold_requests_of_similar_length(monkeypatch):
         torch.testing.assert_close(out[t: t + n], ref_o, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(lse[t: t + n].double(), ref_l, rtol=1e-6, atol=1e-6)
         t += n
+
+
+def test_padded_groups_match_reference(monkeypatch):
+    """Short sequences in several padded groups (a tiny WORKSPACE_ELEMENTS): uniform and mixed query lengths,
+    a zero-length request, each group's tokens found at its own offset."""
+    g = torch.Generator().manual_seed(12)
+    bs = 4
+    ctx = [9, 3, 14, 0, 6, 11, 2, 5]
+    new = [2, 2, 3, 1, 0, 4, 1, 1]
+    W = r + R
+    seq = [c + n for c, n in zip(ctx, new, strict=True)]
+    budget = 2 * max(seq) * (W + max(new) * H)  # about two requests per group
+    monkeypatch.setattr(ref_backend, "WORKSPACE_ELEMENTS", budget)
+    groups = ref_backend.padded_groups(seq, new, W, H, budget)
+    assert len(groups) >= 3 and groups[0] == (0, 2)  # the first group is uniform (2 + 2), later ones mixed
+    pages = -(-max(seq) // bs)
+    nb = len(ctx) * pages + 1
+    bt = torch.randperm(nb, generator=g)[: len(ctx) * pages].view(len(ctx), pages).int()
+    cache = LatentKVCache(nb, bs, r, R, model_dtype=torch.float64)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g, dtype=torch.float64))
+    meta = BatchMetadata.build(new, ctx, bt, bs, decode_threshold=0, reorder=False)
+    q = torch.randn(sum(new), H, W, generator=g, dtype=torch.float64)
+    out, lse = RefTorchBackend().forward_mqa(q[..., :r].contiguous(), q[..., r:].contiguous(), cache, meta,
+                                             scale=0.2)
+    t = 0
+    for b, (c, n) in enumerate(zip(ctx, new, strict=True)):
+        if n:
+            rows = cache.gather(meta.block_table[b], c + n, torch.float64)
+            ref_o, ref_l = _reference(q[t: t + n], rows, c, n, 0.2)
+            torch.testing.assert_close(out[t: t + n], ref_o, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(lse[t: t + n].double(), ref_l, rtol=1e-6, atol=1e-6)
+        t += n

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -29,11 +31,10 @@ def test_decodes_first_stable_and_fields_in_processing_order():
     bt, nb = _block_table()
     m = BatchMetadata.build(QLENS, CTXS, bt, BS, num_blocks=nb)
     assert m.order.tolist() == [1, 3, 5, 0, 2, 4]
-    assert m.num_decodes == 3 and m.num_decode_tokens == 3 and m.num_prefills == 3
     assert m.query_lens.tolist() == [1, 1, 1, 3, 5, 0] and m.query_lens.dtype == torch.int32
     assert m.context_lens.tolist() == [9, 4, 11, 2, 0, 6]
     assert m.seq_lens.tolist() == [10, 5, 12, 5, 5, 6] and m.seq_lens_list == (10, 5, 12, 5, 5, 6)
-    assert m.query_start_loc.tolist() == [0, 1, 2, 3, 6, 11, 11]
+    assert m.query_start_loc.tolist() == [0, 1, 2, 3, 6, 11, 11] and m.query_starts_list == (0, 1, 2, 3, 6, 11, 11)
     assert torch.equal(m.block_table, bt[[1, 3, 5, 0, 2, 4]])
     assert m.num_tokens == 11 and m.max_query_len == 5 and m.max_seq_len == 12
     assert m.token_request.tolist() == [0, 1, 2, 3, 3, 3, 4, 4, 4, 4, 4]
@@ -69,24 +70,42 @@ def test_caller_order_round_trip():
         m.to_caller_order(torch.zeros(2))
 
 
-def test_decode_threshold_and_parts():
+def test_decode_threshold_and_sub_batches():
     qlens, ctxs = [4, 1, 9, 2], [10, 10, 0, 3]
     bt, nb = _block_table(qlens, ctxs)
     m = BatchMetadata.build(qlens, ctxs, bt, BS, decode_threshold=4, num_blocks=nb)
-    assert m.order.tolist() == [0, 1, 3, 2] and m.num_decodes == 3 and m.num_decode_tokens == 7
-    dec, pre = m.decode_part(), m.prefill_part()
+    assert m.order.tolist() == [0, 1, 3, 2]
+    dec, pre = m.select_requests(0, 3), m.select_requests(3, 4)
     assert dec.query_lens_list == (4, 1, 2) and pre.query_lens_list == (9,)
     assert dec.num_tokens + pre.num_tokens == m.num_tokens
     assert torch.equal(torch.cat([dec.slot_mapping, pre.slot_mapping]), m.slot_mapping)
     assert pre.token_request.tolist() == [0] * 9 and pre.query_start_loc.tolist() == [0, 9]
-    assert dec.num_decodes == 3 and pre.num_decodes == 0
-    assert m.decode_part() is dec  # cached on the batch
+    mid = m.select_requests(1, 3)
+    assert mid.query_start_loc.tolist() == [0, 1, 3] and mid.query_starts_list == (0, 1, 3)
+    assert mid.token_positions.tolist() == [10, 3, 4] and mid.token_request.tolist() == [0, 1, 1]
+    assert torch.equal(mid.block_table, m.block_table[1:3]) and mid.order.tolist() == [0, 1]
+    with pytest.raises(ValueError, match="stop"):
+        m.select_requests(2, 5)
+    with pytest.raises(ValueError, match="stop"):
+        m.select_requests(2, 1)
+
+
+def test_sub_batches_are_built_once_per_step():
+    """Every layer asks for the same sub-batch: it is kept on the batch, so what is cached on it (the block-id
+    check, FlashInfer plans) is done once per step; a copy made with dataclasses.replace starts afresh."""
+    bt, nb = _block_table()
+    m = BatchMetadata.build(QLENS, CTXS, bt, BS, num_blocks=nb)
+    sub = m.select_requests(1, 4)
+    sub.plans["marker"] = True
+    assert m.select_requests(1, 4) is sub and m.select_requests(0, 4) is not sub
+    assert dataclasses.replace(m, block_table=bt).plans == {}
 
 
 def test_keep_caller_order():
     bt, nb = _block_table()
     m = BatchMetadata.build(QLENS, CTXS, bt, BS, reorder=False, num_blocks=nb)
-    assert m.order.tolist() == list(range(6)) and m.num_decodes == 0  # first request is a prefill
+    assert m.order.tolist() == list(range(6)) and m.token_order.tolist() == list(range(11))
+    assert m.query_lens_list == tuple(QLENS) and m.query_starts_list == (0, 3, 4, 9, 10, 10, 11)
 
 
 def test_tensor_and_list_inputs_agree():

@@ -273,7 +273,7 @@ def test_fused_kernel_dispatch_rules(fused_calls):
     o_auto, _ = prefill_attention(*f32, 0.3, causal=True)  # bottom-right causal, n != m: plain
     assert fused_calls == [] and torch.equal(o_plain, o_auto)
     torch.testing.assert_close(o_auto.double(), _naive_attention(*f32, 0.3, True)[0], rtol=2e-5, atol=2e-5)
-    assert "device meta" in fused_applies(torch.empty(1, device="meta"), 1, 1, False, H, P + R, V)
+    assert "device meta" in fused_applies(torch.empty(1, device="meta"), 1, 1, False)
 
 
 def test_forward_mha_float32_runs_the_fused_kernel_and_matches_the_reference(fused_calls):
@@ -286,3 +286,16 @@ def test_forward_mha_float32_runs_the_fused_kernel_and_matches_the_reference(fus
     assert sorted(fused_calls) == sorted([5, 4, 3] + [9, 1, 10, 10, 2])  # causal parts, 10-row context chunks
     ref = _reference(q, kv_b, [rw.float().double() for rw in rows], new, 0.3)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n, m", [(7, 7), (5, 12)])
+def test_plain_attention_in_query_slices_matches_the_reference(causal, n, m):
+    """A ``budget`` of two queries' scores: every slice after the first keeps its causal offset."""
+    from mla_backends.prefill import prefill_attention
+
+    args = _attention_inputs(n, m, torch.float64, seed=n * 100 + m)
+    o, lse = prefill_attention(*args, 0.3, causal=causal, fused=False, budget=2 * H * m)  # slices of 2 queries
+    ref_o, ref_lse = _naive_attention(*args, 0.3, causal)
+    torch.testing.assert_close(o, ref_o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)

@@ -21,6 +21,7 @@ from mla_backends.registry import (
     registered_backends,
     validate_backend_class,
 )
+from selector.select import select_backend
 
 
 def test_enum_names_and_case_insensitive_input():
@@ -87,6 +88,35 @@ def test_validation_of_backend_classes():
     assert validate_backend_class(unnamed)[0].startswith("name: got 'has space'")
 
 
+def test_capabilities_reject_non_canonical_cache_dtype_names():
+    """An alias ('bf16'), 'auto' or an unknown name could never match the storage name a spec resolves to."""
+    for bad in ("bf16", "fp8", "FLOAT16", "int8", "auto", None):
+        with pytest.raises(ValueError, match=f"kv_cache_dtypes: got {bad!r}; supported canonical names bfloat16"):
+            Capabilities(dtypes=frozenset({torch.bfloat16}), kv_cache_dtypes=frozenset({"bfloat16", bad}), cpu=True)
+    caps = Capabilities(dtypes=frozenset({torch.bfloat16}), kv_cache_dtypes=frozenset({"fp8_e4m3"}), cpu=True)
+    assert caps.kv_cache_dtypes == {"fp8_e4m3"}
+
+
+def test_classes_passed_directly_are_validated():
+    """``get(cls)`` accepts an unregistered class but checks it as ``add`` would, before anything uses it."""
+    reg = fake_registry()
+    assert reg.get(FakeXqa) is FakeXqa
+    with pytest.raises(ValueError, match="backend MLABackend: name: got 'ABSTRACT'.*capabilities: got NoneType"):
+        reg.get(MLABackend)
+    with pytest.raises(ValueError, match="backend NoKernel: forward_mqa: got the abstract base method"):
+        reg.get(NoKernel)
+    with pytest.raises(ValueError, match="backend MLABackend: name: got 'ABSTRACT'"):
+        select_backend("v3", device="cpu", backend=MLABackend)
+
+
+def test_source_is_kept_per_registry_not_on_the_class():
+    a, b = Registry(), Registry()
+    a.add(FakeXqa, source="x")
+    b.add(FakeXqa, source="y")
+    assert a.entry("FLASHINFER_MLA_XQA").source == "x" and b.entry("FLASHINFER_MLA_XQA").source == "y"
+    assert not hasattr(FakeXqa, "source")  # the class is not modified by registering it
+
+
 def test_add_rejects_duplicates_and_mismatched_names():
     reg = fake_registry()
     gen = reg.generation
@@ -132,6 +162,9 @@ def test_missing_dependency_inside_a_target_is_a_real_error(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ModuleNotFoundError, match="no_such_dependency_mla_xyz"):
         _resolve("mla_dep_user_xyz:Backend")
+    (tmp_path / "mla_namespace_xyz").mkdir()  # a folder without __init__.py imports as a namespace package
+    with pytest.raises(AttributeError, match="Backend"):
+        _resolve("mla_namespace_xyz:Backend")  # a target that names a missing class is a real error there too
 
 
 def test_registry_is_isolated_per_instance():

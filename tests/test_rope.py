@@ -19,10 +19,16 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("interleave", [True, False])
-@pytest.mark.parametrize("yarn", [False, True])
+@pytest.mark.parametrize("yarn", [None, (1.0, 1.0), (0.707, 1.0), (1.0, None)])
 def test_matches_transformers(interleave, yarn):
-    cfg = tiny_config(interleave=interleave, yarn=yarn)
+    """``yarn``: ``(mscale, mscale_all_dim)`` (None: plain RoPE); unequal values scale cos/sin by their mscale
+    ratio, an absent ``mscale_all_dim`` by ``yarn_mscale(factor)``."""
+    cfg = tiny_config(interleave=interleave, yarn=yarn is not None)
+    if yarn is not None:
+        params = {k: v for k, v in cfg.rope_parameters.items() if k not in ("mscale", "mscale_all_dim")}
+        cfg.rope_parameters = {**params, "mscale": yarn[0]} | ({} if yarn[1] is None else {"mscale_all_dim": yarn[1]})
     rope = RotaryEmbedding.from_dims(MLADims.from_hf_config(cfg))
+    assert (rope.attention_factor == 1.0) == (yarn in (None, (1.0, 1.0)))
     T, H = 37, 3
     pos = torch.randint(0, 250, (T,))
     q = torch.randn(T, H, 8, dtype=torch.float64)

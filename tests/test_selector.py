@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from selector_fakes import FakeFlashInfer, FakeTrtllm, FakeXqa, fake_registry, install
+from selector_fakes import FakeTrtllm, FakeXqa, fake_registry, install
 
 from mla_backends.backend import Capabilities
 from mla_backends.dims import MLADims
@@ -37,7 +37,7 @@ FAMILY = {"sm80": "sm80", "sm86": "sm80", "sm89": "sm80", "sm90": "sm90", "sm100
 
 def expected_choice(arch: str, kv: str, page: int | None) -> tuple[str, int]:
     """The documented outcome for V3 at TP=8, bf16, single-token decode."""
-    trt_or_xqa_page_ok = page in (None, 32, 64)
+    trtllm_page_ok = page in (None, 32, 64)
     if arch == "cpu":
         return "REF_TORCH", page or 16
     if arch in ("sm80", "sm86"):
@@ -47,11 +47,11 @@ def expected_choice(arch: str, kv: str, page: int | None) -> tuple[str, int]:
     if arch == "sm90":
         return "FLASHINFER_MLA", page or 64
     if arch in ("sm100", "sm103"):
-        if trt_or_xqa_page_ok:
+        if trtllm_page_ok:
             return "FLASHINFER_MLA_TRTLLM", page or 64
         return ("FLASHINFER_MLA_CUTLASS" if kv == "auto" else "TRITON_MLA"), page
-    # sm120
-    return ("FLASHINFER_MLA_XQA" if trt_or_xqa_page_ok else "TRITON_MLA"), page or 64
+    # sm120: XQA takes every page size of the matrix (16, 32, 64, 128)
+    return "FLASHINFER_MLA_XQA", page or 64
 
 
 def expected_rejections(arch: str, kv: str, page: int | None) -> dict[str, list[str]]:
@@ -61,8 +61,6 @@ def expected_rejections(arch: str, kv: str, page: int | None) -> dict[str, list[
         out["TRITON_MLA"] = [f"fp8 cache: got {arch.upper()}; supported SM89+ (native fp8 conversion)"]
     if arch in ("sm100", "sm103") and page in (16, 128):
         out["FLASHINFER_MLA_TRTLLM"] = [f"page size: got {page}; supported 32, 64"]
-    if arch == "sm120" and page in (16, 128):
-        out["FLASHINFER_MLA_XQA"] = [f"page size: got {page}; supported 32, 64"]
     return out
 
 
@@ -87,7 +85,7 @@ def test_simulated_matrix_choice_and_exact_reasons(fakes, arch, kv, page):
     assert [v.name for v in sel.verdicts if v.selected] == [name]
     # a page size that knocked out a higher-ranked backend is named, and only then
     knocked = [v for v in sel.verdicts if v.page_size_hint is not None]
-    if page in (16, 128) and FAMILY[arch] in ("sm100", "sm120"):
+    if page in (16, 128) and FAMILY[arch] == "sm100":
         assert [(v.name, v.page_size_hint) for v in knocked] == [(sel.verdicts[0].name, 64)]
         assert f"rejected only because of block_size={page}; block_size=64 would select it" in sel.explain()
     else:
@@ -152,7 +150,8 @@ def test_no_backend_lists_every_reason_and_a_page_size_hint(monkeypatch):
 
 
 def test_no_backend_hint_names_the_extra_when_only_a_package_is_missing(monkeypatch):
-    class NeedsPkg(FakeFlashInfer):
+    class NeedsPkg(RefTorchBackend):  # not a FlashInfer class: its own package reason, not FlashInfer's
+        name = "FLASHINFER_MLA"
         capabilities = Capabilities(dtypes=frozenset({torch.bfloat16}),
                                     kv_cache_dtypes=frozenset({"bfloat16"}),
                                     compute_capabilities=frozenset({(9, 0)}),

@@ -50,11 +50,11 @@ def test_auto_argument_defers_to_the_environment(fakes, monkeypatch):
 
 def test_forced_but_unfit_raises_with_every_reason(fakes):
     with pytest.raises(BackendNotSupportedError) as info:
-        select_backend(V3, device="sm90", backend="FLASHINFER_MLA_XQA", block_size=16, max_query_len=2)
+        select_backend(V3, device="sm90", backend="FLASHINFER_MLA_XQA", block_size=8, max_query_len=2)
     err = info.value
     assert err.backend == "FLASHINFER_MLA_XQA" and err.forced_by == "argument"
     assert err.reasons == ("compute capability: got SM90; supported SM120, SM121",
-                           "page size: got 16; supported 32, 64",
+                           "page size: got 8; supported 16, 32, 64, 128",
                            "query length: got 2; supported 1 (single-token decode)")
     msg = str(err)
     assert msg.startswith("The forced backend FLASHINFER_MLA_XQA does not fit this request.")

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
 from mla_backends.cache import LatentKVCache, block_table_slots, check_slot_mapping
 from mla_backends.dims import MLADims, read_config_json
 from mla_backends.flashinfer_mla import (
@@ -22,6 +23,7 @@ from mla_backends.hf_loading import hf_attention_bias
 from mla_backends.metadata import BatchMetadata
 from mla_backends.sparse import IndexerKeyCache
 from mla_backends.validation import require_on_device
+from selector.device import simulated_device
 
 V2_LITE = {"num_attention_heads": 16, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
            "v_head_dim": 128, "hidden_size": 2048, "q_lora_rank": None, "attention_bias": True}
@@ -137,40 +139,75 @@ def _batch(kv="auto", dtype=torch.bfloat16, heads=16):
 ALL = (FlashInferMLABackend, FlashInferCutlassMLABackend, FlashInferTrtllmMLABackend, FlashInferXqaMLABackend)
 
 
+def _refused(cls, *args, **kwargs) -> BaseException:
+    with pytest.raises((ValueError, TypeError)) as info:
+        cls().forward_mqa(*args, **kwargs)
+    return info.value
+
+
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.name)
-def test_every_flashinfer_backend_refuses_topk_naming_itself(cls):
+def test_every_flashinfer_backend_refuses_topk_naming_itself(cls, monkeypatch):
+    monkeypatch.setattr(device_module, "device_info_for",
+                        lambda device: simulated_device(*min(cls.capabilities.compute_capabilities)))
     cache, meta, q, qr = _batch()
     topk = torch.zeros(2, 4, dtype=torch.int32)
-    with pytest.raises(ValueError, match=rf"^topk_indices: got a tensor; supported None \({cls.name} is dense"):
-        cls().forward_mqa(q, qr, cache, meta, scale=0.1, topk_indices=topk)
+    err = _refused(cls, q, qr, cache, meta, scale=0.1, topk_indices=topk)
+    assert isinstance(err, ValueError)
+    assert str(err) == f"{cls.name} cannot run these inputs: attention: got sparse (top-k indices); supported " \
+                       "dense only"
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.name)
 def test_lse_buffer_is_refused_exactly_where_no_lse_is_declared(cls):
     cache, meta, q, qr = _batch()
     lse = torch.empty(2, 16)
-    if cls.capabilities.returns_lse:  # passes the shared checks; stops at the CUDA device check
-        with pytest.raises(ValueError, match="^cache: got device cpu; supported a CUDA device"):
-            cls().forward_mqa(q, qr, cache, meta, scale=0.1, lse_out=lse)
-    else:
-        with pytest.raises(ValueError, match=rf"^lse_out: got a tensor; supported None \({cls.name} returns"):
-            cls().forward_mqa(q, qr, cache, meta, scale=0.1, lse_out=lse)
+    device = f"device: got CPU; supported a CUDA device ({cls.capabilities.compute_capability_text()})"
+    want = [device] if cls.capabilities.returns_lse else [device, "LSE: got a request for it; supported output "
+                                                                  "only (no LSE)"]
+    err = _refused(cls, q, qr, cache, meta, scale=0.1, lse_out=lse)
+    assert str(err) == f"{cls.name} cannot run these inputs: " + "; ".join(want)
 
 
 @pytest.mark.parametrize("cls,fp8_text", [(FlashInferMLABackend, " or fp8_e4m3"), (FlashInferCutlassMLABackend, "")],
                          ids=["fa", "cutlass"])
-def test_cache_must_hold_the_query_dtype(cls, fp8_text):
+def test_cache_must_hold_the_query_dtype(cls, fp8_text, monkeypatch):
+    monkeypatch.setattr(device_module, "device_info_for",
+                        lambda device: simulated_device(*min(cls.capabilities.compute_capabilities)))
     cache, meta, q, qr = _batch(kv="float16")
-    with pytest.raises(TypeError) as info:
-        cls().forward_mqa(q, qr, cache, meta, scale=0.1)
-    assert str(info.value) == ("cache.kv_cache_dtype: got float16 with bfloat16 queries; supported the query "
-                               f"dtype{fp8_text}")
+    err = _refused(cls, q, qr, cache, meta, scale=0.1)
+    assert isinstance(err, TypeError)
+    assert str(err) == (f"{cls.name} cannot run these inputs: kv cache dtype: got float16 with bfloat16 queries; "
+                        f"supported the query dtype (bfloat16){fp8_text}")
 
 
 @pytest.mark.parametrize("cls", ALL, ids=lambda c: c.name)
-def test_dims_outside_the_kernel_are_refused(cls):
+def test_dims_outside_the_kernel_are_refused(cls, monkeypatch):
+    monkeypatch.setattr(device_module, "device_info_for",
+                        lambda device: simulated_device(*min(cls.capabilities.compute_capabilities)))
     cache = LatentKVCache(4, 64, 256, 64, model_dtype=torch.bfloat16)
     meta = BatchMetadata.build([1], [5], [[0]], 64, num_blocks=4)
     q, qr = torch.zeros(1, 16, 256, dtype=torch.bfloat16), torch.zeros(1, 16, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"^cache: got kv_lora_rank/qk_rope_head_dim 256/64; supported 512/64$"):
-        cls().forward_mqa(q, qr, cache, meta, scale=0.1)
+    err = _refused(cls, q, qr, cache, meta, scale=0.1)
+    assert str(err) == (f"{cls.name} cannot run these inputs: kv_lora_rank/qk_rope_head_dim: got 256/64; "
+                        "supported 512/64")
+
+
+def test_declared_support_is_derived_once_per_step_and_combination(monkeypatch):
+    from mla_backends.mqa_inputs import check_declared_support
+    from mla_backends.ref_torch import RefTorchBackend
+
+    cache, meta, q, qr = _batch()
+    calls = []
+    inner = RefTorchBackend.not_supported_reasons.__func__
+
+    def spy(cls, spec):
+        calls.append(spec.need_lse)
+        return inner(cls, spec)
+
+    monkeypatch.setattr(RefTorchBackend, "not_supported_reasons", classmethod(spy))
+    for _ in range(3):  # three layers of one step
+        check_declared_support(RefTorchBackend, q, cache, meta)
+    check_declared_support(RefTorchBackend, q, cache, meta, lse_out=torch.empty(2, 16))
+    assert calls == [False, True]
+    with pytest.raises(TypeError, match="REF_TORCH cannot run these inputs: dtype: got int8"):
+        check_declared_support(RefTorchBackend, q.to(torch.int8), cache, meta)  # a rejection is never cached

@@ -190,3 +190,42 @@ def test_caller_top_k_on_an_indexing_layer_still_caches_the_indexer_keys():
     layer(x, None, given, meta, topk_indices=topk)  # top-k from the caller: keys must be written all the same
     assert torch.equal(given.indexer_cache.data, own.indexer_cache.data)
     assert bool(given.indexer_cache.data.any())
+
+
+def test_top_k_mismatches_raise_before_the_cache_changes():
+    cfg = v32_config(topk=3, layers=2)
+    d = {**cfg.to_dict(), "index_topk_pattern": "FS"}
+    sd = {k: v for k, v in hf_v32_attention(cfg, seed=10).state_dict().items() if not k.startswith("indexer.")}
+    second = MLAAttention.from_hf_config(d, dtype=torch.float64, layer_idx=1)  # reuses layer 0's top-k
+    second.load_hf_state_dict(sd)
+    dense = MLAAttention.from_hf_config({k: v for k, v in d.items() if not k.startswith("index_")},
+                                        dtype=torch.float64)
+    dense.load_hf_state_dict(sd)
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+    meta = BatchMetadata.build([6, 3], [0, 0], [[0, 1], [2]], 4)
+    for layer, topk, match in ((second, None, "topk_indices: got None on layer 1, which reuses"),
+                               (dense, torch.zeros(9, 3, dtype=torch.int32),
+                                "topk_indices: got a tensor on a dense layer; supported None")):
+        cache = layer.allocate_cache(4, 4)
+        cache.data.copy_(torch.randn(cache.data.shape, dtype=torch.float64))
+        before = cache.data.clone()
+        with pytest.raises(ValueError, match=match):
+            layer(x, None, cache, meta, topk_indices=topk)
+        assert torch.equal(cache.data, before), "a rejected call wrote the cache"
+
+
+def test_indexer_weights_are_checked_like_the_attention_weights():
+    cfg = v32_config()
+    layer = MLAAttention.from_hf_config(cfg, dtype=torch.float64)
+    sd = {"model.layers.0.self_attn." + k: v for k, v in hf_v32_attention(cfg, seed=12).state_dict().items()}
+    wk = "model.layers.0.self_attn.indexer.wk.weight"
+    bad = {**sd, wk: sd[wk].long(), "model.layers.0.self_attn.indexer.k_norm.bias": [0.0] * 128}
+    with pytest.raises(StateDictError) as info:
+        layer.load_hf_state_dict(bad, prefix="model.layers.0.self_attn.")
+    assert info.value.misshaped == [
+        "model.layers.0.self_attn.indexer.k_norm.bias (got list; supported a tensor of shape [128])",
+        f"{wk} (got dtype torch.int64; supported a floating-point tensor)"]
+    assert not info.value.missing and not info.value.unexpected
+    assert not layer._loaded
+    layer.load_hf_state_dict(sd, prefix="model.layers.0.self_attn.")
+    torch.testing.assert_close(layer.indexer.wk.weight, sd[wk])

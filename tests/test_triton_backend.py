@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 
+from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
 from mla_backends.backend import AttentionSpec
 from mla_backends.cache import LatentKVCache
 from mla_backends.metadata import BatchMetadata
@@ -105,8 +106,24 @@ def test_forward_on_cpu_without_interpreter_names_the_device(monkeypatch):
 
 def test_rejects_unsupported_query_dtype():
     cache, meta, ql, qr = _tiny(torch.float64)
-    with pytest.raises(TypeError, match=r"q_latent: got dtype float64; supported bfloat16, float16, float32"):
+    with pytest.raises(TypeError) as info:
         TritonMLABackend().forward_mqa(ql, qr, cache, meta, scale=0.1)
+    assert str(info.value) == "TRITON_MLA cannot run these inputs: dtype: got float64; supported bfloat16, " \
+                              "float16, float32"
+
+
+@pytest.mark.parametrize("device,kv,reason", [
+    (A100, "fp8_e4m3", "fp8 cache: got SM80; supported SM89+ (native fp8 conversion)"),
+    (T4, "bfloat16", "compute capability: got SM75; supported SM80+"),
+])
+def test_forward_refuses_what_the_declarations_refuse_on_its_device(monkeypatch, device, kv, reason):
+    # the tensors stay on the CPU; the declared check sees the device this test names
+    monkeypatch.setattr(device_module, "device_info_for", lambda dev: device)
+    cache = LatentKVCache(4, 16, 512, 64, kv_cache_dtype=kv, model_dtype=torch.bfloat16)
+    _, meta, ql, qr = _tiny()
+    with pytest.raises(ValueError) as info:
+        TritonMLABackend().forward_mqa(ql, qr, cache, meta, scale=0.1)
+    assert str(info.value) == f"TRITON_MLA cannot run these inputs: {reason}"
 
 
 def test_shared_input_checks_run_first():
@@ -147,5 +164,6 @@ def test_split_heuristic_by_length_and_occupancy():
 
 def test_heads_per_program():
     assert [block_h_for(h) for h in (1, 5, 16, 17, 20, 64, 128)] == [16, 16, 16, 32, 32, 32, 32]
-    # the occupancy term counts head blocks of the chosen width
-    assert choose_num_kv_splits(8192, 2, 128, 8) == choose_num_kv_splits(8192, 2, 128, 8, block_h=32)
+    # the occupancy term counts head blocks of the chosen width: 2 tokens x 4 blocks of 32 heads = 8 programs,
+    # so 4 * 8 SMs / 8 = 4 splits (blocks of 16 heads would make 16 programs and 2 splits)
+    assert choose_num_kv_splits(8192, 2, 128, 8) == 4

@@ -31,8 +31,8 @@ def test_peak_table(bench):
 
 def test_bytes_and_flops(bench):
     # one request, 4096 positions, bf16: 4096 rows of 576 * 2 bytes; QK (576) + PV (512) MACs per head and row
-    assert bench.cache_bytes_read([4096], 576, 2) == 4096 * 1152
-    assert bench.absorbed_flops([4096], 128, 512, 64) == 2 * 128 * 4096 * (576 + 512)
+    assert bench.cache_bytes_read([4096], bench.point_dims(128), 2) == 4096 * 1152
+    assert bench.absorbed_flops([4096], bench.point_dims(128)) == 2 * 128 * 4096 * (576 + 512)
     r = bench.rates(dict(batch=2, context=1000, heads=16, kv_cache_dtype="fp8_e4m3"), 1.0, 1, 1000.0)
     assert r["bytes"] == 2 * 1000 * 576 and r["gbps"] == pytest.approx(1.152)
     assert r["fraction_of_peak"] == pytest.approx(1.152e-3)

@@ -231,6 +231,36 @@ def test_tune_cli_errors(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"repeats": 0}, ValueError, "repeats: got 0; supported >= 1"),
+        ({"repeats": 1.0}, TypeError, "repeats: got float"),
+        ({"block_size": 0}, ValueError, "block_size: got 0; supported >= 1"),
+        ({"query_lens": [1, 0]}, ValueError, "query_lens\\[1\\]: got 0; supported >= 1"),
+        ({"contexts": [8, 2.5]}, TypeError, "contexts\\[1\\]: got float"),
+        ({"contexts": []}, ValueError, "supported non-empty lists"),
+    ],
+)
+def test_tune_rejects_bad_arguments_before_timing(monkeypatch, kwargs, error, message):
+    def no_timer(*args, **kw):
+        raise AssertionError("a PathTimer was built before the arguments were checked")
+
+    monkeypatch.setattr(tuning, "PathTimer", no_timer)
+    args = {"backends": ["REF_TORCH"], "query_lens": [1], "contexts": [8], "progress": False, **kwargs}
+    with pytest.raises(error, match=message):
+        tuning.tune(TINY, **args)
+
+
+def test_tune_help_shows_the_default_grid(capsys):
+    with pytest.raises(SystemExit):
+        main(["tune", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"query lengths (default {','.join(map(str, tuning.DEFAULT_QUERY_LENS))})" in out
+    assert f"context lengths (default {','.join(map(str, tuning.DEFAULT_CONTEXTS))})" in out
+    assert f"(default {tuning.DEFAULT_REPEATS})" in out and "--tp N" in out and "(default 8)" in out
+
+
 # ---- a layer dispatches by a loaded table ----------------------------------------------------------------
 def _layer(monkeypatch, **kwargs):
     from mla_backends.hf_loading import random_hf_state_dict

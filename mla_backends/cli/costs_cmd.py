@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["register", "load_model_dims", "run_kv_cache", "run_crossover"]
+__all__ = ["register", "load_model_dims", "per_rank_dims", "run_kv_cache", "run_crossover"]
 
 
 def load_model_dims(spec: str) -> Any:
@@ -49,18 +49,41 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _int_at_least(minimum: int):
+    """An argparse ``type``: an int ``>= minimum``, else ``got X; supported an int >= minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"got {text!r}; supported an int >= {minimum}")
+        return value
+
+    return parse
+
+
+def _add_model_args(p: argparse.ArgumentParser, *, tp: int = 1, tp_help: str = "tensor-parallel size") -> None:
+    """``--model``, ``--tp`` (default ``tp``) and ``--json``, shared by kv-cache, crossover and tune."""
     p.add_argument(
         "--model",
         default="deepseek-v3",
         metavar="PRESET|config.json",
         help="a preset (deepseek-v3, deepseek-v3.2, kimi-k2, ...) or a config.json (default deepseek-v3)",
     )
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (default 1)")
+    p.add_argument("--tp", type=int, default=tp, metavar="N", help=f"{tp_help} (default {tp})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
+def _csv(values: Any) -> str:
+    """``(1, 16)`` -> ``"1,16"``: a default list as ``--help`` shows it."""
+    return ",".join(map(str, values))
+
+
 def register(sub: argparse._SubParsersAction) -> None:
+    from .. import costs
+
     p = sub.add_parser("kv-cache", help="bytes per token, tokens that fit, expanded and GQA comparisons",
                        description="Size the latent KV cache of a model: bytes per token (per layer and over all "
                                    "layers, plus the V3.2 indexer cache), against expanded K/V and Llama-3-70B's "
@@ -94,14 +117,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=_int_list,
         default=None,
         metavar="S[,S...]",
-        help="context lengths for the table (default 512,4096,32768,131072)",
+        help=f"context lengths for the table (default {_csv(costs.DEFAULT_CONTEXTS)})",
     )
     c.add_argument(
         "--query-lens",
         type=_int_list,
         default=None,
         metavar="Q[,Q...]",
-        help="query-block lengths for the table (default 1,16,64,128,171,256,1024)",
+        help=f"query-block lengths for the table (default {_csv(costs.DEFAULT_QUERY_LENS)})",
     )
     c.add_argument(
         "--causal",
@@ -111,11 +134,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_crossover)
 
 
-def _check_tp(tp: int, dims: Any) -> int:
-    heads = dims.total_num_heads
-    if tp <= 0 or heads % tp:
-        raise ValueError(f"--tp: got {tp}; supported a positive divisor of the model's {heads} heads")
-    return tp
+def per_rank_dims(dims: Any, tp: int) -> Any:
+    """``--tp``: the per-rank view ``dims.tensor_parallel(tp)``, its error worded for the command line."""
+    try:
+        return dims.tensor_parallel(tp)
+    except ValueError:
+        raise ValueError(
+            f"--tp: got {tp}; supported a positive divisor of the model's {dims.num_heads} heads"
+        ) from None
 
 
 def _kib(n: float) -> str:
@@ -126,7 +152,8 @@ def run_kv_cache(args: argparse.Namespace) -> int:
     from .. import costs
 
     dims = load_model_dims(args.model)
-    tp = _check_tp(args.tp, dims)
+    per_rank_dims(dims, args.tp)  # checks --tp; the cost functions take the whole model and tp
+    tp = args.tp
     if args.context is not None and args.context <= 0:
         raise ValueError(f"--context: got {args.context}; supported a positive number of tokens")
     if args.gpu_memory is not None and args.gpu_memory <= 0:
@@ -143,11 +170,8 @@ def run_kv_cache(args: argparse.Namespace) -> int:
         print(json.dumps(rep, indent=2))
         return 0
     b = rep["element_bytes"]
-    from ..dtypes import parse_model_dtype, resolve_kv_cache_dtype
-
-    stored = resolve_kv_cache_dtype(args.kv_cache_dtype, parse_model_dtype(args.dtype))
     print(
-        f"{rep['model']}: {dims.cache_row_width}-wide latent row, {stored} cache "
+        f"{rep['model']}: {dims.cache_row_width}-wide latent row, {rep['kv_cache_dtype']} cache "
         f"({b} byte{'s' if b > 1 else ''}), {rep['num_layers']} layers, TP={tp}"
     )
     print(
@@ -191,7 +215,8 @@ def run_crossover(args: argparse.Namespace) -> int:
     from .. import costs
 
     dims = load_model_dims(args.model)
-    tp = _check_tp(args.tp, dims)
+    per_rank_dims(dims, args.tp)  # checks --tp; the cost functions take the whole model and tp
+    tp = args.tp
     kwargs: dict[str, Any] = {"tp": tp, "causal": args.causal}
     if args.context:
         kwargs["contexts"] = args.context

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from .costs_cmd import _csv, _int_at_least, _int_list
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -21,13 +23,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "decode (16 heads, V3 at TP=8) against the naive expanded path and check that they match, "
                     "then run an MLAAttention layer with random weights through prefill, decode and mixed steps.",
     )
-    p.add_argument("--requests", type=int, default=4, help="decode requests in the batch (default 4)")
-    p.add_argument("--context", type=int, default=3000, help="cached tokens per request (default 3000)")
-    p.add_argument("--block-size", type=int, default=64, help="page size in tokens (default 64)")
+    p.add_argument("--requests", type=_int_at_least(1), default=4, help="decode requests in the batch (default 4)")
+    p.add_argument("--context", type=_int_at_least(0), default=3000,
+                   help="cached tokens per request (default 3000)")
+    p.add_argument("--block-size", type=_int_at_least(1), default=64, help="page size in tokens (default 64)")
     p.add_argument("--seed", type=int, default=0, help="random seed for inputs and weights (default 0)")
-    p.add_argument("--prompts", default="96,64,80,32",
-                   help="layer section: prompt lengths, comma-separated (default 96,64,80,32)")
-    p.add_argument("--decode-steps", type=int, default=6, help="layer section: decode steps (default 6)")
+    prompts = [96, 64, 80, 32]
+    p.add_argument("--prompts", type=_int_list, default=prompts, metavar="N[,N...]",
+                   help=f"layer section: prompt lengths, comma-separated (default {_csv(prompts)})")
+    p.add_argument("--decode-steps", type=_int_at_least(0), default=6,
+                   help="layer section: decode steps (default 6)")
     p.add_argument("--skip-layer", action="store_true", help="only the decode comparison")
     p.set_defaults(func=run)
 
@@ -101,14 +106,7 @@ def layer_demo(args: argparse.Namespace) -> int:
     from ..layer import MLAAttention
     from ..metadata import BatchMetadata
 
-    try:
-        prompts = [int(v) for v in str(args.prompts).split(",") if v.strip()]
-    except ValueError:
-        prompts = []
-    if not prompts or min(prompts) < 1:
-        raise ValueError(f"--prompts: got {args.prompts!r}; supported comma-separated positive ints")
-    if args.decode_steps < 0:
-        raise ValueError(f"--decode-steps: got {args.decode_steps}; supported >= 0")
+    prompts = args.prompts
     torch.manual_seed(args.seed)
     # one TP=8 rank of DeepSeek-V3, as a standalone 16-head layer (so the random checkpoint is rank-sized)
     dims = dataclasses.replace(MLADims.deepseek_v3().tensor_parallel(8), tp_size=1)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+
+from .costs_cmd import load_model_dims, per_rank_dims
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,23 +31,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sparse", action="store_true", help="top-k sparse attention (DeepSeek-V3.2)")
     p.add_argument("--max-query-len", type=int, default=1,
                    help="query tokens per request sent to the kernel (default 1)")
-    p.add_argument("--backend", default=None, help="force a backend (beats MLA_BACKEND); 'auto' = choose")
+    p.add_argument("--backend", default=None,
+                   help="force a backend (beats MLA_BACKEND); 'auto' = no override from this flag "
+                        "(MLA_BACKEND may still force one)")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
     p.set_defaults(func=run)
-
-
-def load_dims(model: str, tp: int):
-    """A preset name or a Hugging Face ``config.json`` (file or folder), split over ``tp`` ranks."""
-    from ..dims import MLADims
-
-    dims = MLADims.from_hf_config(model) if os.path.exists(model) else MLADims.preset(model)
-    return dims.tensor_parallel(tp) if tp != 1 else dims
 
 
 def run(args: argparse.Namespace) -> int:
     from selector.select import SelectionError, select_backend
 
-    dims = load_dims(args.model, args.tp)
+    dims = per_rank_dims(load_model_dims(args.model), args.tp)
     try:
         sel = select_backend(dims, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                              block_size=args.block_size, sparse=args.sparse, max_query_len=args.max_query_len,

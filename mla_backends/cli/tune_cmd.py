@@ -12,12 +12,14 @@ import json
 import sys
 from typing import Any
 
-from .costs_cmd import _int_list, load_model_dims
+from .costs_cmd import _add_model_args, _csv, _int_list, load_model_dims, per_rank_dims
 
 __all__ = ["register", "run_tune"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from .. import tuning
+
     p = sub.add_parser(
         "tune", help="measure the absorbed/expanded crossover here and write a threshold table",
         description="Time the layer's absorbed path (folds + forward_mqa) against its expanded path (forward_mha) "
@@ -26,19 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "or MLA_BACKENDS_THRESHOLD_TABLE=FILE loads. The default grid takes minutes on a CPU; "
                     "--quick takes seconds.",
     )
-    p.add_argument(
-        "--model",
-        default="deepseek-v3",
-        metavar="PRESET|config.json",
-        help="a preset or a config.json (default deepseek-v3)",
-    )
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=8,
-        metavar="N",
-        help="time one rank of this tensor-parallel size (default 8: 16 heads of DeepSeek-V3)",
-    )
+    _add_model_args(p, tp=8, tp_help="time one rank of this tensor-parallel size; 8 = 16 heads of DeepSeek-V3")
     p.add_argument(
         "--backend",
         action="append",
@@ -56,22 +46,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=_int_list,
         default=None,
         metavar="Q[,Q...]",
-        help="query lengths (default 1,4,16,64,128,192,256,384)",
+        help=f"query lengths (default {_csv(tuning.DEFAULT_QUERY_LENS)})",
     )
     p.add_argument(
         "--contexts",
         type=_int_list,
         default=None,
         metavar="S[,S...]",
-        help="context lengths (default 256,1024,4096)",
+        help=f"context lengths (default {_csv(tuning.DEFAULT_CONTEXTS)})",
     )
-    p.add_argument("--quick", action="store_true", help="a small grid (Q 1,4,16 over S 64,256; one repeat)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a small grid (Q {_csv(tuning.QUICK_QUERY_LENS)} over S {_csv(tuning.QUICK_CONTEXTS)}; one repeat)",
+    )
     p.add_argument("--repeats", type=int, default=None,
-                   help="passes over the grid; each point keeps its best time (default 2)")
+                   help=f"passes over the grid; each point keeps its best time (default {tuning.DEFAULT_REPEATS})")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--output", "-o", default=None, metavar="FILE", help="write the JSON threshold table here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--json", action="store_true", help="print the table as JSON instead of text")
     p.set_defaults(func=run_tune)
 
 
@@ -86,12 +79,9 @@ def run_tune(args: argparse.Namespace) -> int:
     from .. import tuning
 
     dims = load_model_dims(args.model)
-    heads = dims.total_num_heads
-    if args.tp <= 0 or heads % args.tp:
-        raise ValueError(f"--tp: got {args.tp}; supported a positive divisor of the model's {heads} heads")
     for name in ("block_size", "repeats", "threads"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
-    dims = dims.tensor_parallel(args.tp)
+    dims = per_rank_dims(dims, args.tp)
     if args.device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     else:

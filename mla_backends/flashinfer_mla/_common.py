@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -15,7 +16,7 @@ from ..backend import AttentionSpec, MLABackend
 from ..cache import LatentKVCache
 from ..dtypes import FP8_CACHE_DTYPES, dtype_name
 from ..metadata import BatchMetadata
-from ..mqa_inputs import check_mqa_inputs
+from ..mqa_inputs import check_declared_support, check_mqa_inputs
 from . import _install
 from .api import WORKSPACE_BYTES
 
@@ -31,6 +32,8 @@ __all__ = [
     "scale_ratio",
     "output_buffers",
     "deliver_outputs",
+    "fp8_query_scale",
+    "run_padded_heads",
     "FP8_E4M3_MAX",
 ]
 
@@ -216,28 +219,12 @@ class FlashInferBackendBase(MLABackend):
     def _check_forward_inputs(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
                               meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
                               out: torch.Tensor | None, lse_out: torch.Tensor | None) -> None:
-        """The checks every FlashInfer ``forward_mqa`` runs first, against this backend's :attr:`capabilities`.
-
-        In order: :func:`check_mqa_inputs`; no ``topk_indices`` (dense only); no ``lse_out`` unless the backend
-        returns an LSE; the query dtype ``q_latent [T, H, r]``; the cache dtype; a non-fp8 cache holding the
-        query's dtype; the (kv_lora_rank, qk_rope_head_dim) pair; the page size. Backend-specific checks (heads,
-        query lengths, the CUDA device) stay in each backend, after this.
-        """
+        """The checks every FlashInfer ``forward_mqa`` runs first: :func:`check_mqa_inputs`, then
+        :func:`check_declared_support` (this backend's declarations and :meth:`extra_reasons`: dtypes, dims,
+        page size, heads, query lengths, dense only, LSE, the CUDA device)."""
         check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
                          lse_out=lse_out)
-        if topk_indices is not None:
-            raise ValueError(f"topk_indices: got a tensor; supported None ({self.name} is dense only)")
-        caps = self.capabilities
-        if lse_out is not None and not caps.returns_lse:
-            raise ValueError(f"lse_out: got a tensor; supported None ({self.name} returns no LSE)")
-        self._require_dtype("q_latent", q_latent.dtype, caps.dtypes)
-        self._require_kv_dtype(cache, caps.kv_cache_dtypes)
-        if not cache.is_fp8 and cache.data.dtype != q_latent.dtype:
-            fp8 = " or fp8_e4m3" if "fp8_e4m3" in caps.kv_cache_dtypes else ""
-            raise TypeError(f"cache.kv_cache_dtype: got {cache.kv_cache_dtype} with "
-                            f"{dtype_name(q_latent.dtype)} queries; supported the query dtype{fp8}")
-        self._require_dims(cache, caps.dims)
-        self._require_page_size(cache, caps.page_sizes)
+        check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out)
 
     @staticmethod
     def _resolved_kv(spec: AttentionSpec) -> str | None:
@@ -253,57 +240,35 @@ class FlashInferBackendBase(MLABackend):
         if kv is None or kv in FP8_CACHE_DTYPES or kv not in cls.capabilities.kv_cache_dtypes:
             return []
         if kv != dtype_name(spec.dtype) and spec.dtype in cls.capabilities.dtypes:
+            fp8 = " or fp8_e4m3" if "fp8_e4m3" in cls.capabilities.kv_cache_dtypes else ""
             return [f"kv cache dtype: got {kv} with {dtype_name(spec.dtype)} queries; supported the query "
-                    f"dtype ({dtype_name(spec.dtype)}) or fp8_e4m3"]
+                    f"dtype ({dtype_name(spec.dtype)}){fp8}"]
         return []
 
-    @staticmethod
-    def _require_cuda(cache: LatentKVCache, backend: str) -> None:
-        if cache.device.type != "cuda":
-            raise ValueError(f"cache: got device {cache.device}; supported a CUDA device ({backend} runs "
-                             f"FlashInfer kernels)")
 
-    @staticmethod
-    def _require_dims(cache: LatentKVCache, dims: frozenset[tuple[int, int]] | None) -> None:
-        pair = (cache.kv_lora_rank, cache.qk_rope_head_dim)
-        if dims is not None and pair not in dims:
-            allowed = ", ".join(f"{a}/{b}" for a, b in sorted(dims))
-            raise ValueError(f"cache: got kv_lora_rank/qk_rope_head_dim {pair[0]}/{pair[1]}; "
-                             f"supported {allowed}")
+def fp8_query_scale(q_latent: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+    """Per-tensor fp8_e4m3 scale of the query, ``amax(|q_latent|, |q_rope|) / 448``: float32 ``[1]`` on the
+    query's device (no host sync), at least the smallest normal float32 (an all-zero query)."""
+    amax = torch.maximum(q_latent.abs().amax(), q_rope.abs().amax()).float().reshape(1)
+    return (amax / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
 
-    @staticmethod
-    def _require_page_size(cache: LatentKVCache, page_sizes: tuple[int, ...] | None) -> None:
-        if page_sizes is not None and cache.block_size not in page_sizes:
-            raise ValueError(f"cache.block_size: got {cache.block_size}; supported "
-                             f"{', '.join(map(str, page_sizes))}")
 
-    @staticmethod
-    def _require_dtype(name: str, dtype: torch.dtype, allowed: frozenset[torch.dtype]) -> None:
-        if dtype not in allowed:
-            names = ", ".join(sorted(dtype_name(d) for d in allowed))
-            raise TypeError(f"{name}: got dtype {dtype_name(dtype)}; supported {names}")
+def run_padded_heads(q_latent: torch.Tensor, out: torch.Tensor | None, kernel_heads: int,
+                     launch: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """Run a kernel with a fixed head count and return the ``[T, H, r]`` output of the query's ``H`` heads.
 
-    @staticmethod
-    def _require_kv_dtype(cache: LatentKVCache, allowed: frozenset[str]) -> None:
-        if cache.kv_cache_dtype not in allowed:
-            raise TypeError(f"cache.kv_cache_dtype: got {cache.kv_cache_dtype}; supported "
-                            f"{', '.join(sorted(allowed))}")
-
-    @staticmethod
-    def _require_single_token(meta: BatchMetadata) -> None:
-        bad = [q for q in meta.query_lens_list if q != 1]
-        if bad:
-            raise ValueError(f"meta.query_lens: got {sorted(set(meta.query_lens_list))}; supported 1 per "
-                             f"request (single-token decode)")
-
-    @staticmethod
-    def _require_heads(num_heads: int, *, max_heads: int | None = None, allowed: frozenset[int] | None = None,
-                       text: str | None = None) -> None:
-        ok = (max_heads is None or num_heads <= max_heads) and (allowed is None or num_heads in allowed)
-        if not ok:
-            listed = ", ".join(map(str, sorted(allowed or ())))
-            want = text or (f"<= {max_heads}" if max_heads is not None else listed)
-            raise ValueError(f"q_latent: got {num_heads} heads; supported {want}")
+    ``launch(full)`` writes ``full [T, kernel_heads, r]`` (the query's dtype and device); heads ``H..`` are
+    padding and dropped. Nothing is launched for ``T == 0``. The result goes into ``out`` when given.
+    """
+    T, H, r = q_latent.shape
+    if T == 0:
+        return out if out is not None else torch.empty_like(q_latent)
+    full = torch.empty(T, kernel_heads, r, dtype=q_latent.dtype, device=q_latent.device)
+    launch(full)
+    if out is not None:
+        out.copy_(full[:, :H])
+        return out
+    return full if H == kernel_heads else full[:, :H].contiguous()
 
 
 def scale_ratio(scale: float, fixed: float) -> float:

@@ -29,6 +29,7 @@ from ._common import (
     live_pages,
     output_buffers,
     pack_query,
+    run_padded_heads,
     scale_ratio,
     workspace_for,
 )
@@ -157,13 +158,6 @@ class FlashInferMLABackend(FlashInferBackendBase):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
                                    out=out, lse_out=lse_out)
-        self._require_cuda(cache, self.name)
-        if cache.is_fp8:
-            cc = torch.cuda.get_device_capability(cache.device)
-            if cc != (9, 0) or q_latent.dtype != torch.bfloat16:
-                raise ValueError(f"cache.kv_cache_dtype: got fp8_e4m3 on SM{cc[0]}{cc[1]} with "
-                                 f"{dtype_name(q_latent.dtype)} queries; supported SM90 with bfloat16 "
-                                 f"queries")
         return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
@@ -212,8 +206,6 @@ class FlashInferCutlassMLABackend(FlashInferBackendBase):
         requires=("flashinfer",),
         extra="flashinfer",
     )
-    #: the kernel's head count; fewer heads are padded up to it
-    KERNEL_HEADS: ClassVar[int] = 128
 
     @classmethod
     def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
@@ -225,32 +217,26 @@ class FlashInferCutlassMLABackend(FlashInferBackendBase):
                     ) -> tuple[torch.Tensor, None]:
         self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
                                    out=out, lse_out=lse_out)
-        self._require_heads(q_latent.shape[1], max_heads=self.KERNEL_HEADS)
-        self._require_single_token(meta)
         if not cache.data.is_contiguous():
             raise ValueError("cache.data: got a non-contiguous tensor; supported a contiguous "
                              "[blocks, page, 576] tensor")
-        self._require_cuda(cache, self.name)
         return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                 *, scale: float, out: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         """Pad, plan (once per batch) and run; inputs already validated."""
-        T, H, r = q_latent.shape
-        dev = cache.device
+        r = q_latent.shape[2]
         rope = cache.qk_rope_head_dim
-        if T == 0:
-            return (out if out is not None else torch.empty_like(q_latent)), None
-        query = pack_query(q_latent, q_rope, num_heads=self.KERNEL_HEADS, dtype=q_latent.dtype,
-                           multiplier=scale_ratio(scale, cutlass_fixed_scale(rope)))
-        slot = wrapper_slot(dev, "cutlass")
-        key = (self.name, q_latent.dtype, cache.block_size, r, rope)
-        ensure_planned(meta, key, slot, lambda: plan_cutlass(
-            slot.wrapper, meta, kv_lora_rank=r, rope_dim=rope, page_size=cache.block_size,
-            dtype=q_latent.dtype))
-        full = torch.empty(T, self.KERNEL_HEADS, r, dtype=q_latent.dtype, device=dev)
-        slot.wrapper.run(**api.cutlass_run_kwargs(query, cache.latent, cache.rope, out=full))
-        if out is not None:
-            out.copy_(full[:, :H])
-            return out, None
-        return (full if H == self.KERNEL_HEADS else full[:, :H].contiguous()), None
+        heads = self.capabilities.max_num_heads  # the kernel's fixed head count; fewer heads are padded
+
+        def launch(full: torch.Tensor) -> None:
+            query = pack_query(q_latent, q_rope, num_heads=heads, dtype=q_latent.dtype,
+                               multiplier=scale_ratio(scale, cutlass_fixed_scale(rope)))
+            slot = wrapper_slot(cache.device, "cutlass")
+            key = (self.name, q_latent.dtype, cache.block_size, r, rope)
+            ensure_planned(meta, key, slot, lambda: plan_cutlass(
+                slot.wrapper, meta, kv_lora_rank=r, rope_dim=rope, page_size=cache.block_size,
+                dtype=q_latent.dtype))
+            slot.wrapper.run(**api.cutlass_run_kwargs(query, cache.latent, cache.rope, out=full))
+
+        return run_padded_heads(q_latent, out, heads, launch), None

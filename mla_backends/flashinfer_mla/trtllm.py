@@ -20,10 +20,10 @@ from ..cache import LatentKVCache
 from ..metadata import BatchMetadata
 from . import api
 from ._common import (
-    FP8_E4M3_MAX,
     FlashInferBackendBase,
     cached_block_table,
     deliver_outputs,
+    fp8_query_scale,
     output_buffers,
     pack_query,
     workspace_for,
@@ -61,7 +61,8 @@ class FlashInferTrtllmMLABackend(FlashInferBackendBase):
 
     @classmethod
     def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
-        if 64 < spec.num_heads < 128:
+        # more than max_num_heads is the base class's reason; this adds the gap below it
+        if spec.num_heads <= cls.capabilities.max_num_heads and not cls.heads_ok(spec.num_heads):
             return [f"num_heads: got {spec.num_heads}; supported {cls.HEADS_TEXT}"]
         return []
 
@@ -71,12 +72,6 @@ class FlashInferTrtllmMLABackend(FlashInferBackendBase):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
                                    out=out, lse_out=lse_out)
-        if not self.heads_ok(q_latent.shape[1]):
-            raise ValueError(f"q_latent: got {q_latent.shape[1]} heads; supported {self.HEADS_TEXT}")
-        if not meta.is_uniform_query_len or 0 in meta.query_lens_list:
-            raise ValueError(f"meta.query_lens: got {sorted(set(meta.query_lens_list))}; supported one "
-                             f"length >= 1 shared by every request")
-        self._require_cuda(cache, self.name)
         return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
@@ -92,8 +87,7 @@ class FlashInferTrtllmMLABackend(FlashInferBackendBase):
             bmm1: float | torch.Tensor
             bmm2: float | torch.Tensor
             if cache.is_fp8:
-                amax = torch.maximum(q_latent.abs().amax(), q_rope.abs().amax()).float().reshape(1)
-                q_scale = (amax / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+                q_scale = fp8_query_scale(q_latent, q_rope)
                 query = pack_query(q_latent, q_rope, num_heads=H, dtype=cache.data.dtype,
                                    multiplier=q_scale.reciprocal())
                 bmm1 = q_scale * cache.scale * float(scale)

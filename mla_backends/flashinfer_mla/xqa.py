@@ -15,11 +15,18 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import AttentionSpec, Capabilities, QueryLenSupport
+from ..backend import Capabilities, QueryLenSupport
 from ..cache import LatentKVCache
 from ..metadata import BatchMetadata
 from . import api
-from ._common import FP8_E4M3_MAX, FlashInferBackendBase, cached_block_table, pack_query, workspace_for
+from ._common import (
+    FlashInferBackendBase,
+    cached_block_table,
+    fp8_query_scale,
+    pack_query,
+    run_padded_heads,
+    workspace_for,
+)
 
 __all__ = ["FlashInferXqaMLABackend"]
 
@@ -43,11 +50,6 @@ class FlashInferXqaMLABackend(FlashInferBackendBase):
         requires=("flashinfer",),
         extra="flashinfer",
     )
-    KERNEL_HEADS: ClassVar[int] = 128
-
-    @classmethod
-    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
-        return []
 
     def forward_mqa(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
                     meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
@@ -55,37 +57,31 @@ class FlashInferXqaMLABackend(FlashInferBackendBase):
                     ) -> tuple[torch.Tensor, None]:
         self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
                                    out=out, lse_out=lse_out)
-        self._require_heads(q_latent.shape[1], max_heads=self.KERNEL_HEADS)
-        self._require_single_token(meta)
-        self._require_cuda(cache, self.name)
         return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                 *, scale: float, out: torch.Tensor | None) -> tuple[torch.Tensor, None]:
         """Pad, quantise (fp8) and run; inputs already validated."""
-        T, H, r = q_latent.shape
-        dev = cache.device
-        if T == 0:
-            return (out if out is not None else torch.empty_like(q_latent)), None
-        if cache.is_fp8:
-            amax = torch.maximum(q_latent.abs().amax(), q_rope.abs().amax()).float()
-            amax_value, kv_scale = torch.stack([amax, cache.scale[0]]).tolist()  # one host sync
-            q_scale = max(amax_value / FP8_E4M3_MAX, torch.finfo(torch.float32).tiny)
-            query = pack_query(q_latent, q_rope, num_heads=self.KERNEL_HEADS, dtype=cache.data.dtype,
-                               multiplier=1.0 / q_scale)
-            bmm1, bmm2 = q_scale * kv_scale * float(scale), kv_scale
-        else:
-            query = pack_query(q_latent, q_rope, num_heads=self.KERNEL_HEADS, dtype=cache.data.dtype)
-            bmm1, bmm2 = float(scale), 1.0
-        full = torch.empty(T, self.KERNEL_HEADS, r, dtype=torch.bfloat16, device=dev)
-        fn = api.load_xqa_decode()
-        fn(**api.xqa_kwargs(
-            query.view(T, 1, self.KERNEL_HEADS, query.shape[-1]), cache.data, workspace_for(dev, "xqa"),
-            kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim,
-            block_tables=cached_block_table(meta, align=max(1, 128 // cache.block_size)),
-            seq_lens=meta.seq_lens, max_seq_len=meta.max_seq_len, out=full, bmm1_scale=bmm1, bmm2_scale=bmm2))
-        result = full[:, :H]
-        if out is not None:
-            out.copy_(result)
-            return out, None
-        return (full if H == self.KERNEL_HEADS else result.contiguous()), None
+        heads = self.capabilities.max_num_heads  # the kernel's fixed head count; fewer heads are padded
+
+        def launch(full: torch.Tensor) -> None:
+            T, _, r = full.shape
+            dev = cache.device
+            if cache.is_fp8:
+                q_scale_t = fp8_query_scale(q_latent, q_rope)
+                q_scale, kv_scale = torch.cat([q_scale_t, cache.scale[:1]]).tolist()  # one host sync
+                query = pack_query(q_latent, q_rope, num_heads=heads, dtype=cache.data.dtype,
+                                   multiplier=1.0 / q_scale)
+                bmm1, bmm2 = q_scale * kv_scale * float(scale), kv_scale
+            else:
+                query = pack_query(q_latent, q_rope, num_heads=heads, dtype=cache.data.dtype)
+                bmm1, bmm2 = float(scale), 1.0
+            fn = api.load_xqa_decode()
+            fn(**api.xqa_kwargs(
+                query.view(T, 1, heads, query.shape[-1]), cache.data, workspace_for(dev, "xqa"),
+                kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim,
+                block_tables=cached_block_table(meta, align=max(1, 128 // cache.block_size)),
+                seq_lens=meta.seq_lens, max_seq_len=meta.max_seq_len, out=full, bmm1_scale=bmm1,
+                bmm2_scale=bmm2))
+
+        return run_padded_heads(q_latent, out, heads, launch), None

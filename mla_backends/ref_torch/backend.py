@@ -13,20 +13,23 @@ attended the same way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
 from ..backend import Capabilities, MLABackend, QueryLenSupport
 from ..cache import LatentKVCache
-from ..dtypes import KV_CACHE_DTYPES
+from ..dtypes import KV_CACHE_DTYPES, accumulate_dtype
 from ..metadata import BatchMetadata
 from ..mqa_inputs import check_mqa_inputs
+from ..prefill import softmax_with_lse
 from ..validation import require_int
 
-__all__ = ["RefTorchBackend", "WORKSPACE_ELEMENTS", "stream_chunk_pages"]
+__all__ = ["RefTorchBackend", "WORKSPACE_ELEMENTS", "stream_chunk_pages", "padded_groups"]
 
-#: upper bound on elements of the per-group working set (gathered rows + scores), 256 MiB in fp32
+#: upper bound on elements of one padded group's working set (gathered rows + scores), 256 MiB in fp32; the
+#: sparse indexer's selection groups use it too
 WORKSPACE_ELEMENTS = 1 << 26
 #: sequences at least this long are streamed in page chunks (each cached row read once, chunk kept in cache)
 STREAM_MIN_ROWS = 1024
@@ -60,19 +63,22 @@ def stream_chunk_pages(num_requests: int, row_bytes: int, block_size: int) -> in
     return max(1, rows // block_size)
 
 
-def _compute_dtype(q_dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if q_dtype == torch.float64 else torch.float32
-
-
-def _softmax_out(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``scores [..., n, S]`` (masked with -inf) and ``values [..., S, r]`` -> ``(out [..., n, r], lse [..., n])``.
-
-    Rows with nothing visible get LSE ``-inf`` and output 0.
-    """
-    lse = torch.logsumexp(scores, dim=-1)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(scores - safe.unsqueeze(-1))
-    return torch.matmul(p, values), lse
+def padded_groups(seq_lens: Sequence[int], query_lens: Sequence[int], per_pos: int, per_row: int,
+                  budget: int) -> list[tuple[int, int]]:
+    """Cut requests into consecutive groups ``(start, stop)`` whose padded working set, ``requests x longest
+    sequence x (per_pos + longest query x per_row)`` elements, fits ``budget``; a request over the budget on
+    its own still forms a group. No groups for no requests."""
+    groups: list[tuple[int, int]] = []
+    start = max_s = max_q = 0
+    for i, (s, qn) in enumerate(zip(seq_lens, query_lens, strict=True)):
+        ns, nq = max(max_s, s), max(max_q, qn)
+        if i > start and (i - start + 1) * ns * (per_pos + nq * per_row) > budget:
+            groups.append((start, i))
+            start, ns, nq = i, s, qn
+        max_s, max_q = ns, nq
+    if start < len(seq_lens):
+        groups.append((start, len(seq_lens)))
+    return groups
 
 
 class RefTorchBackend(MLABackend):
@@ -115,7 +121,7 @@ class RefTorchBackend(MLABackend):
             lse_out = torch.empty(T, H, dtype=torch.float32, device=q_latent.device)
         if T == 0:
             return out, lse_out
-        cdt = _compute_dtype(q_latent.dtype)
+        cdt = accumulate_dtype(q_latent.dtype)
         q = torch.cat([q_latent, q_rope], dim=-1).to(cdt)  # [T, H, 576]
         if topk_indices is not None:
             self._sparse(q, cache, meta, topk_indices, scale, out, lse_out)
@@ -133,9 +139,7 @@ class RefTorchBackend(MLABackend):
         if all(s < STREAM_MIN_ROWS for s in seqs):
             self._dense(q, cache, meta, scale, out, lse_out)
             return
-        starts = [0]
-        for n in qlens:
-            starts.append(starts[-1] + n)
+        starts = meta.query_starts_list
         b = 0
         while b < meta.num_requests:
             long_run = seqs[b] >= STREAM_MIN_ROWS
@@ -236,30 +240,13 @@ class RefTorchBackend(MLABackend):
         out.copy_((acc / l_sum[..., None]).view(b * n, H, r).to(out.dtype))
         lse_out.copy_((m + torch.log(l_sum)).view(b * n, H).to(torch.float32))
 
-    @staticmethod
-    def _groups(meta: BatchMetadata, H: int, width: int) -> list[tuple[int, int]]:
-        """Split requests into consecutive groups whose padded working set fits ``WORKSPACE_ELEMENTS``."""
-        groups, start = [], 0
-        max_s = max_q = 0
-        for i, (s, qn) in enumerate(zip(meta.seq_lens_list, meta.query_lens_list, strict=True)):
-            ns, nq = max(max_s, s), max(max_q, qn)
-            cost = (i - start + 1) * ns * (width + nq * H)
-            if i > start and cost > WORKSPACE_ELEMENTS:
-                groups.append((start, i))
-                start, ns, nq = i, s, qn
-            max_s, max_q = ns, nq
-        groups.append((start, meta.num_requests))
-        return groups
-
     def _dense(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
                out: torch.Tensor, lse_out: torch.Tensor) -> None:
         T, H, W = q.shape
         r, bs = cache.kv_lora_rank, cache.block_size
-        starts = [0]
-        for n in meta.query_lens_list:
-            starts.append(starts[-1] + n)
+        starts = meta.query_starts_list
         dev = q.device
-        for g0, g1 in self._groups(meta, H, W):
+        for g0, g1 in padded_groups(meta.seq_lens_list, meta.query_lens_list, W, H, WORKSPACE_ELEMENTS):
             qlens = meta.query_lens_list[g0:g1]
             if not any(qlens):
                 continue
@@ -283,7 +270,7 @@ class RefTorchBackend(MLABackend):
             limit = ctx[:, None] + torch.arange(Q, device=dev)[None, :]  # last visible position per query
             visible = torch.arange(S, device=dev)[None, None, :] <= limit[:, :, None]  # [b, Q, S]
             scores = scores.view(b, Q, H, S).masked_fill_(~visible[:, :, None, :], float("-inf")).view(b, Q * H, S)
-            o, lse = _softmax_out(scores, kv[..., :r])
+            o, lse = softmax_with_lse(scores, kv[..., :r])
             o, lse = o.view(b * Q, H, r), lse.view(b * Q, H)
             if tok_idx is None:
                 out[tok0: tok0 + b * Q] = o.to(out.dtype)
@@ -312,6 +299,6 @@ class RefTorchBackend(MLABackend):
             kv = cache.dequantize(flat[slots], q.dtype)  # [t, K, W]
             scores = torch.matmul(q[t0:t1], kv.transpose(1, 2)).mul_(scale)  # [t, H, K]
             scores.masked_fill_(~valid[:, None, :], float("-inf"))
-            o, lse = _softmax_out(scores, kv[..., :r])
+            o, lse = softmax_with_lse(scores, kv[..., :r])
             out[t0:t1] = o.to(out.dtype)
             lse_out[t0:t1] = lse.to(torch.float32)

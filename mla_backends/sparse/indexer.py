@@ -31,15 +31,14 @@ from torch import nn
 
 from ..cache import LatentKVCache
 from ..dims import IndexerDims, MLADims
+from ..dtypes import accumulate_dtype
 from ..metadata import BatchMetadata
+from ..ref_torch.backend import WORKSPACE_ELEMENTS, padded_groups
 from ..rope import RotaryEmbedding
 from ..validation import require_int, require_on_device, require_tensor
 from .indexer_cache import IndexerKeyCache
 
 __all__ = ["Indexer", "hadamard_matrix", "index_scores", "causal_topk", "WORKSPACE_ELEMENTS"]
-
-#: upper bound on elements of one selection group's working set (keys + per-head scores), 256 MiB in fp32
-WORKSPACE_ELEMENTS = 1 << 26
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32,
@@ -79,26 +78,19 @@ def _work_items(meta: BatchMetadata, per_row: int, per_pos: int) -> list[tuple[i
     token ranges. Working set of a group: ``requests * seq * (per_pos + tokens * per_row)`` elements.
     """
     items: list[tuple[int, int, int, int]] = []
-    start, max_s, max_q = 0, 0, 0
-
-    def flush(end: int) -> None:
-        if end > start and max_q:
-            items.append((start, end, 0, max_q))
-
-    for i, (qn, cn) in enumerate(zip(meta.query_lens_list, meta.context_lens_list, strict=True)):
-        s = qn + cn
-        if qn and s * (per_pos + qn * per_row) > WORKSPACE_ELEMENTS:  # too big alone: split its tokens
-            flush(i)
-            step = max(1, (WORKSPACE_ELEMENTS // s - per_pos) // per_row)
-            items.extend((i, i + 1, j, min(qn, j + step)) for j in range(0, qn, step))
-            start, max_s, max_q = i + 1, 0, 0
+    qs, ss, n = meta.query_lens_list, meta.seq_lens_list, meta.num_requests
+    seg = 0  # first request of the current run of requests that fit the budget alone
+    for i in range(n + 1):
+        big = i < n and qs[i] > 0 and ss[i] * (per_pos + qs[i] * per_row) > WORKSPACE_ELEMENTS
+        if i < n and not big:
             continue
-        ns, nq = max(max_s, s), max(max_q, qn)
-        if i > start and (i - start + 1) * ns * (per_pos + nq * per_row) > WORKSPACE_ELEMENTS:
-            flush(i)
-            start, ns, nq = i, s, qn
-        max_s, max_q = ns, nq
-    flush(meta.num_requests)
+        for a, b in padded_groups(ss[seg:i], qs[seg:i], per_pos, per_row, WORKSPACE_ELEMENTS):
+            if max(qs[seg + a: seg + b]):  # groups of zero-length requests select nothing
+                items.append((seg + a, seg + b, 0, max(qs[seg + a: seg + b])))
+        if big:  # too big alone: split its tokens
+            step = max(1, (WORKSPACE_ELEMENTS // ss[i] - per_pos) // per_row)
+            items.extend((i, i + 1, j, min(qs[i], j + step)) for j in range(0, qs[i], step))
+        seg = i + 1
     return items
 
 
@@ -136,12 +128,10 @@ def causal_topk(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, 
     out = torch.full((T, topk), -1, dtype=torch.int32, device=dev)
     if T == 0:
         return out
-    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    cdt = accumulate_dtype(q.dtype)
     q, weights = q.to(cdt), weights.to(cdt)
     bs, D, W = cache.block_size, cache.head_dim, cache.row_width
-    starts = [0]
-    for n in meta.query_lens_list:
-        starts.append(starts[-1] + n)
+    starts = meta.query_starts_list
     for g0, g1, j0, j1 in _work_items(meta, per_row=H + 2, per_pos=D + W):
         qlens = meta.query_lens_list[g0:g1]
         ctxs = meta.context_lens_list[g0:g1]
@@ -207,8 +197,7 @@ class Indexer(nn.Module):
                              "head_dim (or rotate=False)")
         self.dims = indexer
         self.n_heads, self.head_dim, self.topk = indexer.n_heads, hd, indexer.topk
-        interleave = bool(getattr(indexer, "rope_interleave", False))
-        self.rope = RotaryEmbedding(rope.dim, rope.base, rope.scaling, interleave=interleave)
+        self.rope = RotaryEmbedding(rope.dim, rope.base, rope.scaling, interleave=indexer.rope_interleave)
         self.rope_dim = rope.dim
         self.rotate = bool(rotate)
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
@@ -216,7 +205,7 @@ class Indexer(nn.Module):
         self.wk = nn.Linear(hidden_size, hd, bias=False, **kw)
         self.k_norm = nn.LayerNorm(hd, eps=layer_norm_eps, **kw)
         # the checkpoints store it in bf16; the reference computes it in float32 (as transformers does)
-        wp_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        wp_dtype = accumulate_dtype(dtype)
         self.weights_proj = nn.Linear(hidden_size, indexer.n_heads, bias=False, dtype=wp_dtype, device=device)
         self.register_buffer("hadamard", hadamard_matrix(hd, torch.float32, device) if self.rotate else None,
                              persistent=False)
@@ -248,7 +237,7 @@ class Indexer(nn.Module):
         """``x @ H`` computed in float32 (float64 stays float64), returned in ``x``'s dtype."""
         if self.hadamard is None:
             return x
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = accumulate_dtype(x.dtype)
         return torch.matmul(x.to(acc), self.hadamard.to(acc)).to(x.dtype)
 
     def keys(self, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -263,7 +252,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
         q = self._hadamard(self._rope_first(q, positions))
         w = self.weights_proj(hidden_states.to(self.weights_proj.weight.dtype))
-        w = w.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        w = w.to(accumulate_dtype(q.dtype))
         w = w * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         return q, w
 

@@ -18,7 +18,7 @@ import torch
 
 from ..cache import LatentKVCache
 from ..dims import MLADims
-from ..hf_loading import StateDictError
+from ..hf_loading import check_hf_state_dict
 from ..validation import require_int
 from .indexer import Indexer
 from .indexer_cache import IndexerKeyCache
@@ -62,18 +62,13 @@ def take_indexer_weights(indexer: Indexer | None, state_dict: Mapping[str, Any],
     if indexer is None:
         return state_dict, lambda: None
     rest, part = split_indexer_state_dict(state_dict, prefix)
-    want = {k: tuple(v.shape) for k, v in indexer.state_dict().items()}
     head = prefix + INDEXER_PREFIX
-    missing = sorted(head + k for k in want if k not in part)
-    unexpected = sorted(head + k for k in part if k not in want)
-    misshaped = sorted(f"{head}{k}: got {list(getattr(v, 'shape', []))}, supported {list(want[k])}"
-                       for k, v in part.items() if k in want and tuple(getattr(v, "shape", ())) != want[k])
-    if missing or unexpected or misshaped:
-        raise StateDictError(missing, unexpected, misshaped)
+    want = {k: tuple(v.shape) for k, v in indexer.state_dict().items()}
+    found = check_hf_state_dict({head + k: v for k, v in part.items()}, want, head)
 
     def load() -> None:
         with torch.no_grad():
-            indexer.load_state_dict(part)
+            indexer.load_state_dict(found)
 
     return rest, load
 

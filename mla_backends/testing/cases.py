@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from selector.device import CPU_DEVICE, DeviceInfo
+from selector.device import CPU_DEVICE, DeviceInfo, simulated_device
 
 from ..backend import AttentionSpec, MLABackend, QueryLenSupport
 from ..dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, dtype_name
@@ -175,18 +175,7 @@ def declaration_devices(cls: type[MLABackend]) -> list[DeviceInfo]:
         pool = {(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)}
         pool |= {c for c in (lo, hi, caps.fp8_min_compute_capability) if c is not None}
         ccs = sorted(c for c in pool if (lo is None or c >= lo) and (hi is None or c <= hi))
-    for cc in ccs:
-        devices.append(
-            DeviceInfo(
-                kind="cuda",
-                name=f"simulated SM{cc[0]}{cc[1]}",
-                compute_capability=cc,
-                total_memory=80 << 30,
-                index=0,
-                sm_count=132,
-                simulated=True,
-            )
-        )
+    devices += [simulated_device(*cc) for cc in ccs]
     return devices
 
 
@@ -286,7 +275,6 @@ class _Builder:
         self.heads = _head_counts(cls)
         self.dims = _dims(cls)
         self.need_lse = caps.returns_lse
-        self.dense = caps.dense
         if not self.dtypes:
             raise ValueError(
                 f"{cls.name}: capabilities.dtypes: got {sorted(map(str, caps.dtypes))}; "
@@ -575,10 +563,7 @@ class _Builder:
         else:
             outside = [c for c in cuda if (lo is not None and c < lo) or (hi is not None and c > hi)]
         for cc in outside[:1] + outside[-1:] if len(outside) > 1 else outside:
-            dev = DeviceInfo(
-                kind="cuda", name=f"simulated SM{cc[0]}{cc[1]}", compute_capability=cc, simulated=True
-            )
-            add(f"device-sm{cc[0]}{cc[1]}", device=dev)
+            add(f"device-sm{cc[0]}{cc[1]}", device=simulated_device(*cc))
         return list({p.label: p for p in probes}.values())
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from selector.device import CPU_DEVICE, DeviceInfo
+from selector.device import DeviceInfo, device_info_for
 
 from ..backend import DEFAULT_TOLERANCES, MLABackend, Tolerance
 from ..cache import LatentKVCache
@@ -77,18 +77,7 @@ class Prepared:
 # ---- devices ---------------------------------------------------------------------------------------------
 def device_info(device: torch.device) -> DeviceInfo:
     """:class:`DeviceInfo` of a real torch device (read from torch; no NVML needed)."""
-    if device.type != "cuda":
-        return CPU_DEVICE
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    props = torch.cuda.get_device_properties(idx)
-    return DeviceInfo(
-        kind="cuda",
-        name=props.name,
-        compute_capability=(props.major, props.minor),
-        total_memory=props.total_memory,
-        index=idx,
-        sm_count=props.multi_processor_count,
-    )
+    return device_info_for(device)
 
 
 def pick_device(cls: type[MLABackend], preference: str = "auto") -> torch.device:

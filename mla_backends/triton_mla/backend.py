@@ -12,13 +12,12 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from selector.device import DeviceInfo
+from selector.device import DeviceInfo, cuda_device_index
 
 from ..backend import Capabilities, MLABackend, QueryLenSupport
 from ..cache import LatentKVCache
-from ..dtypes import dtype_name
 from ..metadata import BatchMetadata
-from ..mqa_inputs import check_mqa_inputs
+from ..mqa_inputs import check_declared_support, check_mqa_inputs
 from .plan import BLOCK_H, MAX_KV_SPLITS, SCRATCH, block_h_for, choose_num_kv_splits, next_pow2, sm_count
 
 __all__ = ["TritonMLABackend", "interpreter_enabled", "PAGE_SIZES"]
@@ -51,16 +50,6 @@ def interpreter_enabled() -> bool:
 
 
 @functools.cache
-def _cuda_cc(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
-
-
-def _torch_cc(device: torch.device) -> tuple[int, int]:
-    """Compute capability of a CUDA device (read once per device; a host query)."""
-    return _cuda_cc(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
 def _smem_bytes_cached(index: int) -> int:
     props = torch.cuda.get_device_properties(index)
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
@@ -68,7 +57,7 @@ def _smem_bytes_cached(index: int) -> int:
 
 def _smem_bytes(device: torch.device) -> int:
     """Shared memory one program may use (opt-in limit; 99 KiB, the smallest SM80+ value, when unknown)."""
-    return _smem_bytes_cached(device.index if device.index is not None else torch.cuda.current_device())
+    return _smem_bytes_cached(cuda_device_index(device))
 
 
 class TritonMLABackend(MLABackend):
@@ -163,11 +152,8 @@ class TritonMLABackend(MLABackend):
             lse_out=lse_out,
             check_values=not capturing,
         )
-        self._check_supported(q_latent, q_rope, cache, out)
-        if topk_indices is not None and topk_indices.device != cache.device:
-            raise ValueError(
-                f"topk_indices: got device {topk_indices.device}; supported the cache's device {cache.device}"
-            )
+        check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out)
+        self._check_layout(q_latent, q_rope, cache, out)
         T, H, R = q_latent.shape
         if out is None:
             out = torch.empty_like(q_latent)
@@ -261,19 +247,11 @@ class TritonMLABackend(MLABackend):
         return out, lse_out
 
     # ---- helpers -----------------------------------------------------------------------------------------
-    def _check_supported(
-        self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, out: torch.Tensor | None
+    @staticmethod
+    def _check_layout(
+        q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, out: torch.Tensor | None
     ) -> None:
-        """Reject what the kernel does not run, naming the argument (after the shared checks)."""
-        caps = self.capabilities
-        if q_latent.dtype not in caps.dtypes:
-            names = ", ".join(sorted(dtype_name(d) for d in caps.dtypes))
-            raise TypeError(f"q_latent: got dtype {dtype_name(q_latent.dtype)}; supported {names}")
-        if cache.kv_cache_dtype not in caps.kv_cache_dtypes:
-            raise TypeError(
-                f"cache: got kv cache dtype {cache.kv_cache_dtype}; "
-                f"supported {', '.join(sorted(caps.kv_cache_dtypes))}"
-            )
+        """Reject strides the kernel does not take (rows must be contiguous), naming the argument."""
         if cache.data.stride(-1) != 1:
             raise ValueError(
                 f"cache.data: got last-dim stride {cache.data.stride(-1)}; supported 1 (contiguous rows)"
@@ -281,18 +259,6 @@ class TritonMLABackend(MLABackend):
         for name, t in (("q_latent", q_latent), ("q_rope", q_rope), ("out", out)):
             if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
                 raise ValueError(f"{name}: got last-dim stride {t.stride(-1)}; supported 1 (rows contiguous)")
-        dev = cache.device
-        if dev.type == "cuda":
-            cc = _torch_cc(dev)
-            if cc < caps.min_compute_capability:
-                raise ValueError(f"device: got SM{cc[0]}{cc[1]}; supported SM80+")
-            if cache.is_fp8 and cc < caps.fp8_min_compute_capability:
-                raise ValueError(
-                    f"cache: got an {cache.kv_cache_dtype} cache on SM{cc[0]}{cc[1]}; supported "
-                    "SM89+ (native fp8 conversion)"
-                )
-        elif not interpreter_enabled():
-            raise ValueError(f"device: got CPU; supported a CUDA device (SM80+); {_CPU_TAIL}")
 
     @staticmethod
     def _launch_config(

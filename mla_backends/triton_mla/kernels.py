@@ -22,15 +22,15 @@ upcast to float32 (the interpreter multiplies bf16 as integers). Compiled code k
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from .backend import interpreter_enabled
 
 __all__ = ["INTERPRET", "mla_decode_stage1", "mla_decode_stage2"]
 
 #: the decorator reads TRITON_INTERPRET when this module is imported; the workarounds follow the same value
-INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET: bool = interpreter_enabled()
 
 
 @triton.jit

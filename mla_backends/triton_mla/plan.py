@@ -63,9 +63,7 @@ def block_h_for(num_heads: int) -> int:
     return BLOCK_H if num_heads <= BLOCK_H else BLOCK_H_WIDE
 
 
-def choose_num_kv_splits(
-    max_len: int, num_tokens: int, num_heads: int, sm_count: int, *, block_h: int | None = None
-) -> int:
+def choose_num_kv_splits(max_len: int, num_tokens: int, num_heads: int, sm_count: int) -> int:
     """Number of KV splits for one call.
 
     Args:
@@ -74,7 +72,7 @@ def choose_num_kv_splits(
         num_heads: query heads.
         sm_count: streaming multiprocessors of the device (:func:`sm_count`).
     """
-    block_h = block_h or block_h_for(num_heads)
+    block_h = block_h_for(num_heads)
     by_len = next_pow2(max(1, max_len // MIN_SPLIT_LEN))
     programs = max(1, num_tokens) * math.ceil(max(1, num_heads) / block_h)
     by_occupancy = next_pow2(math.ceil(4 * max(1, sm_count) / programs))
