@@ -21,7 +21,7 @@ from .dtypes import (
 )
 from .validation import require_int, require_on_device, require_tensor
 
-__all__ = ["LatentKVCache", "check_slot_mapping", "block_table_slots"]
+__all__ = ["LatentKVCache", "check_slot_mapping", "block_table_slots", "position_slots"]
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
@@ -37,14 +37,20 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_blocks: int, block_size: 
                              f"[0, {num_slots - 1}] for {num_blocks} blocks of {block_size}")
 
 
-def block_table_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    """Flat slots ``[length]`` int64 of positions ``0..length-1`` of one sequence, from its block-table row.
+def position_slots(block_table: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor,
+                   block_size: int) -> torch.Tensor:
+    """Flat int64 slots of ``positions`` of ``requests`` (same shape, any shape; valid positions only).
 
-    ``slot = block_table_row[pos // block_size] * block_size + pos % block_size``.
+    ``slot = block_table[request, position // block_size] * block_size + position % block_size``.
     """
+    return block_table.long()[requests, positions // block_size] * block_size + positions % block_size
+
+
+def block_table_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat slots ``[length]`` int64 of positions ``0..length-1`` of one sequence, from its block-table row."""
     require_int("length", length, minimum=0)
     pos = torch.arange(length, device=block_table_row.device)
-    return block_table_row.long()[pos // block_size] * block_size + pos % block_size
+    return position_slots(block_table_row[None], torch.zeros_like(pos), pos, block_size)
 
 
 class LatentKVCache:

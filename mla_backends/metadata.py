@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .cache import position_slots
 from .validation import require_int
 
 __all__ = ["BatchMetadata"]
@@ -162,7 +163,7 @@ class BatchMetadata:
         pos = torch.tensor(token_positions, dtype=torch.int64)
         req = torch.tensor(token_request, dtype=torch.int64)
         if len(token_positions):
-            slots = bt_proc[req, pos // block_size] * block_size + pos % block_size
+            slots = position_slots(bt_proc, req, pos, block_size)
         else:
             slots = torch.zeros(0, dtype=torch.int64)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .cache import LatentKVCache
+from .cache import LatentKVCache, position_slots
 from .dtypes import accumulate_dtype
 from .metadata import BatchMetadata
 from .validation import require_int, require_on_device, require_tensor
@@ -388,7 +388,7 @@ def forward_mha(
         for chunk in chunks:
             pos = torch.cat([torch.arange(a, z, device=q.device) for _, a, z in chunk])
             req = torch.cat([torch.full((z - a,), b, dtype=torch.long, device=q.device) for b, a, z in chunk])
-            slots = bt[req, pos // bs] * bs + pos % bs
+            slots = position_slots(bt, req, pos, bs)
             rows = pos.numel()
             if direct:
                 torch.index_select(flat, 0, slots, out=latent_buf[:rows])

@@ -49,7 +49,7 @@ def _timed(fn, repeat: int = 3):
 def decode_comparison(args: argparse.Namespace) -> int:
     import torch
 
-    from ..cache import LatentKVCache
+    from ..cache import LatentKVCache, block_table_slots
     from ..dims import MLADims
     from ..metadata import BatchMetadata
     from ..naive import expanded_decode
@@ -65,8 +65,7 @@ def decode_comparison(args: argparse.Namespace) -> int:
     block_table = torch.randperm(num_blocks)[: B * pages].view(B, pages).to(torch.int32)
     meta = BatchMetadata.build([1] * B, [ctx] * B, block_table, bs, num_blocks=num_blocks)
     for b in range(B):  # fill every request's context and its new token
-        pos = torch.arange(ctx + 1)
-        slots = block_table[b, pos // bs].long() * bs + pos % bs
+        slots = block_table_slots(block_table[b], ctx + 1, bs)
         cache.write(torch.randn(ctx + 1, r) * 0.5, torch.randn(ctx + 1, R) * 0.5, slots)
     w_uk = torch.randn(H, P, r) * r**-0.5
     w_uv = torch.randn(H, r, V) * r**-0.5

@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from ..backend import Capabilities, MLABackend, QueryLenSupport
-from ..cache import LatentKVCache
+from ..cache import LatentKVCache, position_slots
 from ..dtypes import KV_CACHE_DTYPES, accumulate_dtype
 from ..metadata import BatchMetadata
 from ..mqa_inputs import check_mqa_inputs
@@ -295,7 +295,7 @@ class RefTorchBackend(MLABackend):
             valid = idx >= 0
             pos = idx.clamp_min(0)
             req = meta.token_request[t0:t1, None].expand_as(pos)
-            slots = meta.block_table.long()[req, pos // bs] * bs + pos % bs
+            slots = position_slots(meta.block_table, req, pos, bs)
             kv = cache.dequantize(flat[slots], q.dtype)  # [t, K, W]
             scores = torch.matmul(q[t0:t1], kv.transpose(1, 2)).mul_(scale)  # [t, H, K]
             scores.masked_fill_(~valid[:, None, :], float("-inf"))
