@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "FP8_E4M3_MAX",
     "accumulate_dtype",
     "KV_CACHE_DTYPES",
     "FP8_CACHE_DTYPES",
@@ -92,3 +93,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where softmax, norms and products of ``dtype`` inputs accumulate: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+#: largest finite float8 e4m3fn value (448): the divisor of amax-based fp8 scales
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)

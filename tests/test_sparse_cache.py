@@ -142,10 +142,18 @@ def test_fp8_keys_are_close_to_float_keys():
     assert bool((err <= amax / 448 * 16 + 1e-7).all())
 
 
+@pytest.mark.parametrize("alias, canonical", [("fp8", "fp8_e4m3"), (torch.float8_e4m3fn, "fp8_e4m3"),
+                                              ("bf16", "bfloat16"), ("fp32", "float32"), (torch.float16, "float16")])
+def test_storage_takes_the_latent_cache_aliases(alias, canonical):
+    assert IndexerKeyCache(2, 4, storage=alias).storage == canonical
+
+
 @pytest.mark.parametrize(
     ("kwargs", "exc", "text"),
     [
         ({"storage": "int8"}, ValueError, "storage: got 'int8'"),
+        ({"storage": "fp8_e5m2"}, ValueError, "storage: got 'fp8_e5m2'; supported fp8_e4m3 (132 bytes/token"),
+        ({"storage": "auto"}, ValueError, "storage: got 'auto'"),
         ({"head_dim": 96}, ValueError, "head_dim: got 96"),
         ({"scale_fmt": "e8m0"}, ValueError, "scale_fmt: got 'e8m0'"),
         ({"num_blocks": 0}, ValueError, "num_blocks: got 0"),

@@ -14,7 +14,7 @@ import torch
 
 from ..backend import AttentionSpec, MLABackend
 from ..cache import LatentKVCache
-from ..dtypes import FP8_CACHE_DTYPES, dtype_name
+from ..dtypes import FP8_CACHE_DTYPES, FP8_E4M3_MAX, dtype_name
 from ..metadata import BatchMetadata
 from ..mqa_inputs import check_declared_support, check_mqa_inputs
 from . import _install
@@ -34,11 +34,7 @@ __all__ = [
     "deliver_outputs",
     "fp8_query_scale",
     "run_padded_heads",
-    "FP8_E4M3_MAX",
 ]
-
-#: largest finite float8_e4m3fn value
-FP8_E4M3_MAX = 448.0
 
 _LOCK = threading.Lock()
 _WORKSPACES: dict[tuple[str, str], torch.Tensor] = {}

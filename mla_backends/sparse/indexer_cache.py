@@ -22,6 +22,7 @@ import torch
 
 from ..cache import LatentKVCache, block_table_slots, check_slot_mapping
 from ..dims import MLADims
+from ..dtypes import FP8_E4M3_MAX, canonical_kv_cache_dtype, kv_cache_torch_dtype
 from ..validation import require_int, require_on_device, require_tensor
 
 __all__ = [
@@ -37,15 +38,10 @@ __all__ = [
 
 #: values per quantisation block (one float32 scale each)
 QUANT_BLOCK = 128
-#: largest finite float8 e4m3fn value
-FP8_E4M3_MAX = 448.0
 #: smallest block maximum used to form a scale (all-zero blocks get a tiny, non-zero scale)
 _AMAX_FLOOR = 1e-10
 _SCALE_FMTS = (None, "ue8m0")
-_FLOAT_STORAGE = {
-    "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
-}
-_FP8_NAMES = ("fp8_e4m3", "fp8", "fp8_e4m3fn")
+_STORAGE_NAMES = ("fp8_e4m3", "float32", "float64", "bfloat16", "float16")
 
 
 def indexer_bytes_per_token(head_dim: int = 128) -> int:
@@ -145,8 +141,8 @@ class IndexerKeyCache:
             width = indexer_bytes_per_token(head_dim)
             self.data = torch.zeros(num_blocks, block_size, width, dtype=torch.uint8, device=device)
         else:
-            self.data = torch.zeros(num_blocks, block_size, head_dim, dtype=_FLOAT_STORAGE[self.storage],
-                                    device=device)
+            self.data = torch.zeros(num_blocks, block_size, head_dim,
+                                    dtype=kv_cache_torch_dtype(self.storage, torch.float32), device=device)
 
     @classmethod
     def allocate(
@@ -240,17 +236,12 @@ class IndexerKeyCache:
 
 
 def _storage_name(storage: str | torch.dtype) -> str:
-    if isinstance(storage, torch.dtype):
-        if storage == torch.float8_e4m3fn:
-            return "fp8_e4m3"
-        for name, dt in _FLOAT_STORAGE.items():
-            if dt == storage:
-                return name
-    elif isinstance(storage, str):
-        key = storage.strip().lower()
-        if key in _FP8_NAMES:
-            return "fp8_e4m3"
-        if key in _FLOAT_STORAGE:
-            return key
-    supported = "fp8_e4m3 (132 bytes/token, the V3.2 layout), " + ", ".join(_FLOAT_STORAGE)
-    raise ValueError(f"storage: got {storage!r}; supported {supported}")
+    """Canonical storage name (the cache-dtype aliases of :func:`canonical_kv_cache_dtype`); fp8 means e4m3."""
+    try:
+        name = canonical_kv_cache_dtype(storage)
+    except (TypeError, ValueError):
+        name = None
+    if name not in _STORAGE_NAMES:
+        raise ValueError(f"storage: got {storage!r}; supported fp8_e4m3 (132 bytes/token, the V3.2 layout), "
+                         + ", ".join(_STORAGE_NAMES[1:]))
+    return name
