@@ -21,7 +21,7 @@ from .dtypes import (
 )
 from .validation import require_int, require_on_device, require_tensor
 
-__all__ = ["LatentKVCache", "check_slot_mapping", "block_table_slots", "position_slots"]
+__all__ = ["LatentKVCache", "PagedRows", "check_slot_mapping", "block_table_slots", "position_slots"]
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
@@ -53,7 +53,61 @@ def block_table_slots(block_table_row: torch.Tensor, length: int, block_size: in
     return position_slots(block_table_row[None], torch.zeros_like(pos), pos, block_size)
 
 
-class LatentKVCache:
+class PagedRows:
+    """What every paged per-token store shares: ``data [num_blocks, block_size, row_width]``, one row per token
+    slot (``slot = block * block_size + offset``), rows written by slot and read back dequantised.
+
+    Subclasses set ``num_blocks``, ``block_size`` and ``data`` and define ``quantize(values) -> rows`` and
+    ``dequantize(rows, dtype) -> values`` (they may change the last dimension, e.g. packed fp8 + scales).
+    """
+
+    num_blocks: int
+    block_size: int
+    data: torch.Tensor
+
+    def quantize(self, values: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, stored: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def row_width(self) -> int:
+        """Last dimension of :attr:`data` (576 for the DeepSeek latent cache, 132 for fp8 indexer keys)."""
+        return self.data.shape[-1]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token takes in this layer: ``row_width * element size`` (1,152 for the V3 bf16 latent)."""
+        return self.row_width * self.data.element_size()
+
+    def _write_rows(self, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store ``quantize(values [T, ...])`` at ``slot_mapping [T]`` (``-1`` skips); callers validated shapes
+        and devices; the slots are range-checked here (a host sync on GPU tensors)."""
+        check_slot_mapping(slot_mapping, self.num_blocks, self.block_size)
+        keep = slot_mapping >= 0
+        self.data.view(-1, self.row_width)[slot_mapping[keep].long()] = self.quantize(values[keep])
+
+    def read_slots(self, slots: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Dequantised values ``[*slots.shape, ...]`` for flat slot indices (all must be valid)."""
+        return self.dequantize(self.data.view(-1, self.row_width)[slots.long()], dtype)
+
+    def gather(
+        self, block_table_row: torch.Tensor, length: int, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """Values ``[length, ...]`` of one sequence, in position order, from its block-table row."""
+        return self.read_slots(block_table_slots(block_table_row, length, self.block_size), dtype)
+
+
+class LatentKVCache(PagedRows):
     """Paged cache of 576-wide latent rows shared by every head of one layer.
 
     Attributes:
@@ -109,23 +163,10 @@ class LatentKVCache:
         return cls(num_blocks, block_size, dims.kv_lora_rank, dims.qk_rope_head_dim,
                    kv_cache_dtype=kv_cache_dtype, model_dtype=model_dtype, device=device, scale=scale)
 
-    # ---- properties ------------------------------------------------------------------------------------
-    @property
-    def row_width(self) -> int:
-        """``kv_lora_rank + qk_rope_head_dim``: 576 for DeepSeek-V3."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
+    # ---- properties (row_width = kv_lora_rank + qk_rope_head_dim: 576 for DeepSeek-V3) -------------------
     @property
     def is_fp8(self) -> bool:
         return self.kv_cache_dtype in FP8_CACHE_DTYPES
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
 
     @property
     def latent(self) -> torch.Tensor:
@@ -136,11 +177,6 @@ class LatentKVCache:
     def rope(self) -> torch.Tensor:
         """Strided view ``[num_blocks, block_size, qk_rope_head_dim]`` of the rope part (no copy)."""
         return self.data[..., self.kv_lora_rank:]
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token takes in this layer's cache: ``row_width * element size`` (1,152 for V3 bf16)."""
-        return self.row_width * self.data.element_size()
 
     @property
     def scale_value(self) -> float:
@@ -178,12 +214,7 @@ class LatentKVCache:
         if not kv_c.is_floating_point() or not k_pe.is_floating_point():
             raise TypeError(f"kv_c/k_pe: got dtypes {kv_c.dtype}/{k_pe.dtype}; supported floating point")
         require_on_device(self.device, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
-        check_slot_mapping(slot_mapping, self.num_blocks, self.block_size)
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        rows = torch.cat([kv_c[keep], k_pe[keep]], dim=-1)
-        flat = self.data.view(-1, self.row_width)
-        flat[slots] = self.quantize(rows)
+        self._write_rows(torch.cat([kv_c, k_pe], dim=-1), slot_mapping)
 
     def quantize(self, rows: torch.Tensor) -> torch.Tensor:
         """Convert model-dtype rows to the storage dtype (``rows / scale``, saturated, for fp8)."""
@@ -198,13 +229,3 @@ class LatentKVCache:
         if not self.is_fp8:
             return stored.to(dtype)
         return (stored.to(torch.float32) * self.scale).to(dtype)
-
-    def read_slots(self, slots: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Dequantised rows ``[len(slots), row_width]`` for flat slot indices (all must be valid)."""
-        return self.dequantize(self.data.view(-1, self.row_width)[slots.long()], dtype)
-
-    def gather(
-        self, block_table_row: torch.Tensor, length: int, dtype: torch.dtype | None = None
-    ) -> torch.Tensor:
-        """Rows ``[length, row_width]`` of one sequence, in position order, from its block-table row."""
-        return self.read_slots(block_table_slots(block_table_row, length, self.block_size), dtype)

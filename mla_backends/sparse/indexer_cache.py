@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import LatentKVCache, block_table_slots, check_slot_mapping
+from ..cache import LatentKVCache, PagedRows
 from ..dims import MLADims
 from ..dtypes import FP8_E4M3_MAX, canonical_kv_cache_dtype, kv_cache_torch_dtype
 from ..validation import require_int, require_on_device, require_tensor
@@ -109,7 +109,7 @@ def unpack_rows(rows: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.
     return values, scales
 
 
-class IndexerKeyCache:
+class IndexerKeyCache(PagedRows):
     """Paged cache of indexer keys, one ``head_dim``-wide key per token, paged like the latent cache.
 
     Attributes:
@@ -172,28 +172,10 @@ class IndexerKeyCache:
         return cls(cache.num_blocks, cache.block_size, head_dim, storage=storage, scale_fmt=scale_fmt,
                    device=cache.device)
 
-    # ---- properties ------------------------------------------------------------------------------------
+    # ---- properties (row_width / bytes_per_token: 132 for fp8 storage at head_dim=128) ------------------
     @property
     def is_fp8(self) -> bool:
         return self.storage == "fp8_e4m3"
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def row_width(self) -> int:
-        """Last dimension of :attr:`data` (132 for fp8 V3.2 storage)."""
-        return self.data.shape[-1]
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token's indexer key occupies in this layer: 132 for fp8 storage at ``head_dim=128``."""
-        return self.row_width * self.data.element_size()
 
     def __repr__(self) -> str:
         return (f"IndexerKeyCache(blocks={self.num_blocks}, block_size={self.block_size}, "
@@ -207,8 +189,9 @@ class IndexerKeyCache:
             return k.to(self.data.dtype)
         return pack_rows(*quantize_fp8_blockwise(k, self.scale_fmt))
 
-    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Stored rows ``[..., row_width]`` -> keys ``[..., head_dim]`` in ``dtype``."""
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Stored rows ``[..., row_width]`` -> keys ``[..., head_dim]`` in ``dtype`` (default float32)."""
+        dtype = dtype or torch.float32
         if not self.is_fp8:
             return rows.to(dtype)
         return dequantize_fp8_blockwise(*unpack_rows(rows, self.head_dim), dtype=dtype)
@@ -220,19 +203,7 @@ class IndexerKeyCache:
             raise TypeError(f"k: got dtype {k.dtype}; supported floating point")
         require_tensor("slot_mapping", slot_mapping, shape=(k.shape[0],), dtypes=(torch.int32, torch.int64))
         require_on_device(self.device, k=k, slot_mapping=slot_mapping)
-        check_slot_mapping(slot_mapping, self.num_blocks, self.block_size)
-        keep = slot_mapping >= 0
-        flat = self.data.view(-1, self.row_width)
-        flat[slot_mapping[keep].long()] = self.quantize(k[keep])
-
-    def read_slots(self, slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantised keys ``[*slots.shape, head_dim]`` for flat slot indices (all must be valid)."""
-        return self.dequantize(self.data.view(-1, self.row_width)[slots.long()], dtype)
-
-    def gather(self, block_table_row: torch.Tensor, length: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Keys ``[length, head_dim]`` of one sequence, in position order, from its block-table row."""
-        return self.read_slots(block_table_slots(block_table_row, length, self.block_size), dtype)
+        self._write_rows(k, slot_mapping)
 
 
 def _storage_name(storage: str | torch.dtype) -> str:
