@@ -40,6 +40,17 @@ def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
         return json.load(fh)
 
 
+def hf_config_value(config: Any, key: str, default: Any = None) -> Any:
+    """``config[key]`` of a transformers config object, a dict or a ``config.json`` path (``default`` when
+    absent; an :class:`MLADims` carries no raw config keys, so it always gives ``default``)."""
+    if isinstance(config, MLADims):
+        return default
+    if isinstance(config, (str, os.PathLike)):
+        config = read_config_json(config)
+    value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+    return default if value is None else value
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """DeepSeek-YaRN attention magnitude factor: ``0.1 * mscale * ln(factor) + 1`` (1.0 when factor <= 1)."""
     if factor <= 1.0:

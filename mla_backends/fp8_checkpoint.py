@@ -13,13 +13,12 @@ turns such a state dict into plain floating-point weights before the layer check
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from .dims import MLADims, read_config_json
+from .dims import hf_config_value
 from .dtypes import accumulate_dtype
 from .hf_loading import StateDictError
 
@@ -48,12 +47,7 @@ def check_weight_block_size(block_size: Any) -> tuple[int, int]:
 def weight_block_size_from_config(config: Any) -> tuple[int, int]:
     """``quantization_config.weight_block_size`` of a transformers config, dict or ``config.json`` path;
     :data:`DEFAULT_WEIGHT_BLOCK_SIZE` when the config has none (an :class:`MLADims` has none)."""
-    if isinstance(config, MLADims):
-        return DEFAULT_WEIGHT_BLOCK_SIZE
-    if isinstance(config, (str, os.PathLike)):
-        config = read_config_json(config)
-    quant = config.get("quantization_config") if isinstance(config, Mapping) else \
-        getattr(config, "quantization_config", None)
+    quant = hf_config_value(config, "quantization_config")
     if quant is None:
         return DEFAULT_WEIGHT_BLOCK_SIZE
     block = quant.get("weight_block_size") if isinstance(quant, Mapping) else \

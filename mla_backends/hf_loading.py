@@ -26,13 +26,12 @@ With ``attention_bias`` the config adds ``q_a_proj.bias``, ``kv_a_proj_with_mqa.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from .dims import MLADims, read_config_json
+from .dims import MLADims, hf_config_value
 from .dtypes import accumulate_dtype
 
 __all__ = ["expected_hf_shapes", "check_hf_state_dict", "shard_hf_tensor", "fold_kv_b", "hf_attention_bias",
@@ -57,13 +56,7 @@ class StateDictError(ValueError):
 
 def hf_attention_bias(config: Any) -> bool:
     """The ``attention_bias`` flag of a transformers config / dict / config.json path (False when absent)."""
-    if isinstance(config, MLADims):
-        return False
-    if isinstance(config, (str, os.PathLike)):
-        config = read_config_json(config)
-    if isinstance(config, Mapping):
-        return bool(config.get("attention_bias", False))
-    return bool(getattr(config, "attention_bias", False))
+    return bool(hf_config_value(config, "attention_bias", False))
 
 
 def expected_hf_shapes(dims: MLADims, attention_bias: bool = False) -> dict[str, tuple[int, ...]]:

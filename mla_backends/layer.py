@@ -22,6 +22,7 @@ One step, for ``T`` tokens in processing order (decodes first):
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from selector.device import cuda_device_index, device_info_for
 
 from .backend import AttentionSpec, MLABackend, QueryLenSupport
 from .cache import LatentKVCache
-from .dims import MLADims
+from .dims import MLADims, read_config_json
 from .dispatch import DispatchPolicy, PerRequestPolicy, clamp_to_backend, resolve_policy
 from .dtypes import accumulate_dtype, dtype_name, parse_model_dtype
 from .fp8_checkpoint import (
@@ -242,6 +243,8 @@ class MLAAttention(torch.nn.Module):
         The block of fp8 checkpoint scales is the config's ``quantization_config.weight_block_size``
         (``(128, 128)`` when absent); :meth:`load_hf_state_dict` uses it.
         """
+        if isinstance(config, (str, os.PathLike)):  # read config.json once for the three lookups below
+            config = read_config_json(config)
         dims = MLADims.from_hf_config(config).tensor_parallel(tp_size)  # checks tp_size
         return cls(dims, backend=backend, dtype=dtype, device=device, tp_rank=tp_rank,
                    attention_bias=hf_attention_bias(config), dispatch=dispatch, workspace_rows=workspace_rows,
