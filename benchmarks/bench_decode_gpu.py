@@ -176,7 +176,7 @@ def detect(torch: Any) -> Any:
 
 
 def candidate_backends(names: tuple[str, ...] | None) -> dict[str, type]:
-    from mla_backends.registry import registered_backends
+    from mla_backends.plugins import registered_backends
 
     found = dict(registered_backends())
     if "TRITON_MLA" not in found:  # registries without the built-in entry still get the Triton backend

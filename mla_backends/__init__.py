@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 # name -> module that defines it (imported on first attribute access)
 _LAZY = {
     "BackendName": ".registry",
-    "get_backend": ".registry",
-    "registered_backends": ".registry",
+    "get_backend": ".plugins",
+    "registered_backends": ".plugins",
     "RefTorchBackend": ".ref_torch",
     "MLAAttention": ".layer",
     "forward_mha": ".prefill",

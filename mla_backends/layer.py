@@ -50,7 +50,7 @@ from .hf_loading import (
 )
 from .metadata import BatchMetadata
 from .prefill import PrefillWorkspace, default_workspace_rows, forward_mha
-from .registry import get_backend
+from .plugins import get_backend
 from .rope import RotaryEmbedding
 from .sparse.layer_support import SparseKVCache, build_indexer, take_indexer_weights
 from .validation import require_int, require_tensor

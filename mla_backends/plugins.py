@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -21,10 +22,12 @@ from typing import Any
 import pluggy
 
 from .hookspecs import PROJECT_NAME, MLABackendsSpec
-from .registry import PluginProblem, RegistrationError, Registry, get_registry
+from .backend import MLABackend
+from .registry import BackendName, PluginProblem, RegisteredBackend, RegistrationError, Registry
 
 __all__ = ["ENTRY_POINT_GROUP", "DISABLE_AUTOLOAD_ENV", "autoload_enabled", "load_registry", "run_plugin",
-           "add_plugin"]
+           "add_plugin", "get_registry", "reset_registry", "get_backend", "registered_backends",
+           "register_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -165,3 +168,43 @@ def add_plugin(plugin: object, name: str | None = None) -> bool:
     if name is None:
         name = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__name__
     return run_plugin(get_registry(), name, plugin)
+
+
+# ---- the process-wide registry ------------------------------------------------------------------------
+_REGISTRY: Registry | None = None
+_LOAD_LOCK = threading.Lock()
+
+
+def get_registry() -> Registry:
+    """The process-wide registry, filled on first use (built-ins, then entry-point plugins)."""
+    global _REGISTRY
+    reg = _REGISTRY
+    if reg is None:
+        with _LOAD_LOCK:
+            if _REGISTRY is None:
+                _REGISTRY = load_registry()
+            reg = _REGISTRY
+    return reg
+
+
+def reset_registry(registry: Registry | None = None) -> None:
+    """Drop (or replace) the process-wide registry; the next use reloads plugins. Mainly for tests."""
+    global _REGISTRY
+    with _LOAD_LOCK:
+        _REGISTRY = registry
+
+
+def registered_backends() -> dict[str, type[MLABackend]]:
+    """Every registered backend by name, built-ins first, then plugins in load order."""
+    return {e.name: e.cls for e in get_registry().entries()}
+
+
+def get_backend(name: str | BackendName | type[MLABackend]) -> type[MLABackend]:
+    """Resolve a backend by (case-insensitive) name, enum member or class."""
+    return get_registry().get(name)
+
+
+def register_backend(cls: type[MLABackend], *, before: str | None = None, after: str | None = None,
+                     archs: object = None, source: str = "api") -> RegisteredBackend:
+    """Register a backend class directly (no entry point); raises :class:`RegistrationError` when rejected."""
+    return get_registry().add(cls, source=source, before=before, after=after, archs=archs)

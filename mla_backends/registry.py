@@ -1,8 +1,9 @@
 """Backend names and the registry every backend (built-in or plugin) is registered in.
 
-The registry is filled on first use by :mod:`mla_backends.plugins`: the built-ins through the same
-``register_mla_backends`` hook as third-party plugins, then every entry point of the ``mla_backends`` group
-(unless ``MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD=1``). Faulty plugins are recorded as :class:`PluginProblem`,
+This module holds the data structure only; the process-wide registry (``get_registry``, ``get_backend``,
+``registered_backends``, ``register_backend``, ``reset_registry``) lives next to the loader that fills it, in
+:mod:`mla_backends.plugins`: the built-ins through the same ``register_mla_backends`` hook as third-party
+plugins, then every entry point of the ``mla_backends`` group (unless ``MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD=1``). Faulty plugins are recorded as :class:`PluginProblem`,
 never raised: selection keeps working and ``explain()`` / ``mla-backends list`` show what went wrong.
 """
 
@@ -25,11 +26,6 @@ __all__ = [
     "PluginProblem",
     "Registry",
     "validate_backend_class",
-    "get_registry",
-    "reset_registry",
-    "get_backend",
-    "registered_backends",
-    "register_backend",
 ]
 
 
@@ -253,44 +249,3 @@ class Registry:
         if key in BackendName.__members__:
             missing = f"; the built-in {key} is not registered in this installation"
         raise UnknownBackendError(f"backend: got {name!r}; supported {', '.join(known)}{hint}{missing}")
-
-
-_REGISTRY: Registry | None = None
-_LOAD_LOCK = threading.Lock()
-
-
-def get_registry() -> Registry:
-    """The process-wide registry, filled on first use (built-ins, then entry-point plugins)."""
-    global _REGISTRY
-    reg = _REGISTRY
-    if reg is None:
-        with _LOAD_LOCK:
-            if _REGISTRY is None:
-                from .plugins import load_registry
-
-                _REGISTRY = load_registry()
-            reg = _REGISTRY
-    return reg
-
-
-def reset_registry(registry: Registry | None = None) -> None:
-    """Drop (or replace) the process-wide registry; the next use reloads plugins. Mainly for tests."""
-    global _REGISTRY
-    with _LOAD_LOCK:
-        _REGISTRY = registry
-
-
-def registered_backends() -> dict[str, type[MLABackend]]:
-    """Every registered backend by name, built-ins first, then plugins in load order."""
-    return {e.name: e.cls for e in get_registry().entries()}
-
-
-def get_backend(name: str | BackendName | type[MLABackend]) -> type[MLABackend]:
-    """Resolve a backend by (case-insensitive) name, enum member or class."""
-    return get_registry().get(name)
-
-
-def register_backend(cls: type[MLABackend], *, before: str | None = None, after: str | None = None,
-                     archs: object = None, source: str = "api") -> RegisteredBackend:
-    """Register a backend class directly (no entry point); raises :class:`RegistrationError` when rejected."""
-    return get_registry().add(cls, source=source, before=before, after=after, archs=archs)

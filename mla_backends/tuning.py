@@ -313,7 +313,7 @@ def tunable_backends(
     from selector.device import device_info_for
 
     from .backend import AttentionSpec
-    from .registry import get_backend, registered_backends
+    from .plugins import get_backend, registered_backends
 
     info = device_info_for(torch.device(device))
     spec = AttentionSpec(
@@ -365,7 +365,7 @@ class PathTimer:
         from .hf_loading import random_hf_state_dict
         from .layer import MLAAttention
         from .prefill import PrefillWorkspace
-        from .registry import get_backend
+        from .plugins import get_backend
 
         require_int("repeats", repeats, minimum=1)
         require_int("max_tokens", max_tokens, minimum=1)

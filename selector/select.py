@@ -18,7 +18,8 @@ import torch
 from mla_backends.backend import AttentionSpec, MLABackend
 from mla_backends.dims import MLADims
 from mla_backends.dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, parse_model_dtype
-from mla_backends.registry import BackendName, PluginProblem, Registry, UnknownBackendError, get_registry
+from mla_backends.plugins import get_registry
+from mla_backends.registry import BackendName, PluginProblem, Registry, UnknownBackendError
 from mla_backends.validation import require_int
 
 from .detect import clear_device_cache, resolve_device

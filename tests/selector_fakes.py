@@ -61,7 +61,7 @@ def fake_registry(*classes: type[MLABackend]) -> Registry:
 def install(monkeypatch, registry: Registry) -> Registry:
     """Make ``registry`` the process-wide one for a test (restored by monkeypatch), with a clean selector
     state: no ``TRITON_INTERPRET`` (the conftest sets it on CPU machines), no ``MLA_BACKEND``, empty cache."""
-    import mla_backends.registry as reg_mod
+    import mla_backends.plugins as reg_mod
     from selector.select import clear_cache
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

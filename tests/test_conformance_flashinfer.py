@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_backends.registry import registered_backends
+from mla_backends.plugins import registered_backends
 from mla_backends.testing import BackendConformance, build_plan
 from mla_backends.testing.checks import pick_device, run_reasons
 

@@ -35,7 +35,8 @@ from mla_backends.flashinfer_mla import (
     paged,
 )
 from mla_backends.metadata import BatchMetadata
-from mla_backends.registry import BackendName, get_backend
+from mla_backends.plugins import get_backend
+from mla_backends.registry import BackendName
 from selector.device import simulated_device
 
 pytest.importorskip("flashinfer",

@@ -9,7 +9,7 @@ import torch
 from selector_fakes import FakeTriton, FakeXqa, fake_registry
 
 from mla_backends.backend import Capabilities, MLABackend
-from mla_backends.plugins import _NotBuilt, _resolve, load_registry
+from mla_backends.plugins import _NotBuilt, _resolve, get_backend, load_registry, registered_backends
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.registry import (
     BackendName,
@@ -17,8 +17,6 @@ from mla_backends.registry import (
     RegistrationError,
     Registry,
     UnknownBackendError,
-    get_backend,
-    registered_backends,
     validate_backend_class,
 )
 from selector.select import select_backend

@@ -234,7 +234,7 @@ def test_results_are_cached_per_request_device_and_environment(fakes, monkeypatc
 
 
 def test_sixteen_threads_get_one_consistent_answer(monkeypatch):
-    import mla_backends.registry as reg_mod
+    import mla_backends.plugins as reg_mod
 
     install(monkeypatch, fake_registry())
     monkeypatch.setattr(reg_mod, "_REGISTRY", None)  # threads race to load the real registry too

@@ -53,7 +53,7 @@ def decode_comparison(args: argparse.Namespace) -> int:
     from ..dims import MLADims
     from ..metadata import BatchMetadata
     from ..naive import expanded_decode
-    from ..registry import get_backend
+    from ..plugins import get_backend
 
     torch.manual_seed(args.seed)
     dims = MLADims.deepseek_v3().tensor_parallel(8)

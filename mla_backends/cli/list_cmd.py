@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from selector.explain import capability_summary
 
-    from ..registry import get_registry
+    from ..plugins import get_registry
 
     reg = get_registry()
     rows = []

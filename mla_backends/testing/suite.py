@@ -47,7 +47,7 @@ def resolve_backend(backend: Any) -> type[MLABackend]:
             "backend: got None; supported a registered backend name, 'module:Class' or an "
             "MLABackend subclass (set `backend = ...` on the class or pass --conformance-backend)"
         )
-    from ..registry import get_backend
+    from ..plugins import get_backend
 
     return get_backend(backend)
 

@@ -7,7 +7,6 @@ so importing this module (and selecting backends) never imports triton. See ``do
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -18,6 +17,7 @@ from ..backend import Capabilities, MLABackend, QueryLenSupport
 from ..cache import LatentKVCache
 from ..metadata import BatchMetadata
 from ..mqa_inputs import check_declared_support, check_mqa_inputs
+from .interpreter import interpreter_enabled
 from .plan import BLOCK_H, MAX_KV_SPLITS, SCRATCH, block_h_for, choose_num_kv_splits, next_pow2, sm_count
 
 __all__ = ["TritonMLABackend", "interpreter_enabled", "PAGE_SIZES"]
@@ -42,11 +42,6 @@ class LaunchConfig(NamedTuple):
 
 
 _CPU_TAIL = "requires a CUDA device — set TRITON_INTERPRET=1 to run interpreted, for testing only"
-
-
-def interpreter_enabled() -> bool:
-    """True when ``TRITON_INTERPRET`` asks Triton to interpret kernels on the CPU (testing only)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @functools.cache

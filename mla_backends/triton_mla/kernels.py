@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .backend import interpreter_enabled
+from .interpreter import interpreter_enabled
 
 __all__ = ["INTERPRET", "mla_decode_stage1", "mla_decode_stage2"]
 
