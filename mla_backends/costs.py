@@ -13,14 +13,13 @@ formula with its numbers.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .dims import MLADims
-from .dtypes import canonical_kv_cache_dtype, kv_cache_torch_dtype, parse_model_dtype, resolve_kv_cache_dtype
+from .dtypes import canonical_kv_cache_dtype, kv_cache_torch_dtype, parse_model_dtype
 
 __all__ = [
     "GQAConfig",
@@ -63,8 +62,6 @@ __all__ = [
     "indexing_layers",
     "indexer_bytes_per_token",
     "indexer_overhead",
-    "kv_cache_report",
-    "crossover_report",
     "KiB",
     "MiB",
     "GiB",
@@ -489,118 +486,3 @@ def indexer_bytes_per_token(dims: MLADims) -> int:
 def indexer_overhead(dims: MLADims, dtype_bytes: int = 2) -> float:
     """Indexer bytes as a fraction of the latent bytes per token: 8,052 / 70,272 = 0.115 (+11.5%) for V3.2."""
     return indexer_bytes_per_token(dims) / latent_bytes_per_token(dims, dtype_bytes)
-
-
-# ---- reports (what the CLI prints) -----------------------------------------------------------------------
-def kv_cache_report(
-    dims: MLADims,
-    *,
-    kv_cache_dtype: str = "auto",
-    model_dtype: str = "bfloat16",
-    tp: int = 1,
-    context_len: int | None = None,
-    gpu_memory_gib: float | None = None,
-    gqa: GQAConfig = LLAMA3_70B,
-) -> dict[str, Any]:
-    """Everything ``mla-backends kv-cache`` prints, as a JSON-ready dict (bytes are per rank unless noted).
-
-    ``gpu_memory_gib`` is the memory one rank gives to the KV cache; ``tokens_that_fit`` counts latent plus
-    indexer bytes. ``context_len`` adds per-sequence bytes and how many such sequences fit. ``kv_cache_dtype``
-    in the result is the stored dtype (``auto`` resolved against ``model_dtype``).
-    """
-    d = _dims(dims)
-    b = element_bytes(kv_cache_dtype, model_dtype)
-    _heads_per_rank(d, tp)
-    cell = cache_bytes_per_token(d, b)
-    rep: dict[str, Any] = {
-        "model": d.name,
-        "kv_cache_dtype": resolve_kv_cache_dtype(kv_cache_dtype, parse_model_dtype(model_dtype)),
-        "element_bytes": b,
-        "num_layers": d.num_layers,
-        "tp": tp,
-        "bytes_per_token_per_layer": latent_bytes_per_token_per_layer(d, b),
-        "bytes_per_token": latent_bytes_per_token(d, b),
-        "expanded_bytes_per_token": expanded_bytes_per_token(d, b, tp=tp),
-        "expanded_ratio": expanded_ratio(d, tp),
-        "indexer_bytes_per_token_per_layer": indexer_bytes_per_token_per_layer(d),
-        "indexer_bytes_per_token": indexer_bytes_per_token(d),
-        "indexing_layers": indexing_layers(d),
-        "indexer_overhead": indexer_overhead(d, b),
-        "total_bytes_per_token": cell,
-        "cluster_bytes_per_token": mla_cluster_bytes_per_token(d, b, tp),
-        "gqa_model": gqa.name,
-        "gqa_bytes_per_token": gqa_bytes_per_token(gqa, b, tp),
-        "gqa_cluster_bytes_per_token": gqa_cluster_bytes_per_token(gqa, b, tp),
-        "tp_break_even": tp_break_even(d, gqa, b),
-        "decode_arithmetic_intensity": decode_arithmetic_intensity(d, b, tp),
-        "gqa_decode_arithmetic_intensity": gqa_decode_arithmetic_intensity(gqa, b),
-    }
-    if context_len is not None:
-        s = _pos_int("context_len", context_len)
-        rep["context_len"] = s
-        rep["bytes_per_sequence"] = s * cell
-    if gpu_memory_gib is not None:
-        if (
-            isinstance(gpu_memory_gib, bool)
-            or not isinstance(gpu_memory_gib, (int, float))
-            or not (gpu_memory_gib > 0 and math.isfinite(gpu_memory_gib))
-        ):
-            raise ValueError(f"gpu_memory_gib: got {gpu_memory_gib!r}; supported a positive number of GiB")
-        mem = int(gpu_memory_gib * GiB)
-        rep["gpu_memory_bytes"] = mem
-        rep["tokens_that_fit"] = mem // cell
-        rep["gqa_tokens_that_fit"] = mem // rep["gqa_bytes_per_token"]
-        if context_len is not None:
-            rep["sequences_that_fit"] = mem // rep["bytes_per_sequence"]
-    return rep
-
-
-DEFAULT_QUERY_LENS: tuple[int, ...] = (1, 16, 64, 128, 171, 256, 1024)
-DEFAULT_CONTEXTS: tuple[int, ...] = (512, 4096, 32768, 131072)
-
-
-def crossover_report(
-    dims: MLADims,
-    *,
-    query_lens: Sequence[int] = DEFAULT_QUERY_LENS,
-    contexts: Iterable[int] = DEFAULT_CONTEXTS,
-    tp: int = 1,
-    causal: bool = False,
-) -> dict[str, Any]:
-    """Everything ``mla-backends crossover`` prints: per context, each query length's FLOPs on both paths,
-    the cheaper one, and the crossover query length; plus the asymptotic threshold."""
-    d = _dims(dims)
-    qs = [_pos_int("query_len", q) for q in query_lens]
-    rows = []
-    for s in contexts:
-        _pos_int("context_len", s)
-        cells = []
-        for q in qs:
-            cells.append(
-                {
-                    "query_len": q,
-                    "absorbed_flops": absorbed_path_flops(d, q, s, tp=tp, causal=causal),
-                    "expanded_flops": expanded_path_flops(d, q, s, tp=tp, causal=causal),
-                    "cheaper": cheaper_path(d, q, s, tp=tp, causal=causal),
-                }
-            )
-        rows.append(
-            {
-                "context_len": s,
-                "crossover_query_len": crossover_query_len(d, s, causal=causal),
-                "paths": cells,
-            }
-        )
-    return {
-        "model": d.name,
-        "tp": tp,
-        "causal": causal,
-        "up_projection_flops_per_context_token": up_projection_flops_per_context_token(d, tp),
-        "fold_flops_per_query_token": fold_flops_per_query_token(d, tp),
-        "absorbed_core_flops_per_context_token": absorbed_core_flops_per_context_token(d, tp),
-        "expanded_core_flops_per_context_token": expanded_core_flops_per_context_token(d, tp),
-        "core_cost_factor": core_cost_factor(d),
-        "asymptotic_query_threshold": asymptotic_query_threshold(d),
-        "min_context_for_single_query_absorption": min_context_for_absorption(d, 1),
-        "contexts": rows,
-    }

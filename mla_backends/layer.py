@@ -49,8 +49,8 @@ from .hf_loading import (
     shard_hf_tensor,
 )
 from .metadata import BatchMetadata
-from .prefill import PrefillWorkspace, default_workspace_rows, forward_mha
 from .plugins import get_backend
+from .prefill import PrefillWorkspace, default_workspace_rows, forward_mha
 from .rope import RotaryEmbedding
 from .sparse.layer_support import SparseKVCache, build_indexer, take_indexer_weights
 from .validation import require_int, require_tensor

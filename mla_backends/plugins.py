@@ -21,8 +21,8 @@ from typing import Any
 
 import pluggy
 
-from .hookspecs import PROJECT_NAME, MLABackendsSpec
 from .backend import MLABackend
+from .hookspecs import PROJECT_NAME, MLABackendsSpec
 from .registry import BackendName, PluginProblem, RegisteredBackend, RegistrationError, Registry
 
 __all__ = ["ENTRY_POINT_GROUP", "DISABLE_AUTOLOAD_ENV", "autoload_enabled", "load_registry", "run_plugin",

@@ -1,10 +1,11 @@
 """Backend names and the registry every backend (built-in or plugin) is registered in.
 
-This module holds the data structure only; the process-wide registry (``get_registry``, ``get_backend``,
-``registered_backends``, ``register_backend``, ``reset_registry``) lives next to the loader that fills it, in
-:mod:`mla_backends.plugins`: the built-ins through the same ``register_mla_backends`` hook as third-party
-plugins, then every entry point of the ``mla_backends`` group (unless ``MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD=1``). Faulty plugins are recorded as :class:`PluginProblem`,
-never raised: selection keeps working and ``explain()`` / ``mla-backends list`` show what went wrong.
+This module holds the data structure only. The process-wide registry (``get_registry``, ``get_backend``,
+``registered_backends``, ``register_backend``, ``reset_registry``) lives next to the loader that fills it,
+in :mod:`mla_backends.plugins`: the built-ins through the same ``register_mla_backends`` hook as third-party
+plugins, then every entry point of the ``mla_backends`` group (unless
+``MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD=1``). Faulty plugins are recorded as :class:`PluginProblem`, never
+raised: selection keeps working and ``explain()`` / ``mla-backends list`` show what went wrong.
 """
 
 from __future__ import annotations

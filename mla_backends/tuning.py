@@ -364,8 +364,8 @@ class PathTimer:
 
         from .hf_loading import random_hf_state_dict
         from .layer import MLAAttention
-        from .prefill import PrefillWorkspace
         from .plugins import get_backend
+        from .prefill import PrefillWorkspace
 
         require_int("repeats", repeats, minimum=1)
         require_int("max_tokens", max_tokens, minimum=1)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mla_backends import costs
-from mla_backends.cli import main
+from mla_backends.cli import main, reports
 from mla_backends.dims import MLADims
 
 
@@ -162,8 +162,8 @@ def test_help_shows_the_default_grid(capsys):
     with pytest.raises(SystemExit):
         main(["crossover", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert f"(default {','.join(map(str, costs.DEFAULT_CONTEXTS))})" in out
-    assert f"(default {','.join(map(str, costs.DEFAULT_QUERY_LENS))})" in out
+    assert f"(default {','.join(map(str, reports.DEFAULT_CONTEXTS))})" in out
+    assert f"(default {','.join(map(str, reports.DEFAULT_QUERY_LENS))})" in out
 
 
 def test_bad_list_is_an_argparse_error(capsys):

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from mla_backends import costs
+from mla_backends.cli import reports
 from mla_backends.dims import IndexerDims, MLADims
 
 
@@ -82,7 +83,7 @@ def test_v32_indexer_counts_in_the_cluster_bytes_and_break_even(v3, v32):
     assert costs.mla_cluster_bytes_per_token(v32, 2, tp=4) == 4 * 78_324
     be = costs.tp_break_even(v32)
     assert be == pytest.approx(327_680 / 78_324) and round(be, 1) == 4.2  # "drops to 4.2"
-    rep = costs.kv_cache_report(v32, tp=4)
+    rep = reports.kv_cache_report(v32, tp=4)
     assert rep["tp_break_even"] == be
     assert rep["cluster_bytes_per_token"] == costs.mla_cluster_bytes_per_token(v32, 2, tp=4)
     assert rep["indexer_overhead"] == costs.indexer_overhead(v32)
@@ -212,7 +213,7 @@ def test_indexer_skip_layers(v32):
 
 # ---- reports and validation ------------------------------------------------------------------------------
 def test_kv_cache_report(v3, v32):
-    rep = costs.kv_cache_report(v32, context_len=4096, gpu_memory_gib=10)
+    rep = reports.kv_cache_report(v32, context_len=4096, gpu_memory_gib=10)
     assert rep["bytes_per_token_per_layer"] == 1_152
     assert rep["bytes_per_token"] == 70_272
     assert rep["indexer_bytes_per_token"] == 8_052
@@ -220,20 +221,20 @@ def test_kv_cache_report(v3, v32):
     assert rep["tokens_that_fit"] == 10 * costs.GiB // 78_324
     assert rep["sequences_that_fit"] == 10 * costs.GiB // (4096 * 78_324)
     assert rep["gqa_tokens_that_fit"] == 10 * costs.GiB // 327_680
-    fp8 = costs.kv_cache_report(v3, kv_cache_dtype="fp8", tp=8)
+    fp8 = reports.kv_cache_report(v3, kv_cache_dtype="fp8", tp=8)
     assert fp8["bytes_per_token"] == 35_136 and fp8["expanded_bytes_per_token"] == 4_997_120 // 2 // 8
     assert fp8["kv_cache_dtype"] == "fp8_e4m3"
     # "auto" is reported as the dtype actually stored
-    assert costs.kv_cache_report(v3, model_dtype="float16")["kv_cache_dtype"] == "float16"
+    assert reports.kv_cache_report(v3, model_dtype="float16")["kv_cache_dtype"] == "float16"
 
 
 def test_crossover_report(v3):
-    rep = costs.crossover_report(v3, query_lens=[1, 200], contexts=[4096])
+    rep = reports.crossover_report(v3, query_lens=[1, 200], contexts=[4096])
     assert rep["asymptotic_query_threshold"] == pytest.approx(170.6667, abs=1e-4)
     cells = rep["contexts"][0]["paths"]
     assert [c["cheaper"] for c in cells] == ["absorbed", "expanded"]
     # a tie (Q=128, S=512: equal FLOPs) goes to expanded, as in cheaper_path; the TP size changes no verdict
-    tie = costs.crossover_report(v3, query_lens=[128], contexts=[512], tp=8)["contexts"][0]["paths"][0]
+    tie = reports.crossover_report(v3, query_lens=[128], contexts=[512], tp=8)["contexts"][0]["paths"][0]
     assert tie["absorbed_flops"] == tie["expanded_flops"] and tie["cheaper"] == "expanded"
 
 
@@ -245,7 +246,7 @@ def test_crossover_report(v3):
         (lambda d: costs.expanded_bytes_per_token(d, tp=3), "tp: got 3; supported a divisor"),
         (lambda d: costs.absorbed_path_flops(d, 0, 10), "query_len: got 0"),
         (lambda d: costs.workspace_rows(0, 1, 16), "max_model_len: got 0"),
-        (lambda d: costs.kv_cache_report(d, gpu_memory_gib=-1.0), "gpu_memory_gib: got -1.0"),
+        (lambda d: reports.kv_cache_report(d, gpu_memory_gib=-1.0), "gpu_memory_gib: got -1.0"),
         (lambda d: costs.gqa_bytes_per_token("llama"), "gqa: got str"),
         (lambda d: costs.latent_bytes_per_token(d, 2.0), "dtype_bytes: got float"),
     ],

@@ -9,86 +9,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
+
+from .args import add_model_args, csv_text, int_list, load_model_dims, per_rank_dims
 
 __all__ = ["register", "load_model_dims", "per_rank_dims", "run_kv_cache", "run_crossover"]
 
 
-def load_model_dims(spec: str) -> Any:
-    """``--model``: an existing config.json (or a folder holding one) or a preset name."""
-    from ..dims import PRESET_NAMES, MLADims
-
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(
-            f"--model: got {spec!r}; supported a preset ({', '.join(PRESET_NAMES)}) or a config.json"
-        )
-    if os.path.exists(spec):
-        return MLADims.from_hf_config(spec)
-    if spec.endswith(".json") or os.sep in spec:
-        raise ValueError(
-            f"--model: got {spec!r}, which does not exist; supported a preset "
-            f"({', '.join(PRESET_NAMES)}) or an existing config.json"
-        )
-    try:
-        return MLADims.preset(spec)
-    except ValueError:
-        raise ValueError(
-            f"--model: got {spec!r}; supported a preset ({', '.join(PRESET_NAMES)}) "
-            f"or a path to a config.json"
-        ) from None
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}; supported comma-separated positive ints") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"got {text!r}; supported comma-separated positive ints")
-    return values
-
-
-def _int_at_least(minimum: int):
-    """An argparse ``type``: an int ``>= minimum``, else ``got X; supported an int >= minimum``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"got {text!r}; supported an int >= {minimum}")
-        return value
-
-    return parse
-
-
-def _add_model_args(p: argparse.ArgumentParser, *, tp: int = 1, tp_help: str = "tensor-parallel size") -> None:
-    """``--model``, ``--tp`` (default ``tp``) and ``--json``, shared by kv-cache, crossover and tune."""
-    p.add_argument(
-        "--model",
-        default="deepseek-v3",
-        metavar="PRESET|config.json",
-        help="a preset (deepseek-v3, deepseek-v3.2, kimi-k2, ...) or a config.json (default deepseek-v3)",
-    )
-    p.add_argument("--tp", type=int, default=tp, metavar="N", help=f"{tp_help} (default {tp})")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-
-
-def _csv(values: Any) -> str:
-    """``(1, 16)`` -> ``"1,16"``: a default list as ``--help`` shows it."""
-    return ",".join(map(str, values))
-
-
 def register(sub: argparse._SubParsersAction) -> None:
-    from .. import costs
+    from . import reports
 
     p = sub.add_parser("kv-cache", help="bytes per token, tokens that fit, expanded and GQA comparisons",
                        description="Size the latent KV cache of a model: bytes per token (per layer and over all "
                                    "layers, plus the V3.2 indexer cache), against expanded K/V and Llama-3-70B's "
                                    "GQA cache, and how many tokens fit in --gpu-memory. See docs/cost-model.md.")
-    _add_model_args(p)
+    add_model_args(p)
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -111,20 +46,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Print, per context length, the query-block length below which the absorbed "
                                    "path costs fewer FLOPs than the expanded one (a model; `mla-backends tune` "
                                    "measures it). See docs/cost-model.md.")
-    _add_model_args(c)
+    add_model_args(c)
     c.add_argument(
         "--context",
-        type=_int_list,
+        type=int_list,
         default=None,
         metavar="S[,S...]",
-        help=f"context lengths for the table (default {_csv(costs.DEFAULT_CONTEXTS)})",
+        help=f"context lengths for the table (default {csv_text(reports.DEFAULT_CONTEXTS)})",
     )
     c.add_argument(
         "--query-lens",
-        type=_int_list,
+        type=int_list,
         default=None,
         metavar="Q[,Q...]",
-        help=f"query-block lengths for the table (default {_csv(costs.DEFAULT_QUERY_LENS)})",
+        help=f"query-block lengths for the table (default {csv_text(reports.DEFAULT_QUERY_LENS)})",
     )
     c.add_argument(
         "--causal",
@@ -134,22 +69,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_crossover)
 
 
-def per_rank_dims(dims: Any, tp: int) -> Any:
-    """``--tp``: the per-rank view ``dims.tensor_parallel(tp)``, its error worded for the command line."""
-    try:
-        return dims.tensor_parallel(tp)
-    except ValueError:
-        raise ValueError(
-            f"--tp: got {tp}; supported a positive divisor of the model's {dims.num_heads} heads"
-        ) from None
-
-
 def _kib(n: float) -> str:
     return f"{n / 1024:,.3f} KiB"
 
 
 def run_kv_cache(args: argparse.Namespace) -> int:
-    from .. import costs
+    from . import reports
 
     dims = load_model_dims(args.model)
     per_rank_dims(dims, args.tp)  # checks --tp; the cost functions take the whole model and tp
@@ -158,7 +83,7 @@ def run_kv_cache(args: argparse.Namespace) -> int:
         raise ValueError(f"--context: got {args.context}; supported a positive number of tokens")
     if args.gpu_memory is not None and args.gpu_memory <= 0:
         raise ValueError(f"--gpu-memory: got {args.gpu_memory}; supported a positive number of GiB")
-    rep = costs.kv_cache_report(
+    rep = reports.kv_cache_report(
         dims,
         kv_cache_dtype=args.kv_cache_dtype,
         model_dtype=args.dtype,
@@ -212,7 +137,7 @@ def run_kv_cache(args: argparse.Namespace) -> int:
 
 
 def run_crossover(args: argparse.Namespace) -> int:
-    from .. import costs
+    from . import reports
 
     dims = load_model_dims(args.model)
     per_rank_dims(dims, args.tp)  # checks --tp; the cost functions take the whole model and tp
@@ -222,7 +147,7 @@ def run_crossover(args: argparse.Namespace) -> int:
         kwargs["contexts"] = args.context
     if args.query_lens:
         kwargs["query_lens"] = args.query_lens
-    rep = costs.crossover_report(dims, **kwargs)
+    rep = reports.crossover_report(dims, **kwargs)
     if args.json:
         print(json.dumps(rep, indent=2))
         return 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .costs_cmd import _csv, _int_at_least, _int_list
+from .args import csv_text, int_at_least, int_list
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,15 +23,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "decode (16 heads, V3 at TP=8) against the naive expanded path and check that they match, "
                     "then run an MLAAttention layer with random weights through prefill, decode and mixed steps.",
     )
-    p.add_argument("--requests", type=_int_at_least(1), default=4, help="decode requests in the batch (default 4)")
-    p.add_argument("--context", type=_int_at_least(0), default=3000,
+    p.add_argument("--requests", type=int_at_least(1), default=4, help="decode requests in the batch (default 4)")
+    p.add_argument("--context", type=int_at_least(0), default=3000,
                    help="cached tokens per request (default 3000)")
-    p.add_argument("--block-size", type=_int_at_least(1), default=64, help="page size in tokens (default 64)")
+    p.add_argument("--block-size", type=int_at_least(1), default=64, help="page size in tokens (default 64)")
     p.add_argument("--seed", type=int, default=0, help="random seed for inputs and weights (default 0)")
     prompts = [96, 64, 80, 32]
-    p.add_argument("--prompts", type=_int_list, default=prompts, metavar="N[,N...]",
-                   help=f"layer section: prompt lengths, comma-separated (default {_csv(prompts)})")
-    p.add_argument("--decode-steps", type=_int_at_least(0), default=6,
+    p.add_argument("--prompts", type=int_list, default=prompts, metavar="N[,N...]",
+                   help=f"layer section: prompt lengths, comma-separated (default {csv_text(prompts)})")
+    p.add_argument("--decode-steps", type=int_at_least(0), default=6,
                    help="layer section: decode steps (default 6)")
     p.add_argument("--skip-layer", action="store_true", help="only the decode comparison")
     p.set_defaults(func=run)

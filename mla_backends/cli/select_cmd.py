@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from .costs_cmd import load_model_dims, per_rank_dims
+from .args import load_model_dims, per_rank_dims
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from .costs_cmd import _add_model_args, _csv, _int_list, load_model_dims, per_rank_dims
+from .args import add_model_args, csv_text, int_list, load_model_dims, per_rank_dims
 
 __all__ = ["register", "run_tune"]
 
@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "or MLA_BACKENDS_THRESHOLD_TABLE=FILE loads. The default grid takes minutes on a CPU; "
                     "--quick takes seconds.",
     )
-    _add_model_args(p, tp=8, tp_help="time one rank of this tensor-parallel size; 8 = 16 heads of DeepSeek-V3")
+    add_model_args(p, tp=8, tp_help="time one rank of this tensor-parallel size; 8 = 16 heads of DeepSeek-V3")
     p.add_argument(
         "--backend",
         action="append",
@@ -43,22 +43,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--query-lens",
-        type=_int_list,
+        type=int_list,
         default=None,
         metavar="Q[,Q...]",
-        help=f"query lengths (default {_csv(tuning.DEFAULT_QUERY_LENS)})",
+        help=f"query lengths (default {csv_text(tuning.DEFAULT_QUERY_LENS)})",
     )
     p.add_argument(
         "--contexts",
-        type=_int_list,
+        type=int_list,
         default=None,
         metavar="S[,S...]",
-        help=f"context lengths (default {_csv(tuning.DEFAULT_CONTEXTS)})",
+        help=f"context lengths (default {csv_text(tuning.DEFAULT_CONTEXTS)})",
     )
     p.add_argument(
         "--quick",
         action="store_true",
-        help=f"a small grid (Q {_csv(tuning.QUICK_QUERY_LENS)} over S {_csv(tuning.QUICK_CONTEXTS)}; one repeat)",
+        help=f"a small grid (Q {csv_text(tuning.QUICK_QUERY_LENS)} over S "
+             f"{csv_text(tuning.QUICK_CONTEXTS)}; one repeat)",
     )
     p.add_argument("--repeats", type=int, default=None,
                    help=f"passes over the grid; each point keeps its best time (default {tuning.DEFAULT_REPEATS})")

@@ -1,0 +1,91 @@
+"""Argument helpers shared by the ``mla-backends`` subcommands (argparse types, the model options).
+
+``--model`` takes a preset or a config.json and ``--tp`` a divisor of the model's heads; their errors name the
+option, what was given and what is accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["load_model_dims", "per_rank_dims", "int_list", "int_at_least", "add_model_args", "csv_text"]
+
+
+def load_model_dims(spec: str) -> Any:
+    """``--model``: an existing config.json (or a folder holding one) or a preset name."""
+    from ..dims import PRESET_NAMES, MLADims
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(
+            f"--model: got {spec!r}; supported a preset ({', '.join(PRESET_NAMES)}) or a config.json"
+        )
+    if os.path.exists(spec):
+        return MLADims.from_hf_config(spec)
+    if spec.endswith(".json") or os.sep in spec:
+        raise ValueError(
+            f"--model: got {spec!r}, which does not exist; supported a preset "
+            f"({', '.join(PRESET_NAMES)}) or an existing config.json"
+        )
+    try:
+        return MLADims.preset(spec)
+    except ValueError:
+        raise ValueError(
+            f"--model: got {spec!r}; supported a preset ({', '.join(PRESET_NAMES)}) "
+            f"or a path to a config.json"
+        ) from None
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated positive ints (``"1,16"`` -> ``[1, 16]``)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}; supported comma-separated positive ints") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"got {text!r}; supported comma-separated positive ints")
+    return values
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse ``type``: an int ``>= minimum``, else ``got X; supported an int >= minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"got {text!r}; supported an int >= {minimum}")
+        return value
+
+    return parse
+
+
+def add_model_args(p: argparse.ArgumentParser, *, tp: int = 1, tp_help: str = "tensor-parallel size") -> None:
+    """``--model``, ``--tp`` (default ``tp``) and ``--json``, shared by kv-cache, crossover and tune."""
+    p.add_argument(
+        "--model",
+        default="deepseek-v3",
+        metavar="PRESET|config.json",
+        help="a preset (deepseek-v3, deepseek-v3.2, kimi-k2, ...) or a config.json (default deepseek-v3)",
+    )
+    p.add_argument("--tp", type=int, default=tp, metavar="N", help=f"{tp_help} (default {tp})")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def csv_text(values: Any) -> str:
+    """``(1, 16)`` -> ``"1,16"``: a default list as ``--help`` shows it."""
+    return ",".join(map(str, values))
+
+
+def per_rank_dims(dims: Any, tp: int) -> Any:
+    """``--tp``: the per-rank view ``dims.tensor_parallel(tp)``, its error worded for the command line."""
+    try:
+        return dims.tensor_parallel(tp)
+    except ValueError:
+        raise ValueError(
+            f"--tp: got {tp}; supported a positive divisor of the model's {dims.num_heads} heads"
+        ) from None
