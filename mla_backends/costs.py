@@ -20,59 +20,30 @@ import torch
 
 from .dims import MLADims
 from .dtypes import canonical_kv_cache_dtype, kv_cache_torch_dtype, parse_model_dtype
+from .prefill import MAX_WORKSPACE_ROWS, default_workspace_rows
+from .validation import require_int
 
 __all__ = [
-    "GQAConfig",
-    "LLAMA3_70B",
-    "Accelerator",
-    "H100_SXM",
-    "INDEXER_QUANT_BLOCK",
-    "WORKSPACE_MAX_ROWS",
-    "element_bytes",
-    "latent_bytes_per_token_per_layer",
-    "latent_bytes_per_token",
-    "expanded_bytes_per_token_per_layer",
-    "expanded_bytes_per_token",
-    "expanded_ratio",
-    "uncached_kv_bytes_per_token_per_layer",
-    "gqa_bytes_per_token",
-    "gqa_cluster_bytes_per_token",
-    "cache_bytes_per_token",
-    "mla_cluster_bytes_per_token",
-    "tp_break_even",
-    "up_projection_flops_per_context_token",
-    "fold_flops_per_query_token",
-    "absorbed_core_flops_per_context_token",
-    "expanded_core_flops_per_context_token",
-    "core_cost_factor",
-    "decode_arithmetic_intensity",
-    "gqa_decode_arithmetic_intensity",
-    "attention_pairs",
-    "absorbed_path_flops",
-    "expanded_path_flops",
-    "cheaper_path",
-    "crossover_query_len",
-    "asymptotic_query_threshold",
-    "min_context_for_absorption",
-    "decode_roofline",
-    "workspace_rows",
-    "workspace_latent_bytes",
-    "workspace_upprojected_bytes",
-    "indexer_bytes_per_token_per_layer",
-    "indexing_layers",
-    "indexer_bytes_per_token",
-    "indexer_overhead",
-    "KiB",
-    "MiB",
-    "GiB",
+    "GQAConfig", "LLAMA3_70B", "Accelerator", "H100_SXM", "INDEXER_QUANT_BLOCK", "WORKSPACE_MAX_ROWS",
+    "element_bytes", "latent_bytes_per_token_per_layer", "latent_bytes_per_token",
+    "expanded_bytes_per_token_per_layer", "expanded_bytes_per_token", "expanded_ratio",
+    "uncached_kv_bytes_per_token_per_layer", "gqa_bytes_per_token", "gqa_cluster_bytes_per_token",
+    "cache_bytes_per_token", "mla_cluster_bytes_per_token", "tp_break_even",
+    "up_projection_flops_per_context_token", "fold_flops_per_query_token",
+    "absorbed_core_flops_per_context_token", "expanded_core_flops_per_context_token", "core_cost_factor",
+    "decode_arithmetic_intensity", "gqa_decode_arithmetic_intensity", "attention_pairs", "absorbed_path_flops",
+    "expanded_path_flops", "cheaper_path", "crossover_query_len", "asymptotic_query_threshold",
+    "min_context_for_absorption", "decode_roofline", "workspace_rows", "workspace_latent_bytes",
+    "workspace_upprojected_bytes", "indexer_bytes_per_token_per_layer", "indexing_layers",
+    "indexer_bytes_per_token", "indexer_overhead", "KiB", "MiB", "GiB",
 ]
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
 #: DeepSeek-V3.2 indexer keys are fp8 with one float32 scale per this many values (both engines use 128)
 INDEXER_QUANT_BLOCK = 128
-#: vLLM's cap on the chunked-prefill workspace, in cache rows ("limiting it to 64k tokens")
-WORKSPACE_MAX_ROWS = 64 * 1024  # == prefill.MAX_WORKSPACE_ROWS (tests check they agree)
+#: vLLM's cap on the chunked-prefill workspace, in cache rows ("limiting it to 64k tokens"): prefill's own cap
+WORKSPACE_MAX_ROWS = MAX_WORKSPACE_ROWS
 
 
 # ---- reference configurations (data) ---------------------------------------------------------------------
@@ -88,9 +59,7 @@ class GQAConfig:
 
 
 #: Llama-3-70B: 80 layers, 64 query heads sharing 8 KV heads (GQA-8), head width 128
-LLAMA3_70B = GQAConfig(
-    name="llama-3-70b", num_layers=80, num_attention_heads=64, num_kv_heads=8, head_dim=128
-)
+LLAMA3_70B = GQAConfig(name="llama-3-70b", num_layers=80, num_attention_heads=64, num_kv_heads=8, head_dim=128)
 
 
 @dataclass(frozen=True)
@@ -119,11 +88,7 @@ def _dims(dims: Any) -> MLADims:
 
 
 def _pos_int(name: str, v: Any, *, allow_zero: bool = False) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name}: got {type(v).__name__} {v!r}; supported an int")
-    if v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(f"{name}: got {v}; supported {'>= 0' if allow_zero else 'a positive int'}")
-    return v
+    return require_int(name, v, minimum=0 if allow_zero else 1)
 
 
 def _heads_per_rank(dims: MLADims, tp: int) -> int:
@@ -421,9 +386,7 @@ def decode_roofline(
     s = _pos_int("context_len", context_len)
     flops = d.num_layers * s * absorbed_core_flops_per_context_token(d, tp)
     nbytes = s * latent_bytes_per_token(d, dtype_bytes)
-    return DecodeRoofline(
-        s, tp, flops, nbytes, flops / accelerator.peak_flops, nbytes / accelerator.bandwidth
-    )
+    return DecodeRoofline(s, tp, flops, nbytes, flops / accelerator.peak_flops, nbytes / accelerator.bandwidth)
 
 
 # ---- chunked-prefill workspace ---------------------------------------------------------------------------
@@ -435,8 +398,6 @@ def workspace_rows(max_model_len: int, max_num_seqs: int, block_size: int) -> in
     Room for eight full-length requests or at least four pages per sequence, capped at 64k rows. The same
     sizing :func:`mla_backends.prefill.default_workspace_rows` gives ``forward_mha`` (this delegates to it).
     """
-    from .prefill import default_workspace_rows
-
     return default_workspace_rows(max_model_len, max_num_seqs, block_size)
 
 

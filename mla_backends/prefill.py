@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .attention_math import merge_attention_states, softmax_with_lse
 from .cache import LatentKVCache, position_slots
 from .dtypes import accumulate_dtype
 from .metadata import BatchMetadata
@@ -70,17 +71,6 @@ def default_workspace_rows(max_model_len: int, max_num_seqs: int, block_size: in
     return min(max(8 * max_model_len, 4 * max_num_seqs * block_size), MAX_WORKSPACE_ROWS)
 
 
-def softmax_with_lse(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``scores [..., n, S]`` (masked with -inf) and ``values [..., S, V]`` -> ``(out [..., n, V], lse [..., n])``.
-
-    Rows with nothing visible get LSE ``-inf`` and output 0.
-    """
-    lse = torch.logsumexp(scores, dim=-1)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    p = torch.exp(scores - safe.unsqueeze(-1))
-    return torch.matmul(p, values), lse
-
-
 class PrefillWorkspace:
     """Buffers for one context chunk, allocated on first use and reused while shape, dtype and device stay.
 
@@ -111,22 +101,6 @@ class PrefillWorkspace:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.latent, self.kv) if t is not None)
-
-
-def merge_attention_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
-                           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine two attention results over disjoint key sets.
-
-    ``o_* [n, H, V]``, ``lse_* [n, H]`` (natural log). A part with LSE ``-inf`` (no keys) gets weight 0; when
-    both are empty the output is 0 and the LSE ``-inf`` (never NaN).
-    """
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    total = w_a + w_b
-    denom = torch.where(total > 0, total, torch.ones_like(total))
-    o = (o_a * (w_a / denom).unsqueeze(-1)) + (o_b * (w_b / denom).unsqueeze(-1))
-    return o, m + torch.log(total)
 
 
 def prefill_attention(

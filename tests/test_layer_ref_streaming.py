@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mla_backends.attention_math import padded_groups
 from mla_backends.cache import LatentKVCache
 from mla_backends.metadata import BatchMetadata
 from mla_backends.ref_torch import RefTorchBackend
@@ -128,7 +129,7 @@ def test_streamed_groups_hold_requests_of_similar_length(monkeypatch):
 
 
 def test_padded_groups_match_reference(monkeypatch):
-    """Short sequences in several padded groups (a tiny WORKSPACE_ELEMENTS): uniform and mixed query lengths,
+    """Short sequences in several padded groups (a tiny GROUP_ELEMENT_BUDGET): uniform and mixed query lengths,
     a zero-length request, each group's tokens found at its own offset."""
     g = torch.Generator().manual_seed(12)
     bs = 4
@@ -137,8 +138,8 @@ def test_padded_groups_match_reference(monkeypatch):
     W = r + R
     seq = [c + n for c, n in zip(ctx, new, strict=True)]
     budget = 2 * max(seq) * (W + max(new) * H)  # about two requests per group
-    monkeypatch.setattr(ref_backend, "WORKSPACE_ELEMENTS", budget)
-    groups = ref_backend.padded_groups(seq, new, W, H, budget)
+    monkeypatch.setattr(ref_backend, "GROUP_ELEMENT_BUDGET", budget)
+    groups = padded_groups(seq, new, W, H, budget)
     assert len(groups) >= 3 and groups[0] == (0, 2)  # the first group is uniform (2 + 2), later ones mixed
     pages = -(-max(seq) // bs)
     nb = len(ctx) * pages + 1

@@ -233,7 +233,7 @@ def test_result_does_not_depend_on_the_work_split(monkeypatch):
     # 16 heads: a score is exactly 0 (a tie) only if all 16 ReLUs are 0
     q, w = torch.randn(meta.num_tokens, 16, 128, generator=g), torch.randn(meta.num_tokens, 16, generator=g)
     whole = indexer_mod.causal_topk(q, w, cache, meta, 8)
-    monkeypatch.setattr(indexer_mod, "WORKSPACE_ELEMENTS", 3000)  # forces groups and token-split prefills
+    monkeypatch.setattr(indexer_mod, "GROUP_ELEMENT_BUDGET", 3000)  # forces groups and token-split prefills
     items = indexer_mod._work_items(meta, per_row=4, per_pos=128 + 132)
     assert len(items) > 3 and any(j0 > 0 for _, _, j0, _ in items)
     split = indexer_mod.causal_topk(q, w, cache, meta, 8)

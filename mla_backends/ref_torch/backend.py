@@ -13,24 +13,20 @@ attended the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
+from ..attention_math import GROUP_ELEMENT_BUDGET, padded_groups, softmax_with_lse
 from ..backend import Capabilities, MLABackend, QueryLenSupport
 from ..cache import LatentKVCache, position_slots
 from ..dtypes import KV_CACHE_DTYPES, accumulate_dtype
 from ..metadata import BatchMetadata
 from ..mqa_inputs import check_mqa_inputs
-from ..prefill import softmax_with_lse
 from ..validation import require_int
 
-__all__ = ["RefTorchBackend", "WORKSPACE_ELEMENTS", "stream_chunk_pages", "padded_groups"]
+__all__ = ["RefTorchBackend", "stream_chunk_pages"]
 
-#: upper bound on elements of one padded group's working set (gathered rows + scores), 256 MiB in fp32; the
-#: sparse indexer's selection groups use it too
-WORKSPACE_ELEMENTS = 1 << 26
 #: sequences at least this long are streamed in page chunks (each cached row read once, chunk kept in cache)
 STREAM_MIN_ROWS = 1024
 #: bytes of gathered rows per streamed chunk, all requests of a group together. Small enough that the chunk
@@ -61,24 +57,6 @@ def stream_chunk_pages(num_requests: int, row_bytes: int, block_size: int) -> in
     require_int("block_size", block_size, minimum=1)
     rows = min(STREAM_MAX_CHUNK_ROWS, STREAM_CHUNK_BYTES // (num_requests * row_bytes))
     return max(1, rows // block_size)
-
-
-def padded_groups(seq_lens: Sequence[int], query_lens: Sequence[int], per_pos: int, per_row: int,
-                  budget: int) -> list[tuple[int, int]]:
-    """Cut requests into consecutive groups ``(start, stop)`` whose padded working set, ``requests x longest
-    sequence x (per_pos + longest query x per_row)`` elements, fits ``budget``; a request over the budget on
-    its own still forms a group. No groups for no requests."""
-    groups: list[tuple[int, int]] = []
-    start = max_s = max_q = 0
-    for i, (s, qn) in enumerate(zip(seq_lens, query_lens, strict=True)):
-        ns, nq = max(max_s, s), max(max_q, qn)
-        if i > start and (i - start + 1) * ns * (per_pos + nq * per_row) > budget:
-            groups.append((start, i))
-            start, ns, nq = i, s, qn
-        max_s, max_q = ns, nq
-    if start < len(seq_lens):
-        groups.append((start, len(seq_lens)))
-    return groups
 
 
 class RefTorchBackend(MLABackend):
@@ -246,7 +224,7 @@ class RefTorchBackend(MLABackend):
         r, bs = cache.kv_lora_rank, cache.block_size
         starts = meta.query_starts_list
         dev = q.device
-        for g0, g1 in padded_groups(meta.seq_lens_list, meta.query_lens_list, W, H, WORKSPACE_ELEMENTS):
+        for g0, g1 in padded_groups(meta.seq_lens_list, meta.query_lens_list, W, H, GROUP_ELEMENT_BUDGET):
             qlens = meta.query_lens_list[g0:g1]
             if not any(qlens):
                 continue
@@ -287,7 +265,7 @@ class RefTorchBackend(MLABackend):
         T, H, W = q.shape
         r, bs = cache.kv_lora_rank, cache.block_size
         K = topk.shape[1]
-        step = max(1, WORKSPACE_ELEMENTS // max(1, K * (W + H)))
+        step = max(1, GROUP_ELEMENT_BUDGET // max(1, K * (W + H)))
         flat = cache.data.view(-1, W)
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)

@@ -29,16 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..attention_math import GROUP_ELEMENT_BUDGET, padded_groups
 from ..cache import LatentKVCache
 from ..dims import IndexerDims, MLADims
 from ..dtypes import accumulate_dtype
 from ..metadata import BatchMetadata
-from ..ref_torch.backend import WORKSPACE_ELEMENTS, padded_groups
 from ..rope import RotaryEmbedding
 from ..validation import require_int, require_on_device, require_tensor
 from .indexer_cache import IndexerKeyCache
 
-__all__ = ["Indexer", "hadamard_matrix", "index_scores", "causal_topk", "WORKSPACE_ELEMENTS"]
+__all__ = ["Indexer", "hadamard_matrix", "index_scores", "causal_topk"]
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32,
@@ -71,7 +71,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> 
 
 
 def _work_items(meta: BatchMetadata, per_row: int, per_pos: int) -> list[tuple[int, int, int, int]]:
-    """Split the batch into ``(req0, req1, tok0, tok1)`` groups that fit :data:`WORKSPACE_ELEMENTS`.
+    """Split the batch into ``(req0, req1, tok0, tok1)`` groups that fit :data:`GROUP_ELEMENT_BUDGET`.
 
     A group of consecutive requests covers their new tokens ``tok0 .. tok1`` (offsets within each request;
     ``0 .. max query len`` for a whole group). A request too large for the budget on its own is split into
@@ -81,14 +81,14 @@ def _work_items(meta: BatchMetadata, per_row: int, per_pos: int) -> list[tuple[i
     qs, ss, n = meta.query_lens_list, meta.seq_lens_list, meta.num_requests
     seg = 0  # first request of the current run of requests that fit the budget alone
     for i in range(n + 1):
-        big = i < n and qs[i] > 0 and ss[i] * (per_pos + qs[i] * per_row) > WORKSPACE_ELEMENTS
+        big = i < n and qs[i] > 0 and ss[i] * (per_pos + qs[i] * per_row) > GROUP_ELEMENT_BUDGET
         if i < n and not big:
             continue
-        for a, b in padded_groups(ss[seg:i], qs[seg:i], per_pos, per_row, WORKSPACE_ELEMENTS):
+        for a, b in padded_groups(ss[seg:i], qs[seg:i], per_pos, per_row, GROUP_ELEMENT_BUDGET):
             if max(qs[seg + a: seg + b]):  # groups of zero-length requests select nothing
                 items.append((seg + a, seg + b, 0, max(qs[seg + a: seg + b])))
         if big:  # too big alone: split its tokens
-            step = max(1, (WORKSPACE_ELEMENTS // ss[i] - per_pos) // per_row)
+            step = max(1, (GROUP_ELEMENT_BUDGET // ss[i] - per_pos) // per_row)
             items.extend((i, i + 1, j, min(qs[i], j + step)) for j in range(0, qs[i], step))
         seg = i + 1
     return items
