@@ -153,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def detect(torch: Any) -> Any:
     """The device as the selector sees it (NVML through ``selector.detect``; torch as a fallback)."""
-    from selector.device import CPU_DEVICE, DeviceInfo
+    from mla_backends.device import CPU_DEVICE, DeviceInfo
 
     dev = None
     try:

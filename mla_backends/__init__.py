@@ -28,7 +28,7 @@ _LAZY = {
     "Selection": "selector",
     "NoBackendError": "selector",
     "BackendNotSupportedError": "selector",
-    "DeviceInfo": "selector.device",
+    "DeviceInfo": ".device",
     "Indexer": ".sparse",
     "IndexerKeyCache": ".sparse",
     "SparseKVCache": ".sparse",

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from selector.device import CPU_DEVICE, DeviceInfo
-
+from .device import CPU_DEVICE, DeviceInfo
 from .dtypes import FP8_CACHE_DTYPES, KV_CACHE_DTYPES, canonical_kv_cache_dtype, dtype_name, resolve_kv_cache_dtype
 
 if TYPE_CHECKING:

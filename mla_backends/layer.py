@@ -28,10 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from selector.device import cuda_device_index, device_info_for
-
 from .backend import AttentionSpec, MLABackend, QueryLenSupport
 from .cache import LatentKVCache
+from .device import cuda_device_index, device_info_for
 from .dims import MLADims, read_config_json
 from .dispatch import DispatchPolicy, PerRequestPolicy, clamp_to_backend, resolve_policy
 from .dtypes import accumulate_dtype, dtype_name, parse_model_dtype

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from selector.device import device_info_for
-
 from .backend import AttentionSpec, QueryLenSupport
 from .cache import LatentKVCache
+from .device import device_info_for
 from .dtypes import MODEL_DTYPES
 from .metadata import BatchMetadata
 from .validation import require_on_device, require_tensor

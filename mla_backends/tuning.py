@@ -310,9 +310,8 @@ def tunable_backends(
     """
     import torch
 
-    from selector.device import device_info_for
-
     from .backend import AttentionSpec
+    from .device import device_info_for
     from .plugins import get_backend, registered_backends
 
     info = device_info_for(torch.device(device))
@@ -493,7 +492,7 @@ def _versions() -> dict[str, str]:
 def _device_record(device: Any) -> dict[str, Any]:
     import torch
 
-    from selector.device import device_info_for
+    from .device import device_info_for
 
     info = device_info_for(torch.device(device))
     rec: dict[str, Any] = {"kind": info.kind, "name": info.name}

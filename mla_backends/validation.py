@@ -12,7 +12,7 @@ import torch
 
 from .dtypes import dtype_name
 
-__all__ = ["require_tensor", "require_int", "require_same_device", "require_on_device"]
+__all__ = ["require_tensor", "require_int", "require_on_device"]
 
 
 def require_tensor(
@@ -49,14 +49,6 @@ def require_int(name: str, x: object, *, minimum: int | None = None) -> int:
     if minimum is not None and x < minimum:
         raise ValueError(f"{name}: got {x}; supported >= {minimum}")
     return x
-
-
-def require_same_device(**tensors: torch.Tensor) -> None:
-    """Check that every named tensor lives on one device."""
-    devices = {k: v.device for k, v in tensors.items()}
-    if len(set(devices.values())) > 1:
-        listing = ", ".join(f"{k} on {v}" for k, v in devices.items())
-        raise ValueError(f"tensors on different devices: got {listing}; supported all on one device")
 
 
 def require_on_device(device: torch.device, owner: str = "the cache's", **tensors: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
 """Backend selection for MLA: device detection, per-architecture ladders (data), overrides, explanations.
 
-Attributes load lazily so that ``selector.device`` can be imported without the rest.
+Attributes load lazily. ``DeviceInfo`` lives in ``mla_backends.device`` (``selector.device`` re-exports it).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "DeviceInfo": "selector.device",
+    "DeviceInfo": "mla_backends.device",
     "select_backend": "selector.select",
     "Selection": "selector.select",
     "NoBackendError": "selector.select",

@@ -7,10 +7,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from mla_backends.backend import AttentionSpec
+from mla_backends.device import DeviceInfo
 from mla_backends.dtypes import dtype_name
 from mla_backends.registry import PluginProblem
-
-from .device import DeviceInfo
 
 if TYPE_CHECKING:
     from .select import Selection, SelectionError, Verdict

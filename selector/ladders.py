@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mla_backends.device import DeviceInfo
 from mla_backends.registry import BackendName, Registry
-
-from .device import DeviceInfo
 
 __all__ = ["Ladder", "LADDERS", "ladder_for", "candidates"]
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mla_backends.backend import AttentionSpec, MLABackend
+from mla_backends.device import DeviceInfo
 from mla_backends.dims import MLADims
 from mla_backends.dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, parse_model_dtype
 from mla_backends.plugins import get_registry
@@ -23,7 +24,6 @@ from mla_backends.registry import BackendName, PluginProblem, Registry, UnknownB
 from mla_backends.validation import require_int
 
 from .detect import clear_device_cache, resolve_device
-from .device import DeviceInfo
 from .ladders import candidates, ladder_for
 
 __all__ = [

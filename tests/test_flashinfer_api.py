@@ -25,6 +25,7 @@ import torch
 
 from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
 from mla_backends.cache import LatentKVCache
+from mla_backends.device import simulated_device
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
     FlashInferMLABackend,
@@ -37,7 +38,6 @@ from mla_backends.flashinfer_mla import (
 from mla_backends.metadata import BatchMetadata
 from mla_backends.plugins import get_backend
 from mla_backends.registry import BackendName
-from selector.device import simulated_device
 
 pytest.importorskip("flashinfer",
                     reason="flashinfer-python is not installed (pip install 'mla-backends[flashinfer]')")
@@ -79,8 +79,9 @@ def test_package_import_and_selection_do_not_import_flashinfer():
         "import sys\n"
         "import mla_backends.flashinfer_mla as m\n"
         "from mla_backends.backend import AttentionSpec\n"
-        "from selector.device import DeviceInfo\n"
-        "for cls in m.BACKENDS:\n"
+        "from mla_backends.device import DeviceInfo\n"
+        "for cls in (m.FlashInferMLABackend, m.FlashInferCutlassMLABackend, m.FlashInferTrtllmMLABackend,\n"
+        "            m.FlashInferXqaMLABackend):\n"
         "    for cc in [(8, 0), (9, 0), (10, 0), (12, 0)]:\n"
         "        d = DeviceInfo(kind='cuda', name='x', compute_capability=cc, simulated=True)\n"
         "        cls.not_supported_reasons(AttentionSpec(num_heads=16, device=d))\n"

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mla_backends.backend import AttentionSpec
+from mla_backends.device import CPU_DEVICE, DeviceInfo, simulated_device
 from mla_backends.dims import MLADims
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
@@ -26,7 +27,6 @@ from mla_backends.flashinfer_mla import (
     _install,
 )
 from selector import select
-from selector.device import CPU_DEVICE, DeviceInfo, simulated_device
 
 FA, CUTLASS, TRTLLM, XQA = (FlashInferMLABackend, FlashInferCutlassMLABackend, FlashInferTrtllmMLABackend,
                             FlashInferXqaMLABackend)

@@ -11,6 +11,7 @@ import torch
 
 from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
 from mla_backends.cache import LatentKVCache, block_table_slots, check_slot_mapping
+from mla_backends.device import simulated_device
 from mla_backends.dims import MLADims, read_config_json
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
@@ -23,7 +24,6 @@ from mla_backends.hf_loading import hf_attention_bias
 from mla_backends.metadata import BatchMetadata
 from mla_backends.sparse import IndexerKeyCache
 from mla_backends.validation import require_on_device
-from selector.device import simulated_device
 
 V2_LITE = {"num_attention_heads": 16, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
            "v_head_dim": 128, "hidden_size": 2048, "q_lora_rank": None, "attention_bias": True}

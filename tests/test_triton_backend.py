@@ -13,10 +13,10 @@ import torch
 from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
 from mla_backends.backend import AttentionSpec
 from mla_backends.cache import LatentKVCache
+from mla_backends.device import CPU_DEVICE, DeviceInfo
 from mla_backends.metadata import BatchMetadata
 from mla_backends.triton_mla import TritonMLABackend, choose_num_kv_splits
 from mla_backends.triton_mla.plan import MAX_KV_SPLITS, block_h_for, next_pow2
-from selector.device import CPU_DEVICE, DeviceInfo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = DeviceInfo(kind="cuda", name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), sm_count=132)
@@ -74,7 +74,7 @@ def test_importing_the_backend_and_gating_do_not_import_triton():
         os.environ.pop("TRITON_INTERPRET", None)
         from mla_backends.triton_mla import TritonMLABackend
         from mla_backends.backend import AttentionSpec
-        from selector.device import CPU_DEVICE
+        from mla_backends.device import CPU_DEVICE
         r = TritonMLABackend.not_supported_reasons(AttentionSpec(num_heads=16, device=CPU_DEVICE))
         assert any("requires a CUDA device" in x for x in r), r
         assert "triton" not in sys.modules, "triton imported"

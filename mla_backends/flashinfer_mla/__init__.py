@@ -15,9 +15,4 @@ __all__ = [
     "FlashInferCutlassMLABackend",
     "FlashInferTrtllmMLABackend",
     "FlashInferXqaMLABackend",
-    "BACKENDS",
 ]
-
-#: the four backends, in the order the selector should consider them on a device they all fit
-BACKENDS = (FlashInferTrtllmMLABackend, FlashInferCutlassMLABackend, FlashInferXqaMLABackend,
-            FlashInferMLABackend)

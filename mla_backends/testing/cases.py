@@ -24,9 +24,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from selector.device import CPU_DEVICE, DeviceInfo, simulated_device
-
 from ..backend import AttentionSpec, MLABackend, QueryLenSupport
+from ..device import CPU_DEVICE, DeviceInfo, simulated_device
 from ..dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, dtype_name
 
 __all__ = [

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from selector.device import DeviceInfo, device_info_for
-
 from ..backend import DEFAULT_TOLERANCES, MLABackend, Tolerance
 from ..cache import LatentKVCache
+from ..device import DeviceInfo, device_info_for
 from ..dims import MLADims
 from ..dtypes import dtype_name
 from ..metadata import BatchMetadata

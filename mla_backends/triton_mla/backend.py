@@ -11,10 +11,9 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from selector.device import DeviceInfo, cuda_device_index
-
 from ..backend import Capabilities, MLABackend, QueryLenSupport
 from ..cache import LatentKVCache
+from ..device import DeviceInfo, cuda_device_index
 from ..metadata import BatchMetadata
 from ..mqa_inputs import check_declared_support, check_mqa_inputs
 from .interpreter import interpreter_enabled
