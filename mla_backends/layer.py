@@ -12,7 +12,7 @@ absorbed ``forward_mqa``::
 One step, for ``T`` tokens in processing order (decodes first):
 
 - ``q = q_b_proj(rms(q_a_proj(x)))`` (or ``q_proj(x)``) -> ``[T, H, nope + rope]``;
-  ``kv_a_proj_with_mqa(x)`` -> latent ``[T, r]`` (RMS-normalised) and ``k_pe [T, rope]``; RoPE on both rope
+  ``kv_a_proj_with_mqa(x)`` -> latent ``[T, R]`` (RMS-normalised) and ``k_pe [T, rope]``; RoPE on both rope
   slices; the new ``[latent | k_pe]`` rows are written to the cache.
 - absorbed requests: ``q_nope @ W_UK_T`` -> ``backend.forward_mqa`` -> ``@ W_UV``;
 - expanded requests: :func:`~mla_backends.prefill.forward_mha` (new tokens causal, cached context in
@@ -100,7 +100,7 @@ class MLAAttention(torch.nn.Module):
     """Multi-head latent attention for one layer (this rank's heads).
 
     Parameters use transformers' names (``q_a_proj``, ``kv_b_proj`` ...) with this rank's shapes; the folded
-    ``W_UK_T [H, nope, r]`` and ``W_UV [H, r, v]`` are buffers rewritten in place on every load.
+    ``W_UK_T [H, nope, R]`` and ``W_UV [H, R, v]`` are buffers rewritten in place on every load.
 
     Attributes:
         dims: per-rank :class:`MLADims`.
@@ -175,7 +175,7 @@ class MLAAttention(torch.nn.Module):
         if table_policy is not None:
             self.dispatch = table_policy
 
-        H, P, R, V, r = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, \
+        H, N, P, V, R = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, \
             dims.kv_lora_rank
         hid = dims.hidden_size
         kw = {"dtype": self.dtype, "device": self.device}
@@ -185,7 +185,7 @@ class MLAAttention(torch.nn.Module):
 
         if dims.q_lora_rank is None:
             self.q_proj = torch.nn.Module()
-            self.q_proj.weight = param(H * (P + R), hid)
+            self.q_proj.weight = param(H * (N + P), hid)
         else:
             self.q_a_proj = torch.nn.Module()
             self.q_a_proj.weight = param(dims.q_lora_rank, hid)
@@ -193,19 +193,19 @@ class MLAAttention(torch.nn.Module):
             self.q_a_layernorm = torch.nn.Module()
             self.q_a_layernorm.weight = param(dims.q_lora_rank)
             self.q_b_proj = torch.nn.Module()
-            self.q_b_proj.weight = param(H * (P + R), dims.q_lora_rank)
+            self.q_b_proj.weight = param(H * (N + P), dims.q_lora_rank)
         self.kv_a_proj_with_mqa = torch.nn.Module()
-        self.kv_a_proj_with_mqa.weight = param(r + R, hid)
-        self.kv_a_proj_with_mqa.bias = param(r + R) if self.attention_bias else None
+        self.kv_a_proj_with_mqa.weight = param(R + P, hid)
+        self.kv_a_proj_with_mqa.bias = param(R + P) if self.attention_bias else None
         self.kv_a_layernorm = torch.nn.Module()
-        self.kv_a_layernorm.weight = param(r)
+        self.kv_a_layernorm.weight = param(R)
         self.kv_b_proj = torch.nn.Module()
-        self.kv_b_proj.weight = param(H * (P + V), r)
+        self.kv_b_proj.weight = param(H * (N + V), R)
         self.o_proj = torch.nn.Module()
         self.o_proj.weight = param(hid, H * V)
         self.o_proj.bias = param(hid) if self.attention_bias else None
-        self.register_buffer("W_UK_T", torch.zeros(H, P, r, **kw), persistent=False)
-        self.register_buffer("W_UV", torch.zeros(H, r, V, **kw), persistent=False)
+        self.register_buffer("W_UK_T", torch.zeros(H, N, R, **kw), persistent=False)
+        self.register_buffer("W_UV", torch.zeros(H, R, V, **kw), persistent=False)
 
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -394,8 +394,8 @@ class MLAAttention(torch.nn.Module):
 
     def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                   topk_indices: torch.Tensor | None) -> torch.Tensor:
-        """``[n, H, P]``, ``[n, H, R]`` -> ``[n, H, V]`` through ``forward_mqa`` between the two folds."""
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1).contiguous()  # [n, H, r]
+        """``[n, H, N]``, ``[n, H, P]`` -> ``[n, H, V]`` through ``forward_mqa`` between the two folds."""
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1).contiguous()  # [n, H, R]
         o, _ = self.backend.forward_mqa(q_latent, q_pe.contiguous(), cache, meta, scale=self.scale,
                                         topk_indices=topk_indices)
         return torch.bmm(o.transpose(0, 1), self.W_UV).transpose(0, 1)  # [n, H, V]
@@ -427,7 +427,7 @@ class MLAAttention(torch.nn.Module):
         """
         self._check_inputs(hidden_states, positions, cache, meta, topk_indices)
         d = self.dims
-        H, P, R, V, r = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
+        H, N, P, V, R = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
         x = meta.to_processing_order(hidden_states)
         pos = meta.token_positions if positions is None else meta.to_processing_order(positions)
         if topk_indices is not None:
@@ -435,12 +435,12 @@ class MLAAttention(torch.nn.Module):
         T = x.shape[0]
 
         q, q_resid = self._project_q(x)
-        q = q.view(T, H, P + R)
+        q = q.view(T, H, N + P)
         kv = _linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
-        latent = _rms_norm(kv[:, :r], self.kv_a_layernorm.weight, d.rms_norm_eps)
+        latent = _rms_norm(kv[:, :R], self.kv_a_layernorm.weight, d.rms_norm_eps)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
-        q = torch.cat([q[..., :P], self.rotary.apply(q[..., P:], cos, sin)], dim=-1)
-        k_pe = self.rotary.apply(kv[:, r:], cos, sin)
+        q = torch.cat([q[..., :N], self.rotary.apply(q[..., N:], cos, sin)], dim=-1)
+        k_pe = self.rotary.apply(kv[:, R:], cos, sin)
         cache.write(latent, k_pe, meta.slot_mapping)
         if self.indexer is not None:  # DeepSeek-V3.2: the indexer caches its keys and picks the rows
             if topk_indices is None:
@@ -458,7 +458,7 @@ class MLAAttention(torch.nn.Module):
             sub = meta if (b0, b1) == (0, meta.num_requests) else meta.select_requests(b0, b1)
             if absorbed:
                 tk = None if topk_indices is None else topk_indices[t0:t1]
-                attn[t0:t1] = self._absorbed(q[t0:t1, :, :P], q[t0:t1, :, P:], cache, sub, tk)
+                attn[t0:t1] = self._absorbed(q[t0:t1, :, :N], q[t0:t1, :, N:], cache, sub, tk)
             else:
                 rows = self.workspace_rows(cache.block_size)
                 if self._workspace is None or self._workspace.rows != rows:

@@ -118,8 +118,8 @@ def prefill_attention(
     """Expanded attention of ``n`` queries over ``m`` keys of the same heads (the prefill kernel).
 
     Args:
-        q_nope ``[n, H, P]``, q_pe ``[n, H, R]``: queries (may be strided views).
-        k_nope ``[m, H, P]``, v ``[m, H, V]``: per-head keys/values; k_pe ``[m, R]``: the rope key all heads
+        q_nope ``[n, H, N]``, q_pe ``[n, H, P]``: queries (may be strided views).
+        k_nope ``[m, H, N]``, v ``[m, H, V]``: per-head keys/values; k_pe ``[m, P]``: the rope key all heads
             share.
         causal: query ``i`` sees keys ``0 .. i + (m - n)`` (new tokens of one request attending each other).
         budget: most score elements the plain path holds at once; queries are processed in slices.
@@ -174,23 +174,23 @@ def _fused_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Ten
     kernel = fused_prefill_kernel()
     assert kernel is not None
     n = q_nope.shape[0]
-    m, H, P = k_nope.shape
-    R, V = k_pe.shape[1], v.shape[2]
-    D = max(P + R, V)
+    m, H, N = k_nope.shape
+    P, V = k_pe.shape[1], v.shape[2]
+    D = max(N + P, V)
     f32 = torch.float32
     pad = torch.nn.functional.pad
     block = _fused_block_rows(H, D)
 
     def keys(k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.cat([k_nope[k0:k1].to(f32), k_pe[k0:k1, None, :].to(f32).expand(k1 - k0, H, R)], dim=-1)
+        k = torch.cat([k_nope[k0:k1].to(f32), k_pe[k0:k1, None, :].to(f32).expand(k1 - k0, H, P)], dim=-1)
         vv = pad(v[k0:k1].to(f32), (0, D - V))
-        return pad(k, (0, D - P - R)).transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)
+        return pad(k, (0, D - N - P)).transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)
 
     o_all = torch.empty(n, H, V, dtype=f32, device=q_nope.device)
     lse_all = torch.empty(n, H, dtype=f32, device=q_nope.device)
     for i0 in range(0, n, block):
         i1 = min(n, i0 + block)
-        q = pad(torch.cat([q_nope[i0:i1].to(f32), q_pe[i0:i1].to(f32)], dim=-1), (0, D - P - R))
+        q = pad(torch.cat([q_nope[i0:i1].to(f32), q_pe[i0:i1].to(f32)], dim=-1), (0, D - N - P))
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
         parts = [(k0, min(k0 + block, i0 if causal else m), False) for k0 in range(0, i0 if causal else m, block)]
         if causal:
@@ -216,15 +216,15 @@ def _plain_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Ten
     n, H, _ = q_nope.shape
     m = k_nope.shape[0]
     acc = accumulate_dtype(q_nope.dtype)
-    kn = k_nope.to(acc).permute(1, 2, 0)  # [H, P, m]
-    kp = k_pe.to(acc).t()  # [R, m]
+    kn = k_nope.to(acc).permute(1, 2, 0)  # [H, N, m]
+    kp = k_pe.to(acc).t()  # [P, m]
     vv = v.to(acc).transpose(0, 1)  # [H, m, V]
     o = torch.empty(n, H, v.shape[-1], dtype=acc, device=q_nope.device)
     lse = torch.empty(n, H, dtype=acc, device=q_nope.device)
     step = max(1, budget // max(1, H * m))
     for i0 in range(0, n, step):
         i1 = min(n, i0 + step)
-        qn = q_nope[i0:i1].to(acc).transpose(0, 1)  # [H, c, P]
+        qn = q_nope[i0:i1].to(acc).transpose(0, 1)  # [H, c, N]
         s = torch.bmm(qn, kn)  # [H, c, m]
         s += torch.matmul(q_pe[i0:i1].to(acc), kp).transpose(0, 1)  # [H, c, m]
         s *= scale
@@ -300,21 +300,21 @@ def forward_mha(
         raise TypeError(f"cache: got {type(cache).__name__}; supported LatentKVCache")
     if not isinstance(meta, BatchMetadata):
         raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata")
-    r, R = cache.kv_lora_rank, cache.qk_rope_head_dim
+    R, P = cache.kv_lora_rank, cache.qk_rope_head_dim
     T = meta.num_tokens
     require_tensor("q", q, shape=(T, None, None), dtypes=(torch.bfloat16, torch.float16, torch.float32,
                                                          torch.float64))
     T, H, D = q.shape
-    P = D - R
-    if P <= 0:
-        raise ValueError(f"q: got width {D}; supported qk_nope_head_dim + {R} (the cache's rope width)")
-    require_tensor("kv_c", kv_c, shape=(T, r), dtypes=(q.dtype,))
-    require_tensor("k_pe", k_pe, shape=(T, R), dtypes=(q.dtype,))
-    require_tensor("kv_b_weight", kv_b_weight, shape=(None, r), dtypes=(q.dtype,))
-    if kv_b_weight.shape[0] % H or kv_b_weight.shape[0] // H <= P:
+    N = D - P
+    if N <= 0:
+        raise ValueError(f"q: got width {D}; supported qk_nope_head_dim + {P} (the cache's rope width)")
+    require_tensor("kv_c", kv_c, shape=(T, R), dtypes=(q.dtype,))
+    require_tensor("k_pe", k_pe, shape=(T, P), dtypes=(q.dtype,))
+    require_tensor("kv_b_weight", kv_b_weight, shape=(None, R), dtypes=(q.dtype,))
+    if kv_b_weight.shape[0] % H or kv_b_weight.shape[0] // H <= N:
         raise ValueError(f"kv_b_weight: got {kv_b_weight.shape[0]} rows; supported heads ({H}) * "
-                         f"(qk_nope {P} + v_head_dim)")
-    V = kv_b_weight.shape[0] // H - P
+                         f"(qk_nope {N} + v_head_dim)")
+    V = kv_b_weight.shape[0] // H - N
     if meta.block_size != cache.block_size:
         raise ValueError(f"meta.block_size: got {meta.block_size}; supported the cache's {cache.block_size}")
     require_on_device(cache.device, q=q, kv_c=kv_c, k_pe=k_pe, kv_b_weight=kv_b_weight)
@@ -331,9 +331,9 @@ def forward_mha(
     if T == 0:
         return out
 
-    q_nope, q_pe = q[..., :P], q[..., P:]
-    w_t = kv_b_weight.t()  # [r, H * (P + V)]
-    new_kv = torch.matmul(kv_c, w_t).view(T, H, P + V)
+    q_nope, q_pe = q[..., :N], q[..., N:]
+    w_t = kv_b_weight.t()  # [R, H * (N + V)]
+    new_kv = torch.matmul(kv_c, w_t).view(T, H, N + V)
     starts = meta.query_starts_list
 
     # 1) new tokens among themselves, causally: this initialises every request's running (o, lse)
@@ -345,8 +345,8 @@ def forward_mha(
             acc_lse.append(None)
             continue
         s0, s1 = starts[b], starts[b + 1]
-        o_b, lse_b = prefill_attention(q_nope[s0:s1], q_pe[s0:s1], new_kv[s0:s1, :, :P], k_pe[s0:s1],
-                                       new_kv[s0:s1, :, P:], scale, causal=True, fused=fused)
+        o_b, lse_b = prefill_attention(q_nope[s0:s1], q_pe[s0:s1], new_kv[s0:s1, :, :N], k_pe[s0:s1],
+                                       new_kv[s0:s1, :, N:], scale, causal=True, fused=fused)
         acc_o.append(o_b)
         acc_lse.append(lse_b)
 
@@ -354,7 +354,7 @@ def forward_mha(
     ctx = [c if n else 0 for c, n in zip(meta.context_lens_list, meta.query_lens_list, strict=True)]
     chunks = context_chunks(ctx, workspace.rows) if any(ctx) else []
     if chunks:
-        latent_buf, kv_buf = workspace.buffers(r + R, H * (P + V), q.dtype, q.device)
+        latent_buf, kv_buf = workspace.buffers(R + P, H * (N + V), q.dtype, q.device)
         bt = meta.block_table.long()
         bs = cache.block_size
         flat = cache.data.view(-1, cache.row_width)
@@ -369,15 +369,15 @@ def forward_mha(
                 latent = latent_buf[:rows]
             else:
                 latent = cache.read_slots(slots, q.dtype)
-            kv = torch.matmul(latent[:, :r], w_t, out=kv_buf[:rows]).view(rows, H, P + V)
-            k_pe_ctx = latent[:, r:]
+            kv = torch.matmul(latent[:, :R], w_t, out=kv_buf[:rows]).view(rows, H, N + V)
+            k_pe_ctx = latent[:, R:]
             off = 0
             for b, a, z in chunk:
                 seg = slice(off, off + (z - a))
                 off += z - a
                 s0, s1 = starts[b], starts[b + 1]
-                o_c, lse_c = prefill_attention(q_nope[s0:s1], q_pe[s0:s1], kv[seg, :, :P], k_pe_ctx[seg],
-                                               kv[seg, :, P:], scale, causal=False, fused=fused)
+                o_c, lse_c = prefill_attention(q_nope[s0:s1], q_pe[s0:s1], kv[seg, :, :N], k_pe_ctx[seg],
+                                               kv[seg, :, N:], scale, causal=False, fused=fused)
                 prev_o, prev_lse = acc_o[b], acc_lse[b]
                 assert prev_o is not None and prev_lse is not None
                 acc_o[b], acc_lse[b] = merge_attention_states(prev_o, prev_lse, o_c, lse_c)
