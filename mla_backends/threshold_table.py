@@ -95,7 +95,10 @@ class ThresholdTable:
     info: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.backends, Mapping) or not self.backends:
+        if not isinstance(self.backends, Mapping):
+            raise TypeError(f"backends: got {type(self.backends).__name__}; supported a mapping of backend name "
+                            "-> ContextThresholds ((max_context, threshold) pairs are ContextThresholds)")
+        if not self.backends:
             raise ValueError("backends: got none; supported at least one backend's thresholds")
         for name, t in self.backends.items():
             if not isinstance(t, ContextThresholds):

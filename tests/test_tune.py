@@ -107,6 +107,8 @@ def test_table_errors(tmp_path):
         ThresholdTable.load(bad)
     with pytest.raises(ValueError, match="backends: got none"):
         ThresholdTable({}, {})
+    with pytest.raises(TypeError, match="backends: got tuple; supported a mapping"):
+        ThresholdTable(((10, 2),))  # per-context pairs are ContextThresholds, not a table
     assert dispatch.policy_from_table(t, "TRITON_MLA", strict=False) is None
     with pytest.raises(ValueError, match="no measurement for backend 'TRITON_MLA'"):
         dispatch.policy_from_table(t, "TRITON_MLA")
