@@ -290,6 +290,22 @@ class MLABackend:
         """True when the packages it needs are importable (says nothing about the device)."""
         return not cls.missing_requirements()
 
+    # ---- per-step preparation ------------------------------------------------------------------------------
+    def prepare(self, meta: BatchMetadata) -> object | None:
+        """Work this backend does once per step, before any layer runs it; returns its per-step state.
+
+        Called through the step plan, never directly: ``meta.prepare(backend)`` (what an engine calls before
+        the first layer, outside any CUDA-graph capture) or on the backend's first ``forward_mqa`` of the step.
+        It runs once per backend class and step (every layer's instance of a class shares the result), so it
+        must depend only on ``meta`` and be free of side effects a second step could trip over. ``forward_mqa``
+        reads the state back with ``meta.prepare(self)``. Default: nothing to prepare (None). FlashInfer's
+        backends keep their dense block tables and ``plan()`` tokens here.
+
+        Args:
+            meta: the step's :class:`~mla_backends.metadata.BatchMetadata` (or a sub-batch of it).
+        """
+        return None
+
     # ---- the kernel ------------------------------------------------------------------------------------
     def forward_mqa(
         self,

@@ -1,38 +1,51 @@
-"""Which requests of a step take the absorbed (MQA) path and which take the expanded (MHA) path.
+"""Dispatch: which requests of a step take the absorbed (MQA) path and which the expanded (MHA) path.
 
-Two policies, both selectable on :class:`~mla_backends.layer.MLAAttention`:
+Everything about that decision lives here; :class:`~mla_backends.layer.MLAAttention` only asks.
 
 - :class:`PerRequestPolicy` (vLLM's rule): a request whose query length is ``<=`` a decode threshold is a
   "decode" and runs absorbed; longer ones run ``forward_mha``. The threshold is the backend's declared
-  ``capabilities.decode_threshold`` unless the policy fixes one, or a :class:`ThresholdTable` gives one per
-  context length (a measured crossover table).
+  ``capabilities.decode_threshold`` unless the policy fixes one, or a measured threshold table gives one per
+  context length (:mod:`mla_backends.threshold_table`: the file ``mla-backends tune`` writes).
 - :class:`PerBatchPolicy` (SGLang's rule): one decision for the whole step. A batch of single-token
   decodes runs absorbed. A batch with any longer request runs expanded when the summed cached prefix of its
   requests is 0 (a cold prefill) or ``>= prefix_threshold`` (8192 by default, SGLang's
   ``chunked_prefix_cache_threshold``), and absorbed otherwise. A threshold of 0 makes every extend batch
   expanded; it never forces absorption.
-
-Either way the choice is then clamped by what the backend's ``forward_mqa`` accepts: requests longer than a
-single-token backend takes always run expanded.
+- :func:`layer_policy`: the policy a new layer uses, from its ``dispatch=`` and ``threshold_table=`` arguments
+  and ``MLA_BACKENDS_THRESHOLD_TABLE``.
+- :func:`step_runs`: a step cut into :class:`~mla_backends.step_plan.Run` s of consecutive requests on one
+  path, after :func:`clamp_to_backend` (requests longer than a single-token backend takes run expanded; a
+  uniform-length backend gets runs of equal query length). Kept in the step plan, so every layer with the
+  same policy and backend reuses one computation.
 """
 
 from __future__ import annotations
 
-import bisect
-import json
+import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from .backend import QueryLenSupport
+from .backend import Capabilities, QueryLenSupport
+from .step_plan import Run
+from .threshold_table import TABLE_FORMAT, ContextThresholds, ThresholdTable
 from .validation import require_int
 
-__all__ = ["DispatchPolicy", "PerRequestPolicy", "PerBatchPolicy", "ThresholdTable", "resolve_policy",
-           "SGLANG_PREFIX_THRESHOLD"]
+if TYPE_CHECKING:
+    from .metadata import BatchMetadata
+
+__all__ = ["DispatchPolicy", "PerRequestPolicy", "PerBatchPolicy", "ContextThresholds", "ThresholdTable",
+           "TABLE_FORMAT", "THRESHOLD_TABLE_ENV", "SGLANG_PREFIX_THRESHOLD", "resolve_policy",
+           "clamp_to_backend", "policy_from_table", "table_from_env", "layer_policy", "decode_threshold",
+           "step_runs"]
+
+log = logging.getLogger(__name__)
 
 #: SGLang's default ``chunked_prefix_cache_threshold`` (tokens of summed cached prefix)
 SGLANG_PREFIX_THRESHOLD = 8192
+#: environment variable naming a threshold table every new layer without ``dispatch=`` loads
+THRESHOLD_TABLE_ENV = "MLA_BACKENDS_THRESHOLD_TABLE"
 
 
 @runtime_checkable
@@ -48,96 +61,52 @@ class DispatchPolicy(Protocol):
 
 
 @dataclass(frozen=True)
-class ThresholdTable:
-    """Measured decode thresholds by context length.
+class PerRequestPolicy:
+    """vLLM-style split by query length.
 
-    ``entries`` are ``(max_context, threshold)`` pairs sorted by ``max_context``: a request whose cached
-    context is ``<= max_context`` of the first matching entry uses that entry's threshold; beyond the last
-    entry the last threshold applies. A threshold of 0 sends every multi-token request of that bucket to MHA
-    (single tokens still decode).
-
-    JSON form (what :meth:`from_json` reads)::
-
-        {"entries": [{"max_context": 1024, "threshold": 4}, {"max_context": 65536, "threshold": 64}]}
+    ``threshold`` None and ``thresholds`` None: the backend's ``decode_threshold``. ``thresholds``: one
+    backend's measured :class:`ContextThresholds` (from a threshold table; :meth:`from_table`).
     """
 
-    entries: tuple[tuple[int, int], ...]
-
-    def __post_init__(self) -> None:
-        if not self.entries:
-            raise ValueError("entries: got none; supported at least one (max_context, threshold) pair")
-        prev = -1
-        for i, pair in enumerate(self.entries):
-            if not (isinstance(pair, tuple) and len(pair) == 2):
-                raise TypeError(f"entries[{i}]: got {pair!r}; supported a (max_context, threshold) pair")
-            mc, th = pair
-            require_int(f"entries[{i}].max_context", mc, minimum=0)
-            require_int(f"entries[{i}].threshold", th, minimum=0)
-            if mc <= prev:
-                raise ValueError(f"entries[{i}].max_context: got {mc} after {prev}; "
-                                 "supported increasing values")
-            prev = mc
-
-    def threshold(self, context_len: int) -> int:
-        """The decode threshold for a request with ``context_len`` cached tokens."""
-        keys = [mc for mc, _ in self.entries]
-        i = min(bisect.bisect_left(keys, context_len), len(keys) - 1)
-        return self.entries[i][1]
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ThresholdTable:
-        if not isinstance(data, Mapping) or not isinstance(data.get("entries"), Sequence):
-            raise ValueError("table: got no 'entries' list; supported {'entries': [{'max_context': int, "
-                             "'threshold': int}, ...]}")
-        pairs = []
-        for i, e in enumerate(data["entries"]):
-            if not isinstance(e, Mapping) or "max_context" not in e or "threshold" not in e:
-                raise ValueError(f"table entries[{i}]: got {e!r}; "
-                                 "supported {'max_context': int, 'threshold': int}")
-            pairs.append((e["max_context"], e["threshold"]))
-        return cls(tuple(sorted(pairs)))
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike[str]) -> ThresholdTable:
-        with open(path, encoding="utf-8") as fh:
-            return cls.from_dict(json.load(fh))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"entries": [{"max_context": mc, "threshold": th} for mc, th in self.entries]}
-
-
-@dataclass(frozen=True)
-class PerRequestPolicy:
-    """vLLM-style split by query length. ``threshold`` None: the backend's ``decode_threshold``."""
-
     threshold: int | None = None
-    table: ThresholdTable | None = None
+    thresholds: ContextThresholds | None = None
     name: str = "per-request"
 
     def __post_init__(self) -> None:
         if self.threshold is not None:
             require_int("threshold", self.threshold, minimum=0)
-        if self.threshold is not None and self.table is not None:
-            raise ValueError("threshold/table: got both; supported one of them (or neither)")
-        if self.table is not None and not isinstance(self.table, ThresholdTable):
-            raise TypeError(f"table: got {type(self.table).__name__}; supported ThresholdTable")
+        if self.threshold is not None and self.thresholds is not None:
+            raise ValueError("threshold/thresholds: got both; supported one of them (or neither)")
+        if self.thresholds is not None and not isinstance(self.thresholds, ContextThresholds):
+            raise TypeError(f"thresholds: got {type(self.thresholds).__name__}; supported ContextThresholds")
 
     @classmethod
-    def from_table(cls, path: str | os.PathLike[str]) -> PerRequestPolicy:
-        """A policy reading its thresholds from a JSON :class:`ThresholdTable`."""
-        return cls(table=ThresholdTable.from_json(path))
+    def from_table(cls, table: ThresholdTable | str | os.PathLike[str],
+                   backend_name: str | None = None) -> PerRequestPolicy:
+        """The policy for ``backend_name`` under a threshold table (a path to the file ``mla-backends tune``
+        writes, or a :class:`ThresholdTable`). ``backend_name`` may be left out when the table measured one
+        backend only."""
+        if not isinstance(table, ThresholdTable):
+            table = ThresholdTable.load(table, argument="table")
+        if backend_name is None:
+            if len(table.backends) != 1:
+                raise ValueError(f"backend_name: got None for a table measuring {', '.join(table.backend_names)}; "
+                                 "supported one of them")
+            (backend_name,) = table.backend_names
+        policy = policy_from_table(table, backend_name, strict=True)
+        assert policy is not None  # strict
+        return policy
 
     def absorbed(self, query_lens: Sequence[int], context_lens: Sequence[int], *,
                  backend_threshold: int) -> list[bool]:
         out = []
         for q, c in zip(query_lens, context_lens, strict=True):
-            if self.table is not None:
-                th = max(1, self.table.threshold(c))
+            if self.thresholds is not None:
+                th = max(1, self.thresholds.threshold(c))
             else:
                 th = backend_threshold if self.threshold is None else self.threshold
             out.append(q <= th)
         return out
-
 
 @dataclass(frozen=True)
 class PerBatchPolicy:
@@ -191,3 +160,111 @@ def clamp_to_backend(flags: list[bool], query_lens: Sequence[int], support: Quer
         else:
             out.append(f)
     return out
+
+
+
+def policy_from_table(table: ThresholdTable | str | os.PathLike[str], backend_name: str, *, strict: bool = True,
+                      argument: str = "threshold_table") -> PerRequestPolicy | None:
+    """The per-request policy a layer running ``backend_name`` uses under ``table`` (a table or a path).
+
+    When the table has no measurement for the backend: ``strict`` raises ValueError naming the measured
+    backends; otherwise a warning is logged and None returned (the backend's constant then applies). Errors
+    and the warning name ``argument`` (where the table came from).
+    """
+    if not isinstance(table, ThresholdTable):
+        if not isinstance(table, (str, os.PathLike)):
+            raise TypeError(f"{argument}: got {type(table).__name__}; supported a path or a ThresholdTable")
+        table = ThresholdTable.load(table, argument=argument)
+    ctx = table.for_backend(backend_name)
+    if ctx is None:
+        msg = (f"{argument}: has no measurement for backend {backend_name!r}; supported "
+               f"{', '.join(table.backend_names)}")
+        if strict:
+            raise ValueError(msg)
+        log.warning("%s; using the backend's own decode threshold", msg)
+        return None
+    return PerRequestPolicy(thresholds=ctx)
+
+
+def table_from_env() -> str | None:
+    """The path in ``MLA_BACKENDS_THRESHOLD_TABLE``, or None when unset or empty."""
+    value = os.environ.get(THRESHOLD_TABLE_ENV, "").strip()
+    return value or None
+
+
+def layer_policy(dispatch: DispatchPolicy | str | None, threshold_table: ThresholdTable | str | os.PathLike[str]
+                 | None, backend_name: str) -> DispatchPolicy:
+    """The policy a new layer running ``backend_name`` uses (``MLAAttention`` calls it once, when built).
+
+    - ``threshold_table`` given: it must hold ``backend_name``'s measurement (else ValueError), and
+      ``dispatch`` must be None (both given: ValueError).
+    - otherwise, when ``dispatch`` is None and ``MLA_BACKENDS_THRESHOLD_TABLE`` names a file, that table is
+      used if it measured this backend (a warning is logged and the backend's constant kept if not); a
+      missing or malformed file raises ValueError naming the variable.
+    - otherwise :func:`resolve_policy` of ``dispatch``.
+    """
+    if threshold_table is not None:
+        if dispatch is not None:
+            raise ValueError("threshold_table/dispatch: got both; supported one of them (a table implies the "
+                             "per-request policy)")
+        policy = policy_from_table(threshold_table, backend_name, strict=True)
+        assert policy is not None  # strict
+        return policy
+    env = table_from_env()
+    if env is not None and dispatch is None:
+        policy = policy_from_table(env, backend_name, strict=False, argument=THRESHOLD_TABLE_ENV)
+        if policy is not None:
+            return policy
+    return resolve_policy(dispatch)
+
+
+def decode_threshold(policy: DispatchPolicy, capabilities: Capabilities) -> int:
+    """Largest query length run absorbed under ``policy`` on a backend declaring ``capabilities``: a
+    per-request policy's fixed threshold (0: nothing absorbed), at most 1 on single-token backends; otherwise
+    the backend's own ``decode_threshold``. Build the step's metadata with it and the split is one cut."""
+    if isinstance(policy, PerRequestPolicy) and policy.threshold is not None:
+        if capabilities.query_len == QueryLenSupport.SINGLE:
+            return min(1, policy.threshold)
+        return policy.threshold
+    return capabilities.decode_threshold
+
+
+def step_runs(meta: BatchMetadata, policy: DispatchPolicy, capabilities: Capabilities, *,
+              sparse: bool = False) -> tuple[Run, ...]:
+    """The step's processing-order requests cut into runs ``Run(absorbed, start, stop)``.
+
+    Each request's path is ``policy``'s choice clamped to the backend (:func:`clamp_to_backend`); sparse steps
+    (DeepSeek-V3.2 top-k) run every request absorbed. Consecutive requests on one path form a run, except that
+    a uniform-length backend gets a new run wherever the query length changes. The result is kept in
+    ``meta.step_plan.runs`` (per policy, backend declarations and ``sparse``), so the other layers of the
+    step look it up; a policy that cannot be hashed is recomputed on every call.
+    """
+    if not isinstance(capabilities, Capabilities):
+        raise TypeError(f"capabilities: got {type(capabilities).__name__}; supported Capabilities")
+    if not isinstance(policy, DispatchPolicy):
+        raise TypeError(f"policy: got {type(policy).__name__}; supported a DispatchPolicy")
+    key: Hashable | None = (policy, capabilities.query_len, capabilities.decode_threshold, bool(sparse))
+    try:
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in meta.step_plan.runs:
+        return meta.step_plan.runs[key]
+    q, c = meta.query_lens_list, meta.context_lens_list
+    if sparse:
+        flags = [True] * len(q)
+    else:
+        wanted = policy.absorbed(q, c, backend_threshold=capabilities.decode_threshold)
+        flags = clamp_to_backend(list(wanted), list(q), capabilities.query_len)
+    runs: list[Run] = []
+    for b, f in enumerate(flags):
+        split_uniform = (f and capabilities.query_len == QueryLenSupport.UNIFORM and runs and q[b] != 0
+                         and q[runs[-1].start] != q[b])
+        if runs and runs[-1].absorbed == f and not split_uniform:
+            runs[-1] = Run(f, runs[-1].start, b + 1)
+        else:
+            runs.append(Run(f, b, b + 1))
+    result = tuple(runs)
+    if key is not None:
+        meta.step_plan.runs[key] = result
+    return result

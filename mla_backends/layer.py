@@ -26,32 +26,28 @@ import os
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from .backend import AttentionSpec, MLABackend, QueryLenSupport
+from .backend import AttentionSpec, MLABackend
 from .cache import LatentKVCache
 from .device import cuda_device_index, device_info_for
 from .dims import MLADims, read_config_json
-from .dispatch import DispatchPolicy, PerRequestPolicy, clamp_to_backend, resolve_policy
-from .dtypes import accumulate_dtype, dtype_name, parse_model_dtype
+from .dispatch import DispatchPolicy, decode_threshold, layer_policy, step_runs
+from .dtypes import dtype_name, parse_model_dtype
 from .fp8_checkpoint import (
     DEFAULT_WEIGHT_BLOCK_SIZE,
     check_weight_block_size,
     dequantize_fp8_checkpoint,
     weight_block_size_from_config,
 )
-from .hf_loading import (
-    check_hf_state_dict,
-    expected_hf_shapes,
-    fold_kv_b,
-    hf_attention_bias,
-    shard_hf_tensor,
-)
+from .hf_loading import check_hf_state_dict, expected_hf_shapes, fold_kv_b, hf_attention_bias, shard_hf_tensor
 from .metadata import BatchMetadata
 from .plugins import get_backend
 from .prefill import PrefillWorkspace, default_workspace_rows, forward_mha
+from .projections import linear, rms_norm
 from .rope import RotaryEmbedding
 from .sparse.layer_support import SparseKVCache, build_indexer, take_indexer_weights
+from .step_plan import Run
+from .threshold_table import ThresholdTable
 from .validation import require_int, require_tensor
 
 __all__ = ["MLAAttention"]
@@ -74,26 +70,6 @@ def _choose_backend(backend: Any, dims: MLADims, dtype: torch.dtype,
 def _blocking_reasons(backend_cls: type[MLABackend], spec: AttentionSpec) -> list[str]:
     """Why ``backend_cls`` cannot run ``spec``, less missing packages (those fail when the backend runs)."""
     return [r for r in backend_cls.not_supported_reasons(spec) if not r.startswith("package")]
-
-
-#: token counts up to this use ``weight @ x.T`` (a GEMV-shaped product CPU BLAS streams at copy speed)
-_SMALL_BATCH_TOKENS = 32
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [T, in] @ weight[out, in].T + bias`` -> ``[T, out]``; for few tokens (decode) computed as
-    ``(weight @ x.T).T``, about 3x faster on CPU BLAS than ``F.linear`` at T = 8 (equal up to rounding)."""
-    if x.device.type != "cpu" or x.shape[0] > _SMALL_BATCH_TOKENS:
-        return F.linear(x, weight, bias)
-    y = torch.mm(weight, x.t()).t().contiguous()
-    return y if bias is None else y.add_(bias)
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as DeepSeek computes it: normalise in float32 (float64 stays float64), cast, then scale."""
-    xf = x.to(accumulate_dtype(x.dtype))
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
 
 
 class MLAAttention(torch.nn.Module):
@@ -127,7 +103,7 @@ class MLAAttention(torch.nn.Module):
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         layer_idx: int = 0,
-        threshold_table: Any = None,
+        threshold_table: ThresholdTable | str | os.PathLike[str] | None = None,
         weight_block_size: tuple[int, int] = DEFAULT_WEIGHT_BLOCK_SIZE,
     ) -> None:
         super().__init__()
@@ -150,7 +126,6 @@ class MLAAttention(torch.nn.Module):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.tp_rank = tp_rank
         self.attention_bias = bool(attention_bias)
-        self.dispatch = resolve_policy(dispatch)
         self._workspace_rows = workspace_rows
         self._workspace: PrefillWorkspace | None = None
         self.layer_idx = require_int("layer_idx", layer_idx, minimum=0)
@@ -167,13 +142,8 @@ class MLAAttention(torch.nn.Module):
                              + "; ".join(reasons))
         self.backend_cls = backend_cls
         self.backend = backend_cls()
-        # a measured threshold table (`mla-backends tune`; argument or MLA_BACKENDS_THRESHOLD_TABLE) replaces
-        # the backend's constant decode threshold
-        from .tuning import layer_policy
-
-        table_policy = layer_policy(threshold_table, dispatch, backend_cls.name)
-        if table_policy is not None:
-            self.dispatch = table_policy
+        # the policy named by `dispatch`, or a measured threshold table's (argument or the environment)
+        self.dispatch: DispatchPolicy = layer_policy(dispatch, threshold_table, backend_cls.name)
 
         H, N, P, V, R = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, \
             dims.kv_lora_rank
@@ -223,7 +193,7 @@ class MLAAttention(torch.nn.Module):
         max_model_len: int | None = None,
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         layer_idx: int = 0,
-        threshold_table: Any = None,
+        threshold_table: ThresholdTable | str | os.PathLike[str] | None = None,
     ) -> MLAAttention:
         """Build the layer for a transformers config, a dict, a ``config.json`` path or an :class:`MLADims`.
 
@@ -232,7 +202,7 @@ class MLAAttention(torch.nn.Module):
             dtype: model dtype (default bfloat16). device: where weights live (default CPU).
             tp_rank / tp_size: this rank and the tensor-parallel degree (heads split evenly).
             dispatch: ``"per-request"`` (default, vLLM), ``"per-batch"`` (SGLang) or a DispatchPolicy.
-            threshold_table: a ``mla-backends tune --output`` file (or ``tuning.TunedThresholds``) whose
+            threshold_table: a ``mla-backends tune --output`` file (or a loaded ``ThresholdTable``) whose
                 measured thresholds replace the backend's constant; default ``$MLA_BACKENDS_THRESHOLD_TABLE``
                 when no ``dispatch`` is given.
             workspace_rows: ``forward_mha`` context chunk; default ``min(max(8 * max_model_len,
@@ -318,33 +288,14 @@ class MLAAttention(torch.nn.Module):
 
     @property
     def decode_threshold(self) -> int:
-        """Largest query length run absorbed under a per-request policy (build metadata with it): the policy's
-        fixed threshold (0: nothing absorbed), at most 1 on single-token backends; else the backend's own."""
-        pol = self.dispatch
-        if isinstance(pol, PerRequestPolicy) and pol.threshold is not None and pol.table is None:
-            if self.backend_cls.capabilities.query_len == QueryLenSupport.SINGLE:
-                return min(1, pol.threshold)
-            return pol.threshold
-        return self.backend_cls.capabilities.decode_threshold
+        """Largest query length run absorbed (build the step's metadata with it and the split is one cut):
+        :func:`mla_backends.dispatch.decode_threshold` of this layer's policy and backend."""
+        return decode_threshold(self.dispatch, self.backend_cls.capabilities)
 
-    def plan(self, meta: BatchMetadata, *, sparse: bool = False) -> list[tuple[bool, int, int]]:
-        """Runs of processing-order requests ``(absorbed, start, stop)`` for this step."""
-        caps = self.backend_cls.capabilities
-        q, c = meta.query_lens_list, meta.context_lens_list
-        if sparse:
-            flags = [True] * len(q)
-        else:
-            wanted = self.dispatch.absorbed(q, c, backend_threshold=caps.decode_threshold)
-            flags = clamp_to_backend(wanted, list(q), caps.query_len)
-        runs: list[tuple[bool, int, int]] = []
-        for b, f in enumerate(flags):
-            split_uniform = (f and caps.query_len == QueryLenSupport.UNIFORM and runs and q[b] != 0
-                             and q[runs[-1][1]] != q[b])
-            if runs and runs[-1][0] == f and not split_uniform:
-                runs[-1] = (f, runs[-1][1], b + 1)
-            else:
-                runs.append((f, b, b + 1))
-        return runs
+    def runs(self, meta: BatchMetadata, *, sparse: bool = False) -> tuple[Run, ...]:
+        """This step's runs ``Run(absorbed, start, stop)`` of processing-order requests, as dispatch cuts them
+        (:func:`mla_backends.dispatch.step_runs`; kept in ``meta.step_plan``)."""
+        return step_runs(meta, self.dispatch, self.backend_cls.capabilities, sparse=sparse)
 
     # ---- forward -------------------------------------------------------------------------------------------
     def _check_inputs(self, hidden_states: torch.Tensor, positions: torch.Tensor | None, cache: LatentKVCache,
@@ -387,18 +338,39 @@ class MLAAttention(torch.nn.Module):
     def _project_q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(q [T, H * (nope + rope)], normalised query latent [T, q_lora_rank] or None)``."""
         if self.dims.q_lora_rank is None:
-            return _linear(x, self.q_proj.weight), None
-        qc = _linear(x, self.q_a_proj.weight, self.q_a_proj.bias)
-        qc = _rms_norm(qc, self.q_a_layernorm.weight, self.dims.rms_norm_eps)
-        return _linear(qc, self.q_b_proj.weight), qc
+            return linear(x, self.q_proj.weight), None
+        qc = linear(x, self.q_a_proj.weight, self.q_a_proj.bias)
+        qc = rms_norm(qc, self.q_a_layernorm.weight, self.dims.rms_norm_eps)
+        return linear(qc, self.q_b_proj.weight), qc
 
-    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
-                  topk_indices: torch.Tensor | None) -> torch.Tensor:
-        """``[n, H, N]``, ``[n, H, P]`` -> ``[n, H, V]`` through ``forward_mqa`` between the two folds."""
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.W_UK_T).transpose(0, 1).contiguous()  # [n, H, R]
-        o, _ = self.backend.forward_mqa(q_latent, q_pe.contiguous(), cache, meta, scale=self.scale,
+    def _check_query(self, q: torch.Tensor, meta: BatchMetadata) -> None:
+        d = self.dims
+        require_tensor("q", q, shape=(meta.num_tokens, d.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim),
+                       dtypes=(self.dtype,))
+
+    def absorbed_attention(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, *,
+                           topk_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """The absorbed path: roped ``q [n, H, nope + rope]`` (processing order, ``n = meta.num_tokens``) ->
+        ``[n, H, v_head_dim]`` through ``q_nope @ W_UK_T``, ``backend.forward_mqa`` and ``@ W_UV``."""
+        self._check_query(q, meta)
+        N = self.dims.qk_nope_head_dim
+        q_latent = torch.bmm(q[..., :N].transpose(0, 1), self.W_UK_T).transpose(0, 1).contiguous()  # [n, H, R]
+        o, _ = self.backend.forward_mqa(q_latent, q[..., N:].contiguous(), cache, meta, scale=self.scale,
                                         topk_indices=topk_indices)
         return torch.bmm(o.transpose(0, 1), self.W_UV).transpose(0, 1)  # [n, H, V]
+
+    def expanded_attention(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                           cache: LatentKVCache, meta: BatchMetadata, *,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+        """The expanded path: :func:`~mla_backends.prefill.forward_mha` of roped ``q [n, H, nope + rope]``
+        with the new tokens' ``latent [n, R]`` and roped ``k_pe [n, rope]`` (already in ``cache``) ->
+        ``[n, H, v_head_dim]`` (into ``out`` when given), using this layer's ``kv_b_proj`` and workspace."""
+        self._check_query(q, meta)
+        rows = self.workspace_rows(cache.block_size)
+        if self._workspace is None or self._workspace.rows != rows:
+            self._workspace = PrefillWorkspace(rows)
+        return forward_mha(q, latent, k_pe, cache, meta, self.kv_b_proj.weight, scale=self.scale,
+                           workspace=self._workspace, out=out)
 
     def forward(
         self,
@@ -436,8 +408,8 @@ class MLAAttention(torch.nn.Module):
 
         q, q_resid = self._project_q(x)
         q = q.view(T, H, N + P)
-        kv = _linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
-        latent = _rms_norm(kv[:, :R], self.kv_a_layernorm.weight, d.rms_norm_eps)
+        kv = linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias)
+        latent = rms_norm(kv[:, :R], self.kv_a_layernorm.weight, d.rms_norm_eps)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         q = torch.cat([q[..., :N], self.rotary.apply(q[..., N:], cos, sin)], dim=-1)
         k_pe = self.rotary.apply(kv[:, R:], cos, sin)
@@ -451,22 +423,18 @@ class MLAAttention(torch.nn.Module):
 
         attn = torch.empty(T, H, V, dtype=x.dtype, device=x.device)
         starts = meta.query_starts_list
-        for absorbed, b0, b1 in self.plan(meta, sparse=topk_indices is not None):
+        for absorbed, b0, b1 in self.runs(meta, sparse=topk_indices is not None):
             t0, t1 = starts[b0], starts[b1]
             if t0 == t1:
                 continue
             sub = meta if (b0, b1) == (0, meta.num_requests) else meta.select_requests(b0, b1)
             if absorbed:
                 tk = None if topk_indices is None else topk_indices[t0:t1]
-                attn[t0:t1] = self._absorbed(q[t0:t1, :, :N], q[t0:t1, :, N:], cache, sub, tk)
+                attn[t0:t1] = self.absorbed_attention(q[t0:t1], cache, sub, topk_indices=tk)
             else:
-                rows = self.workspace_rows(cache.block_size)
-                if self._workspace is None or self._workspace.rows != rows:
-                    self._workspace = PrefillWorkspace(rows)
-                forward_mha(q[t0:t1], latent[t0:t1], k_pe[t0:t1], cache, sub, self.kv_b_proj.weight,
-                            scale=self.scale, workspace=self._workspace, out=attn[t0:t1])
+                self.expanded_attention(q[t0:t1], latent[t0:t1], k_pe[t0:t1], cache, sub, out=attn[t0:t1])
         bias = self.o_proj.bias if self.tp_rank == 0 else None
-        y = _linear(attn.view(T, H * V), self.o_proj.weight, bias)
+        y = linear(attn.view(T, H * V), self.o_proj.weight, bias)
         return meta.to_caller_order(y)
 
     def extra_repr(self) -> str:

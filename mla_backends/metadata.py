@@ -16,12 +16,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from .cache import position_slots
+from .step_plan import StepPlan
 from .validation import require_int
+
+if TYPE_CHECKING:
+    from .backend import MLABackend
 
 __all__ = ["BatchMetadata"]
 
@@ -55,8 +59,9 @@ class BatchMetadata:
         token_request: ``[T]`` int64 processing request index of every token.
         token_positions: ``[T]`` int64 position of every token in its sequence (``context_len + j``).
         num_blocks: pages of the cache the block ids were checked against in :meth:`build` (None: unchecked).
-        plans: scratch dict where backends cache per-batch plans (e.g. FlashInfer's ``plan()``) and
-            :meth:`select_requests` its sub-batches; never copied (``dataclasses.replace`` starts a new one).
+        step_plan: the :class:`~mla_backends.step_plan.StepPlan` of this step: runs, block-id verdicts,
+            sub-batches and each backend's prepared state, worked out once and reused by every layer; never
+            copied (``dataclasses.replace`` starts a new one).
     """
 
     block_size: int
@@ -73,7 +78,7 @@ class BatchMetadata:
     query_lens_list: tuple[int, ...]
     context_lens_list: tuple[int, ...]
     num_blocks: int | None = None
-    plans: dict[Any, Any] = field(default_factory=dict, init=False, repr=False)
+    step_plan: StepPlan = field(default_factory=StepPlan, init=False, repr=False)
 
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -243,15 +248,22 @@ class BatchMetadata:
         if x.shape[0] != self.num_tokens:
             raise ValueError(f"{name}: got {x.shape[0]} tokens; supported {self.num_tokens} (the batch's tokens)")
 
+    # ---- per-step preparation -----------------------------------------------------------------------------
+    def prepare(self, backend: MLABackend) -> object | None:
+        """Run ``backend.prepare(self)`` once for this step and return its state (the same object on every
+        later call, for every instance of the backend's class). An engine calls it before the first layer;
+        backends call it from ``forward_mqa``. See :mod:`mla_backends.step_plan`."""
+        return self.step_plan.prepare(backend, self)
+
     # ---- sub-batches --------------------------------------------------------------------------------------
     def select_requests(self, start: int, stop: int) -> BatchMetadata:
         """Metadata for processing requests ``start:stop`` (already ordered; the permutation is identity).
 
-        Built once per ``(start, stop)`` and kept in ``plans``: every layer of a step gets the same sub-batch,
-        so the checks and plans cached on it run once per step.
+        Built once per ``(start, stop)`` and kept in ``step_plan.sub_batches``: every layer of a step gets the
+        same sub-batch, so the checks and preparation kept on it run once per step.
         """
-        key = ("select", start, stop)
-        sub = self.plans.get(key)
+        key = (start, stop)
+        sub = self.step_plan.sub_batches.get(key)
         if sub is not None:
             return sub
         require_int("start", start, minimum=0)
@@ -277,5 +289,5 @@ class BatchMetadata:
             context_lens_list=self.context_lens_list[start:stop],
             num_blocks=self.num_blocks,
         )
-        self.plans[key] = sub
+        self.step_plan.sub_batches[key] = sub
         return sub

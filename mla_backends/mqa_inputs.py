@@ -76,13 +76,12 @@ def _check_block_ids(meta: BatchMetadata, cache: LatentKVCache) -> None:
     """The block ids each sequence uses must lie inside ``cache``.
 
     Free when ``BatchMetadata.build`` already checked them against ``num_blocks`` (host side); otherwise the
-    device check (one sync) runs once and its verdict is kept in ``meta.plans``, so later layers of the same
+    device check (one sync) runs once and its verdict is kept in ``meta.step_plan``, so later layers of the same
     step skip it. ``meta.block_table`` must therefore not be edited in place after the step has started.
     """
     if meta.num_blocks is not None or not meta.num_requests or not meta.max_seq_len:
         return  # num_blocks <= cache.num_blocks was checked above; build() checked the ids against it
-    key = ("_block_ids_within", cache.num_blocks)
-    if meta.plans.get(key):
+    if cache.num_blocks in meta.step_plan.block_ids_checked:
         return
     used_pages = [-(-s // meta.block_size) for s in meta.seq_lens_list]
     width = max(used_pages)
@@ -92,7 +91,7 @@ def _check_block_ids(meta: BatchMetadata, cache: LatentKVCache) -> None:
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cache.num_blocks):
         raise ValueError(f"meta.block_table: got block ids in [{int(ids.min())}, {int(ids.max())}]; "
                          f"supported [0, {cache.num_blocks - 1}] for this cache")
-    meta.plans[key] = True
+    meta.step_plan.block_ids_checked.add(cache.num_blocks)
 
 
 def check_declared_support(
@@ -121,7 +120,7 @@ def check_declared_support(
     # every layer of a step shares ``meta``: an accepted combination is looked up, not re-derived (hot path)
     key = ("declared", backend_cls, q_latent.dtype, q_latent.shape[1], cache.kv_cache_dtype, cache.block_size,
            cache.kv_lora_rank, cache.qk_rope_head_dim, cache.device, topk_indices is None, lse_out is None)
-    if key in meta.plans:
+    if key in meta.step_plan.accepted:
         return
     caps = backend_cls.capabilities
     lens = meta.query_lens_list
@@ -139,4 +138,4 @@ def check_declared_support(
         dtype_only = all(r.startswith(("dtype:", "kv cache dtype:")) for r in reasons)
         raise (TypeError if dtype_only else ValueError)(
             f"{backend_cls.name} cannot run these inputs: " + "; ".join(reasons))
-    meta.plans[key] = True
+    meta.step_plan.accepted.add(key)

@@ -1,4 +1,8 @@
-"""Measured absorbed/expanded crossover (``mla-backends tune``) and the threshold table the layer loads.
+"""The measurement tool above the layer: the absorbed/expanded crossover ``mla-backends tune`` measures.
+
+It uses the layer only through its public methods; the table it writes is defined in
+:mod:`mla_backends.threshold_table` and read by :mod:`mla_backends.dispatch` (the layer never imports this
+module).
 
 The cost model (:mod:`mla_backends.costs`) says where the two paths of an MLA layer cost the same FLOPs; the
 engines hard-code a per-backend "decode threshold" instead and mark it "tune this". This module measures it:
@@ -8,7 +12,7 @@ the folds) and once forced to the expanded path (``forward_mha``), and finds the
 same. The projections and RoPE are identical on both runs, so they add to both times without moving the
 crossover.
 
-The result is a :class:`TunedThresholds`, written as JSON::
+The result is a :class:`~mla_backends.threshold_table.ThresholdTable`, written as JSON::
 
     {"format": "mla-backends/threshold-table/v1", "date": "...", "device": {...}, "versions": {...},
      "model": {...}, "grid": {"query_lens": [...], "contexts": [...]},
@@ -22,26 +26,33 @@ backend's entries: a request whose query length is ``<=`` the threshold for its 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
-import json
-import logging
 import math
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from importlib import metadata as _md
 from typing import Any, TextIO
 
-from .dispatch import PerRequestPolicy
-from .dispatch import ThresholdTable as ContextThresholds
+import torch
+
+from . import costs
+from .backend import AttentionSpec
+from .device import device_info_for
+from .dims import MLADims
+from .dtypes import dtype_name, parse_model_dtype
+from .hf_loading import random_hf_state_dict
+from .layer import MLAAttention
+from .metadata import BatchMetadata
+from .plugins import get_backend, registered_backends
+from .threshold_table import ContextThresholds, ThresholdTable
 from .validation import require_int
 
 __all__ = [
-    "THRESHOLD_TABLE_ENV",
-    "TABLE_FORMAT",
     "DEFAULT_QUERY_LENS",
     "DEFAULT_CONTEXTS",
     "DEFAULT_REPEATS",
@@ -49,23 +60,13 @@ __all__ = [
     "QUICK_CONTEXTS",
     "Timing",
     "Crossover",
-    "TunedThresholds",
     "measured_crossover",
     "context_buckets",
-    "policy_from_table",
-    "table_from_env",
-    "layer_policy",
     "tunable_backends",
     "PathTimer",
     "ProgressBar",
     "tune",
 ]
-
-log = logging.getLogger(__name__)
-
-#: environment variable naming a threshold-table JSON file every new layer loads
-THRESHOLD_TABLE_ENV = "MLA_BACKENDS_THRESHOLD_TABLE"
-TABLE_FORMAT = "mla-backends/threshold-table/v1"
 
 #: default grid: 1-2 minutes on a 2-core CPU for DeepSeek-V3 at TP=8 (16 heads) in float32, repeats 2
 DEFAULT_QUERY_LENS: tuple[int, ...] = (1, 4, 16, 64, 128, 192, 256, 384)
@@ -147,173 +148,15 @@ def context_buckets(contexts: Sequence[int], thresholds: Sequence[int]) -> Conte
     return ContextThresholds(tuple(entries))
 
 
-# ---- the table -------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TunedThresholds:
-    """Measured decode thresholds per backend, with where and when they were measured.
-
-    ``backends`` maps a backend name (upper case) to its per-context
-    :class:`mla_backends.dispatch.ThresholdTable`; ``info`` holds the provenance (device, versions, date,
-    model, grid) and the raw measurements, kept verbatim in the JSON.
-    """
-
-    backends: Mapping[str, ContextThresholds]
-    info: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.backends, Mapping) or not self.backends:
-            raise ValueError("backends: got none; supported at least one backend's thresholds")
-        for name, t in self.backends.items():
-            if not isinstance(t, ContextThresholds):
-                raise TypeError(
-                    f"backends[{name!r}]: got {type(t).__name__}; supported "
-                    f"mla_backends.dispatch.ThresholdTable"
-                )
-
-    @property
-    def backend_names(self) -> tuple[str, ...]:
-        return tuple(sorted(self.backends))
-
-    def for_backend(self, backend_name: str) -> ContextThresholds | None:
-        """The backend's per-context table, or None when this table has no measurement for it."""
-        return self.backends.get(str(backend_name).strip().upper())
-
-    def threshold_for(self, backend_name: str, context_len: int) -> int:
-        """Largest query length run absorbed for a request with ``context_len`` cached tokens."""
-        if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len < 0:
-            raise ValueError(f"context_len: got {context_len!r}; supported an int >= 0")
-        t = self.for_backend(backend_name)
-        if t is None:
-            raise ValueError(
-                f"backend_name: got {backend_name!r}; supported {', '.join(self.backend_names)} "
-                f"(the backends this table measured)"
-            )
-        return t.threshold(context_len)
-
-    # ---- JSON --------------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"format": TABLE_FORMAT}
-        out.update({k: v for k, v in self.info.items() if k not in ("format", "backends")})
-        results = self.info.get("backends", {})
-        out["backends"] = {}
-        for name in self.backend_names:
-            entry = dict(results.get(name, {}))
-            entry["entries"] = self.backends[name].to_dict()["entries"]
-            out["backends"][name] = entry
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TunedThresholds:
-        if not isinstance(data, Mapping):
-            raise ValueError(f"table: got {type(data).__name__}; supported a JSON object")
-        if data.get("format") != TABLE_FORMAT:
-            raise ValueError(f"table.format: got {data.get('format')!r}; supported {TABLE_FORMAT!r}")
-        raw = data.get("backends")
-        if not isinstance(raw, Mapping) or not raw:
-            raise ValueError("table.backends: got none; supported {name: {'entries': [...]}, ...}")
-        backends = {str(k).upper(): ContextThresholds.from_dict(v) for k, v in raw.items()}
-        info = {k: v for k, v in data.items() if k != "format"}
-        info["backends"] = {
-            str(k).upper(): {kk: vv for kk, vv in v.items() if kk != "entries"} for k, v in raw.items()
-        }
-        return cls(backends, info)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> TunedThresholds:
-        """Read a table written by ``mla-backends tune --output``."""
-        p = os.fspath(path)
-        if not os.path.isfile(p):
-            raise ValueError(
-                f"threshold_table: got {p!r}, which is not a file; supported a JSON file written "
-                f"by 'mla-backends tune --output'"
-            )
-        try:
-            with open(p, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"threshold_table: got {p!r}, not valid JSON ({exc}); supported a table "
-                f"written by 'mla-backends tune --output'"
-            ) from None
-        return cls.from_dict(data)
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.to_dict(), fh, indent=2)
-            fh.write("\n")
-
-
-def policy_from_table(
-    table: TunedThresholds | str | os.PathLike[str], backend_name: str, *, strict: bool = True
-) -> PerRequestPolicy | None:
-    """The dispatch policy a layer running ``backend_name`` uses under ``table`` (a table or a path).
-
-    When the table has no measurement for the backend: ``strict`` raises ValueError naming the measured
-    backends; otherwise a warning is logged and None returned (the backend's constant then applies).
-    """
-    if not isinstance(table, TunedThresholds):
-        if not isinstance(table, (str, os.PathLike)):
-            raise TypeError(
-                f"threshold_table: got {type(table).__name__}; supported a path or a TunedThresholds"
-            )
-        table = TunedThresholds.load(table)
-    ctx = table.for_backend(backend_name)
-    if ctx is None:
-        msg = (
-            f"threshold_table: has no measurement for backend {backend_name!r}; supported "
-            f"{', '.join(table.backend_names)}"
-        )
-        if strict:
-            raise ValueError(msg)
-        log.warning("%s; using the backend's own decode threshold", msg)
-        return None
-    return PerRequestPolicy(table=ctx)
-
-
-def table_from_env() -> str | None:
-    """The path in ``MLA_BACKENDS_THRESHOLD_TABLE``, or None when unset or empty."""
-    value = os.environ.get(THRESHOLD_TABLE_ENV, "").strip()
-    return value or None
-
-
-def layer_policy(
-    threshold_table: TunedThresholds | str | os.PathLike[str] | None, dispatch: Any, backend_name: str
-) -> PerRequestPolicy | None:
-    """The table-driven policy a new layer uses, or None to keep its ``dispatch`` (``MLAAttention`` calls it).
-
-    - ``threshold_table`` given: it must hold ``backend_name``'s measurement (else ValueError), and
-      ``dispatch`` must be None (both given: ValueError).
-    - otherwise, when ``dispatch`` is None and ``MLA_BACKENDS_THRESHOLD_TABLE`` names a file, that table is
-      used if it measured this backend (a warning is logged and the backend's constant kept if not).
-    """
-    if threshold_table is not None:
-        if dispatch is not None:
-            raise ValueError(
-                "threshold_table/dispatch: got both; supported one of them (a table implies the "
-                "per-request policy)"
-            )
-        return policy_from_table(threshold_table, backend_name, strict=True)
-    env = table_from_env()
-    if env is None or dispatch is not None:
-        return None
-    return policy_from_table(env, backend_name, strict=False)
-
-
 # ---- measuring -------------------------------------------------------------------------------------------
 def tunable_backends(
-    dims: Any, dtype: Any, device: Any, names: Sequence[str] | None = None
+    dims: MLADims, dtype: torch.dtype, device: str | torch.device, names: Sequence[str] | None = None
 ) -> dict[str, str]:
     """Backends that can run ``dims`` here, mapped to ``""``; with ``names``, unusable ones map to the reason.
 
     A backend qualifies when its packages are installed and it accepts the device, dtype, head count and
     multi-token queries (single-token backends have no absorbed path for ``Q > 1``).
     """
-    import torch
-
-    from .backend import AttentionSpec
-    from .device import device_info_for
-    from .plugins import get_backend, registered_backends
-
     info = device_info_for(torch.device(device))
     spec = AttentionSpec(
         num_heads=dims.num_heads,
@@ -338,39 +181,31 @@ class PathTimer:
 
     The layer (random weights, ``dims`` heads, on ``backend``) gets a one-request cache holding
     ``max_tokens`` random rows. ``time(context_len, query_len)`` runs exactly what the layer's forward runs
-    for an absorbed request (``q_nope @ W_UK_T``, ``backend.forward_mqa``, ``@ W_UV``: ``layer._absorbed``)
-    and for an expanded one (:func:`~mla_backends.prefill.forward_mha` with the layer's ``kv_b_proj`` and
-    workspace), alternating the two ``repeats`` times after a warm-up and keeping each path's best time.
+    for an absorbed request (``q_nope @ W_UK_T``, ``backend.forward_mqa``, ``@ W_UV``:
+    :meth:`MLAAttention.absorbed_attention <mla_backends.layer.MLAAttention.absorbed_attention>`) and for an
+    expanded one (``forward_mha`` with the layer's ``kv_b_proj`` and workspace:
+    :meth:`~mla_backends.layer.MLAAttention.expanded_attention`), alternating the two ``repeats`` times
+    after a warm-up and keeping each path's best time.
     The projections, RoPE and cache write are the same for both paths and are left out (which is also why
     the layer is built with a small ``hidden_size``: it only feeds the projections).
     """
 
     def __init__(
         self,
-        dims: Any,
+        dims: MLADims,
         backend: str,
         *,
-        dtype: Any,
-        device: Any,
+        dtype: str | torch.dtype | None,
+        device: str | torch.device,
         max_tokens: int,
         block_size: int | None = None,
         repeats: int = 3,
         seed: int = 0,
     ) -> None:
-        import dataclasses
-
-        import torch
-
-        from .hf_loading import random_hf_state_dict
-        from .layer import MLAAttention
-        from .plugins import get_backend
-        from .prefill import PrefillWorkspace
-
         require_int("repeats", repeats, minimum=1)
         require_int("max_tokens", max_tokens, minimum=1)
         if block_size is not None:
             require_int("block_size", block_size, minimum=1)
-        self.torch = torch
         self.device = torch.device(device)
         cls = get_backend(backend)
         self.block_size = block_size or cls.capabilities.preferred_page_size
@@ -382,7 +217,8 @@ class PathTimer:
             q_lora_rank=None if dims.q_lora_rank is None else min(dims.q_lora_rank, 256),
             indexer=None,  # the dense threshold is what is tuned; V3.2's indexer plays no part in it
         )
-        self.layer = MLAAttention(small, backend=cls, dtype=dtype, device=self.device)
+        # an explicit dispatch: the timer calls both paths itself, so MLA_BACKENDS_THRESHOLD_TABLE plays no part
+        self.layer = MLAAttention(small, backend=cls, dtype=dtype, device=self.device, dispatch="per-request")
         sd = random_hf_state_dict(small, dtype=self.layer.dtype, seed=seed)
         self.layer.load_hf_state_dict({k: v.to(self.device) for k, v in sd.items()})
         pages = -(-max_tokens // self.block_size) + 1
@@ -395,41 +231,25 @@ class PathTimer:
         self.cache.write(rows[:, :r], rows[:, r:], torch.arange(pages * self.block_size, device=self.device))
         self.q = torch.randn(max_tokens, H, P + R, generator=g).to(self.device, dt)
         self.rows = rows  # [positions, r + R]: what the cache holds, so both paths see the same new tokens
-        self.workspace = PrefillWorkspace(self.layer.workspace_rows(self.block_size))
-        self.P, self.r = P, r
+        self.r = r
 
-    def absorbed(self, meta: Any, q: int) -> Any:
+    def absorbed(self, meta: BatchMetadata, q: int) -> torch.Tensor:
         """The layer's absorbed path for ``q`` query tokens: ``[q, H, v_head_dim]``."""
-        P = self.P
-        return self.layer._absorbed(self.q[:q, :, :P], self.q[:q, :, P:], self.cache, meta, None)
+        return self.layer.absorbed_attention(self.q[:q], self.cache, meta)
 
-    def expanded(self, meta: Any, q: int) -> Any:
+    def expanded(self, meta: BatchMetadata, q: int) -> torch.Tensor:
         """The layer's expanded path (``forward_mha``) for ``q`` query tokens: ``[q, H, v_head_dim]``."""
-        from .prefill import forward_mha
-
         start = meta.context_lens_list[0]
         rows = self.rows[start : start + q]  # the new tokens' rows, as already written to the cache
-        return forward_mha(
-            self.q[:q],
-            rows[:, : self.r],
-            rows[:, self.r :],
-            self.cache,
-            meta,
-            self.layer.kv_b_proj.weight,
-            scale=self.layer.scale,
-            workspace=self.workspace,
-        )
+        return self.layer.expanded_attention(self.q[:q], rows[:, : self.r], rows[:, self.r :], self.cache, meta)
 
     def time(self, context_len: int, query_len: int, *, warmup: bool = True) -> Timing:
         """Best of ``repeats`` alternating calls per path (after one warm-up round when ``warmup``)."""
-        from .metadata import BatchMetadata
-
         if context_len + query_len > self.max_tokens:
             raise ValueError(
                 f"context_len + query_len: got {context_len + query_len}; supported <= "
                 f"max_tokens {self.max_tokens}"
             )
-        torch = self.torch
         meta = BatchMetadata.build(
             [query_len], [context_len], self.block_table, self.block_size, decode_threshold=query_len
         )
@@ -476,8 +296,6 @@ class ProgressBar:
 
 
 def _versions() -> dict[str, str]:
-    import torch
-
     from . import __version__
 
     out = {"mla_backends": __version__, "torch": torch.__version__, "python": platform.python_version()}
@@ -489,11 +307,7 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _device_record(device: Any) -> dict[str, Any]:
-    import torch
-
-    from .device import device_info_for
-
+def _device_record(device: str | torch.device) -> dict[str, Any]:
     info = device_info_for(torch.device(device))
     rec: dict[str, Any] = {"kind": info.kind, "name": info.name}
     if info.is_cuda:
@@ -511,29 +325,27 @@ def _device_record(device: Any) -> dict[str, Any]:
     return rec
 
 
-def _timing_record(dims: Any, t: Timing) -> dict[str, Any]:
+def _timing_record(dims: MLADims, t: Timing) -> dict[str, Any]:
     """A timing plus the causal FLOP model's count for each path (for effective GFLOP/s)."""
-    from . import costs
-
     q, s = t.query_len, t.context_len
     return {**vars(t), "absorbed_flops": costs.absorbed_path_flops(dims, q, s, causal=True),
             "expanded_flops": costs.expanded_path_flops(dims, q, s, causal=True)}
 
 
 def tune(
-    dims: Any,
+    dims: MLADims,
     *,
     backends: Iterable[str],
     query_lens: Sequence[int] = DEFAULT_QUERY_LENS,
     contexts: Sequence[int] = DEFAULT_CONTEXTS,
-    dtype: Any = None,
-    device: Any = "cpu",
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
     block_size: int | None = None,
     repeats: int = DEFAULT_REPEATS,
     progress: bool = True,
     on_timing: Callable[[str, Timing], None] | None = None,
-) -> TunedThresholds:
-    """Measure every backend over the grid and build the :class:`TunedThresholds`.
+) -> ThresholdTable:
+    """Measure every backend over the grid and build the :class:`~mla_backends.threshold_table.ThresholdTable`.
 
     Args:
         dims: the layer's :class:`~mla_backends.dims.MLADims`; a tensor-parallel view
@@ -547,11 +359,8 @@ def tune(
 
     Raises ``ValueError``/``TypeError`` for a bad argument before anything is timed.
     """
-    import torch
-
-    from . import costs
-    from .dtypes import dtype_name, parse_model_dtype
-
+    if not isinstance(dims, MLADims):
+        raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims")
     names = [str(b).upper() for b in backends]
     if not names:
         raise ValueError("backends: got none; supported at least one backend name")
@@ -626,4 +435,4 @@ def tune(
         "modelled_asymptotic_query_threshold": costs.asymptotic_query_threshold(dims),
         "backends": results,
     }
-    return TunedThresholds(per_backend, info)
+    return ThresholdTable(per_backend, info)

@@ -95,14 +95,14 @@ def test_block_ids_are_checked_once_per_step(setup):
     fwd = RefTorchBackend().forward_mqa
     meta = BatchMetadata.build([1, 1], [20, 5], _table(), BS)  # no num_blocks: build() could not check ids
     fwd(q_latent, q_rope, cache, meta, scale=0.1)
-    assert meta.plans[("_block_ids_within", cache.num_blocks)] is True
+    assert meta.step_plan.block_ids_checked == {cache.num_blocks}
     small = LatentKVCache(4, BS, R, ROPE, model_dtype=torch.float32)
     _raises(ValueError, "block_table", fwd, q_latent, q_rope, small, meta, scale=0.1)  # block 6 of 4
-    assert ("_block_ids_within", small.num_blocks) not in meta.plans
+    assert small.num_blocks not in meta.step_plan.block_ids_checked
     # a layer running a sub-batch asks for it on every layer: it is the same object, checked once
     sub = meta.select_requests(1, 2)
     fwd(q_latent[1:], q_rope[1:], cache, sub, scale=0.1)
-    assert meta.select_requests(1, 2).plans[("_block_ids_within", cache.num_blocks)] is True
+    assert meta.select_requests(1, 2).step_plan.block_ids_checked == {cache.num_blocks}
 
 
 def test_forward_mqa_page_size_mismatch(setup):

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import subprocess
@@ -341,7 +342,23 @@ def test_pack_query_and_block_table_helpers():
     meta = BatchMetadata.build([1, 1], [0, 40], [[5, -1, -1], [1, 2, 3]], 16)
     table = _common.dense_block_table(meta, align=4)
     assert table.tolist() == [[5, 0, 0, 0], [1, 2, 3, 0]]
-    assert _common.cached_block_table(meta, align=4) is _common.cached_block_table(meta, align=4)
+    state = FlashInferXqaMLABackend().step_state(meta)
+    assert state.block_table(meta, align=4) is state.block_table(meta, align=4)
+    assert torch.equal(state.block_table(meta, align=4), table)
+
+
+def test_flashinfer_step_state_is_prepared_once_per_step_and_shared_by_instances():
+    """The prepare hook: every layer's backend instance of a class gets the step's one FlashInferStep; a new
+    step (or a dataclasses.replace copy) gets a fresh one; sub-batches have their own."""
+    cache, meta, q, qr = make_batch(q_lens=(1, 4, 2), ctx=(20, 3, 40), heads=8)
+    layers = [FlashInferMLABackend() for _ in range(4)]
+    state = meta.prepare(layers[0])  # what an engine calls before the first layer
+    assert isinstance(state, _common.FlashInferStep)
+    assert all(b.step_state(meta) is state for b in layers) and meta.prepare(layers[1]) is state
+    assert meta.step_plan.prepared == {FlashInferMLABackend: state}
+    assert meta.prepare(FlashInferXqaMLABackend()) is not state  # another class prepares its own
+    assert dataclasses.replace(meta).prepare(layers[0]) is not state
+    assert meta.select_requests(1, 3).prepare(layers[0]) is not state
 
 
 def test_one_zeroed_workspace_per_device_and_path(monkeypatch):

@@ -1,5 +1,5 @@
-"""The decode/prefill split: both dispatch policies, the threshold table, backend clamping, and which path the
-layer actually runs for each request."""
+"""The decode/prefill split: both dispatch policies, the threshold table, backend clamping, the runs dispatch
+cuts a step into, and which path the layer actually runs for each request."""
 
 from __future__ import annotations
 
@@ -12,15 +12,20 @@ from layer_cases import tiny_config
 import mla_backends.layer as layer_mod
 from mla_backends.backend import QueryLenSupport
 from mla_backends.dispatch import (
+    THRESHOLD_TABLE_ENV,
+    ContextThresholds,
     PerBatchPolicy,
     PerRequestPolicy,
     ThresholdTable,
     clamp_to_backend,
+    layer_policy,
     resolve_policy,
+    step_runs,
 )
 from mla_backends.hf_loading import random_hf_state_dict
 from mla_backends.layer import MLAAttention
 from mla_backends.metadata import BatchMetadata
+from mla_backends.step_plan import Run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,24 +50,85 @@ def test_per_batch_policy_follows_sglang_rule():
     assert PerBatchPolicy(0).absorbed([1, 1], [100, 3000], backend_threshold=1) == [True, True]
 
 
-def test_threshold_table(tmp_path):
-    table = ThresholdTable(((512, 2), (4096, 16), (65536, 64)))
-    assert [table.threshold(c) for c in (0, 512, 513, 4096, 10**6)] == [2, 2, 16, 16, 64]
-    path = tmp_path / "t.json"
-    path.write_text(json.dumps(table.to_dict()))
-    pol = PerRequestPolicy.from_table(path)
-    assert pol.table == table
+def test_context_thresholds_and_policy():
+    ctx = ContextThresholds(((512, 2), (4096, 16), (65536, 64)))
+    assert [ctx.threshold(c) for c in (0, 512, 513, 4096, 10**6)] == [2, 2, 16, 16, 64]
+    pol = PerRequestPolicy(thresholds=ctx)
     assert pol.absorbed([3, 3, 20, 1], [100, 1000, 1000, 0], backend_threshold=1) == \
         [False, True, False, True]
     # a 0 entry still lets single tokens decode
-    assert PerRequestPolicy(table=ThresholdTable(((10, 0),))).absorbed([1, 2], [0, 0], backend_threshold=4) \
-        == [True, False]
+    assert PerRequestPolicy(thresholds=ContextThresholds(((10, 0),))).absorbed(
+        [1, 2], [0, 0], backend_threshold=4) == [True, False]
     with pytest.raises(ValueError, match="increasing"):
-        ThresholdTable(((10, 1), (5, 2)))
+        ContextThresholds(((10, 1), (5, 2)))
     with pytest.raises(ValueError, match="entries"):
-        ThresholdTable.from_dict({"rows": []})
-    with pytest.raises(ValueError, match="threshold/table"):
-        PerRequestPolicy(threshold=3, table=table)
+        ContextThresholds.from_entries([])
+    with pytest.raises(ValueError, match="threshold/thresholds"):
+        PerRequestPolicy(threshold=3, thresholds=ctx)
+    with pytest.raises(TypeError, match="thresholds: got dict"):
+        PerRequestPolicy(thresholds={})
+
+
+def _tune_file(tmp_path, backends=("REF_TORCH",)):
+    """The file ``mla-backends tune --output`` writes (the only threshold-table format)."""
+    from test_tune import TINY
+
+    from mla_backends import tuning
+
+    table = tuning.tune(TINY, backends=list(backends), query_lens=[1, 2], contexts=[4], dtype="float32",
+                        repeats=1, progress=False)
+    path = tmp_path / "tuned.json"
+    table.save(path)
+    return table, path
+
+
+def test_per_request_policy_reads_the_file_tune_writes(tmp_path):
+    table, path = _tune_file(tmp_path)
+    pol = PerRequestPolicy.from_table(path)  # one backend measured: no name needed
+    assert pol.thresholds == table.for_backend("REF_TORCH")
+    assert PerRequestPolicy.from_table(path, "ref_torch") == pol == PerRequestPolicy.from_table(table)
+    assert ThresholdTable.load(path).to_dict() == json.loads(path.read_text())
+    with pytest.raises(ValueError, match="no measurement for backend 'TRITON_MLA'"):
+        PerRequestPolicy.from_table(path, "TRITON_MLA")
+    two = ThresholdTable({"A": pol.thresholds, "B": pol.thresholds})
+    with pytest.raises(ValueError, match="backend_name: got None for a table measuring A, B"):
+        PerRequestPolicy.from_table(two)
+    # the old entries-only file is not a threshold table: the error names the format it wants
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"entries": [{"max_context": 10, "threshold": 2}]}))
+    with pytest.raises(ValueError, match="table: got .*old.json.*format: got None; supported 'mla-backends/"):
+        PerRequestPolicy.from_table(old)
+
+
+def test_env_table_errors_name_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv(THRESHOLD_TABLE_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="^MLA_BACKENDS_THRESHOLD_TABLE: got .*missing.json.*not a file"):
+        layer_policy(None, None, "REF_TORCH")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "other"}))
+    monkeypatch.setenv(THRESHOLD_TABLE_ENV, str(bad))
+    with pytest.raises(ValueError, match="^MLA_BACKENDS_THRESHOLD_TABLE: got .*table.format: got 'other'"):
+        layer_policy(None, None, "REF_TORCH")
+    with pytest.raises(ValueError, match="^MLA_BACKENDS_THRESHOLD_TABLE"):
+        MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64)
+    assert isinstance(layer_policy("per-batch", None, "REF_TORCH"), PerBatchPolicy)  # dispatch= wins
+    _, good = _tune_file(tmp_path)
+    monkeypatch.setenv(THRESHOLD_TABLE_ENV, str(good))
+    assert layer_policy(None, None, "REF_TORCH") == PerRequestPolicy.from_table(good)
+    assert layer_policy(None, None, "TRITON_MLA") == PerRequestPolicy()  # not measured: warning, constant
+
+
+def test_step_runs_are_cut_once_per_step():
+    caps = MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64).backend_cls.capabilities
+    bt = torch.arange(64, dtype=torch.int32).view(4, 16)
+    meta = BatchMetadata.build([6, 1, 3, 0], [4, 9, 2, 0], bt, 4)
+    runs = step_runs(meta, PerRequestPolicy(threshold=4), caps)
+    assert runs == (Run(True, 0, 1), Run(False, 1, 2), Run(True, 2, 4))
+    assert step_runs(meta, PerRequestPolicy(threshold=4), caps) is runs  # kept in the step plan
+    assert step_runs(meta, PerRequestPolicy(threshold=4), caps, sparse=True) == (Run(True, 0, 4),)
+    assert len(meta.step_plan.runs) == 2
+    with pytest.raises(TypeError, match="policy: got str"):
+        step_runs(meta, "per-request", caps)
 
 
 def test_resolve_and_clamp():

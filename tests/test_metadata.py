@@ -96,9 +96,40 @@ def test_sub_batches_are_built_once_per_step():
     bt, nb = _block_table()
     m = BatchMetadata.build(QLENS, CTXS, bt, BS, num_blocks=nb)
     sub = m.select_requests(1, 4)
-    sub.plans["marker"] = True
+    sub.step_plan.block_ids_checked.add(99)
     assert m.select_requests(1, 4) is sub and m.select_requests(0, 4) is not sub
-    assert dataclasses.replace(m, block_table=bt).plans == {}
+    assert m.step_plan.sub_batches[(1, 4)] is sub
+    copy = dataclasses.replace(m, block_table=bt)
+    assert copy.step_plan is not m.step_plan and copy.step_plan.sub_batches == {}
+    assert copy.select_requests(1, 4) is not sub
+
+
+def test_prepare_runs_once_per_step_for_several_layers():
+    """The backend hook: one call per backend class and step however many layers (instances) ask, the same
+    state back every time; a new step prepares again."""
+    from mla_backends.backend import MLABackend
+
+    calls: list[BatchMetadata] = []
+
+    class Counting(MLABackend):
+        name = "COUNTING"
+
+        def prepare(self, meta):
+            calls.append(meta)
+            return {"pages": meta.block_table.shape[1]}
+
+    bt, nb = _block_table()
+    m = BatchMetadata.build(QLENS, CTXS, bt, BS, num_blocks=nb)
+    layers = [Counting() for _ in range(5)]
+    states = [m.prepare(b) for b in layers for _ in range(2)]
+    assert calls == [m] and all(s is states[0] for s in states)
+    assert MLABackend().prepare(m) is None and m.prepare(MLABackend()) is None
+    m2 = BatchMetadata.build(QLENS, CTXS, bt, BS, num_blocks=nb)
+    assert m2.prepare(layers[0]) is not states[0] and calls == [m, m2]
+    with pytest.raises(TypeError, match="backend: got int"):
+        m.prepare(3)
+    with pytest.raises(ValueError, match="meta"):
+        m.step_plan.prepare(layers[0], m2)
 
 
 def test_keep_caller_order():

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
-from mla_backends import costs, tuning
+from mla_backends import costs, dispatch, tuning
 from mla_backends.cli import main
 from mla_backends.dims import MLADims
-from mla_backends.dispatch import ThresholdTable as ContextThresholds
 from mla_backends.metadata import BatchMetadata
+from mla_backends.threshold_table import TABLE_FORMAT, ContextThresholds, ThresholdTable, TunedThresholds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,9 +69,9 @@ def test_context_buckets():
 
 
 # ---- the table -------------------------------------------------------------------------------------------
-def _table(threshold: int = 8, backend: str = "REF_TORCH") -> tuning.TunedThresholds:
+def _table(threshold: int = 8, backend: str = "REF_TORCH") -> ThresholdTable:
     ctx = ContextThresholds(((12, threshold), (100_000, 2)))
-    return tuning.TunedThresholds(
+    return ThresholdTable(
         {backend: ctx}, {"date": "2026-01-01T00:00:00+00:00", "device": {"name": "cpu"}}
     )
 
@@ -80,13 +80,14 @@ def test_table_round_trip(tmp_path):
     path = tmp_path / "t.json"
     _table().save(path)
     data = json.loads(path.read_text())
-    assert data["format"] == tuning.TABLE_FORMAT and data["device"] == {"name": "cpu"}
-    loaded = tuning.TunedThresholds.load(path)
+    assert data["format"] == TABLE_FORMAT and data["device"] == {"name": "cpu"}
+    loaded = ThresholdTable.load(path)
     assert loaded.backend_names == ("REF_TORCH",)
     assert loaded.threshold_for("ref_torch", 10) == 8
     assert loaded.threshold_for("REF_TORCH", 5000) == 2
     assert loaded.threshold_for("REF_TORCH", 10**7) == 2  # beyond the last bucket: the last threshold
     assert loaded.to_dict() == data
+    assert TunedThresholds is ThresholdTable  # the name tuning used, kept
 
 
 def test_table_errors(tmp_path):
@@ -96,21 +97,23 @@ def test_table_errors(tmp_path):
     with pytest.raises(ValueError, match="context_len: got -1"):
         t.threshold_for("REF_TORCH", -1)
     with pytest.raises(ValueError, match="which is not a file"):
-        tuning.TunedThresholds.load(tmp_path / "missing.json")
+        ThresholdTable.load(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        tuning.TunedThresholds.load(bad)
+        ThresholdTable.load(bad)
     bad.write_text(json.dumps({"format": "other", "backends": {}}))
     with pytest.raises(ValueError, match="table.format: got 'other'"):
-        tuning.TunedThresholds.load(bad)
+        ThresholdTable.load(bad)
     with pytest.raises(ValueError, match="backends: got none"):
-        tuning.TunedThresholds({}, {})
-    assert tuning.policy_from_table(t, "TRITON_MLA", strict=False) is None
+        ThresholdTable({}, {})
+    with pytest.raises(TypeError, match="backends: got tuple; supported a mapping"):
+        ThresholdTable(((10, 2),))  # per-context pairs are ContextThresholds, not a table
+    assert dispatch.policy_from_table(t, "TRITON_MLA", strict=False) is None
     with pytest.raises(ValueError, match="no measurement for backend 'TRITON_MLA'"):
-        tuning.policy_from_table(t, "TRITON_MLA")
+        dispatch.policy_from_table(t, "TRITON_MLA")
     with pytest.raises(TypeError, match="threshold_table: got int"):
-        tuning.policy_from_table(3, "REF_TORCH")
+        dispatch.policy_from_table(3, "REF_TORCH")
 
 
 # ---- the timer runs the layer's two paths, and they compute the same attention --------------------------
@@ -206,13 +209,13 @@ def test_tune_cli_writes_a_loadable_table(tmp_path, capsys):
     assert rc == 0, captured.err
     assert "measured crossover" in captured.out and "REF_TORCH" in captured.out
     assert "1/2" in captured.err and "2/2" in captured.err  # the progress bar
-    table = tuning.TunedThresholds.load(out)
+    table = ThresholdTable.load(out)
     assert table.backend_names == ("REF_TORCH",)
     assert table.info["model"]["num_heads"] == 2 and table.info["model"]["tp"] == 8
 
     rc = main(_quick_tune_args("ref_torch", query_lens="1", contexts="8") + ["--json"])
     data = json.loads(capsys.readouterr().out)
-    assert rc == 0 and data["format"] == tuning.TABLE_FORMAT
+    assert rc == 0 and data["format"] == TABLE_FORMAT
     assert math.isclose(data["modelled_asymptotic_query_threshold"], 512 * 256 / 768)
 
 
@@ -292,7 +295,7 @@ def _mha_calls(monkeypatch, layer, query_len: int, context_len: int) -> int:
 
 
 def test_layer_uses_the_table_threshold(tmp_path, monkeypatch):
-    monkeypatch.delenv(tuning.THRESHOLD_TABLE_ENV, raising=False)
+    monkeypatch.delenv(dispatch.THRESHOLD_TABLE_ENV, raising=False)
     path = tmp_path / "t.json"
     _table(threshold=8).save(path)
     plain = _layer(monkeypatch)
@@ -306,7 +309,7 @@ def test_layer_uses_the_table_threshold(tmp_path, monkeypatch):
 def test_layer_reads_the_table_from_the_environment(tmp_path, monkeypatch):
     path = tmp_path / "t.json"
     _table(threshold=8).save(path)
-    monkeypatch.setenv(tuning.THRESHOLD_TABLE_ENV, str(path))
+    monkeypatch.setenv(dispatch.THRESHOLD_TABLE_ENV, str(path))
     layer = _layer(monkeypatch)
     assert _mha_calls(monkeypatch, layer, 4, 10) == 0
     # an explicit dispatch policy wins over the environment
@@ -321,7 +324,7 @@ def test_layer_reads_the_table_from_the_environment(tmp_path, monkeypatch):
 def test_layer_table_argument_errors(tmp_path, monkeypatch):
     from mla_backends.layer import MLAAttention
 
-    monkeypatch.delenv(tuning.THRESHOLD_TABLE_ENV, raising=False)
+    monkeypatch.delenv(dispatch.THRESHOLD_TABLE_ENV, raising=False)
     path = tmp_path / "t.json"
     _table(threshold=8, backend="TRITON_MLA").save(path)
     with pytest.raises(ValueError, match="no measurement for backend 'REF_TORCH'"):
@@ -334,3 +337,22 @@ def test_layer_table_argument_errors(tmp_path, monkeypatch):
         MLAAttention(
             TINY, backend="REF_TORCH", dtype=torch.float32, threshold_table=str(tmp_path / "no.json")
         )
+
+
+def test_layer_does_not_import_the_measurement_tool():
+    """The tool sits above the layer: layer.py (and dispatch, which owns the table) never import tuning, and
+    tuning reaches the layer through public methods only."""
+    import ast
+    import inspect
+
+    import mla_backends.dispatch
+    import mla_backends.layer
+    import mla_backends.threshold_table
+
+    for mod in (mla_backends.layer, mla_backends.dispatch, mla_backends.threshold_table):
+        tree = ast.parse(inspect.getsource(mod))
+        names = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert not any("tuning" in n for n in names), (mod.__name__, names)
+    src = inspect.getsource(tuning)
+    assert "layer._" not in src and "._absorbed" not in src

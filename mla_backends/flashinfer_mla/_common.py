@@ -1,5 +1,6 @@
-"""Pieces shared by the four FlashInfer backends: selection-time reasons, per-device workspaces, plan caching,
-query packing/padding and block-table preparation. Imports no flashinfer.
+"""Pieces shared by the four FlashInfer backends: selection-time reasons, per-device workspaces, the per-step
+state (:class:`FlashInferStep`: ``plan()`` tokens and dense block tables), query packing/padding and
+block-table preparation. Imports no flashinfer.
 """
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -24,11 +25,10 @@ __all__ = [
     "FlashInferBackendBase",
     "workspace_for",
     "PlanSlot",
-    "ensure_planned",
+    "FlashInferStep",
     "pack_query",
     "live_pages",
     "dense_block_table",
-    "cached_block_table",
     "scale_ratio",
     "output_buffers",
     "deliver_outputs",
@@ -64,20 +64,44 @@ class PlanSlot:
     plans_made: int = 0
 
 
-def ensure_planned(meta: BatchMetadata, key: tuple, slot: PlanSlot, make_plan: Any) -> None:
-    """Run ``make_plan()`` unless ``slot`` already holds the plan cached for ``key`` on ``meta``.
+@dataclass(eq=False)
+class FlashInferStep:
+    """A FlashInfer backend's state for one step: what its :meth:`~FlashInferBackendBase.prepare` returns.
 
-    The plan token lives in ``meta.plans`` so that every layer of one step reuses one ``plan()``; if another
-    batch re-planned the shared wrapper in between, the token no longer matches and the plan is redone.
+    Every layer of the step reads it back with ``meta.prepare(backend)``, so the work it keeps is done once
+    per step: the dense block table of each alignment (:meth:`block_table`) and one ``plan()`` per wrapper
+    configuration (:meth:`ensure_planned`).
+
+    Attributes:
+        block_tables: alignment -> ``[B, W]`` int32 table from :func:`dense_block_table`.
+        plan_tokens: plan key -> the token a :class:`PlanSlot` holds while its wrapper is planned for this step.
     """
-    token = meta.plans.get(key)
-    if token is not None and slot.current is token:
-        return
-    make_plan()
-    token = token if token is not None else object()
-    meta.plans[key] = token
-    slot.current = token
-    slot.plans_made += 1
+
+    block_tables: dict[int, torch.Tensor] = field(default_factory=dict)
+    plan_tokens: dict[tuple, object] = field(default_factory=dict)
+
+    def block_table(self, meta: BatchMetadata, *, align: int = 1) -> torch.Tensor:
+        """:func:`dense_block_table` of ``meta`` (the step this state was prepared for), built on first use."""
+        table = self.block_tables.get(align)
+        if table is None:
+            table = dense_block_table(meta, align=align)
+            self.block_tables[align] = table
+        return table
+
+    def ensure_planned(self, key: tuple, slot: PlanSlot, make_plan: Callable[[], None]) -> None:
+        """Run ``make_plan()`` unless ``slot``'s wrapper already holds this step's plan for ``key``.
+
+        If another step re-planned the shared wrapper in between, the token no longer matches and the plan is
+        redone; ``slot.plans_made`` counts the ``plan()`` calls.
+        """
+        token = self.plan_tokens.get(key)
+        if token is not None and slot.current is token:
+            return
+        make_plan()
+        token = token if token is not None else object()
+        self.plan_tokens[key] = token
+        slot.current = token
+        slot.plans_made += 1
 
 
 def pack_query(q_latent: torch.Tensor, q_rope: torch.Tensor, *, num_heads: int, dtype: torch.dtype,
@@ -158,16 +182,6 @@ def dense_block_table(meta: BatchMetadata, *, align: int = 1) -> torch.Tensor:
     return out
 
 
-def cached_block_table(meta: BatchMetadata, *, align: int = 1) -> torch.Tensor:
-    """:func:`dense_block_table` built once per batch (cached in ``meta.plans``) and reused by every layer."""
-    key = ("flashinfer_block_table", align)
-    table = meta.plans.get(key)
-    if table is None:
-        table = dense_block_table(meta, align=align)
-        meta.plans[key] = table
-    return table
-
-
 class FlashInferBackendBase(MLABackend):
     """Shared behaviour of the FlashInfer backends (not registered itself).
 
@@ -210,6 +224,17 @@ class FlashInferBackendBase(MLABackend):
     def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
         """Backend rules the declarative :class:`Capabilities` cannot express (override and extend)."""
         return []
+
+    def prepare(self, meta: BatchMetadata) -> FlashInferStep:
+        """A fresh :class:`FlashInferStep` for ``meta``'s step (filled on first use by each layer's call)."""
+        return FlashInferStep()
+
+    def step_state(self, meta: BatchMetadata) -> FlashInferStep:
+        """This step's :class:`FlashInferStep` (``meta.prepare(self)``: prepared once per step)."""
+        state = meta.prepare(self)
+        if not isinstance(state, FlashInferStep):
+            raise TypeError(f"{self.name}.prepare: got {type(state).__name__}; supported FlashInferStep")
+        return state
 
     # ---- helpers for subclasses --------------------------------------------------------------------------
     def _check_forward_inputs(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,

@@ -1,7 +1,8 @@
 """``FLASHINFER_MLA`` (fa2/fa3) and ``FLASHINFER_MLA_CUTLASS``: FlashInfer's paged MLA wrapper.
 
 One wrapper per (device, FlashInfer backend) and one 128 MiB workspace per (device, path), created on first
-use. ``plan()`` runs once per batch (the plan token is cached in ``meta.plans``) and ``run()`` once per layer.
+use. ``plan()`` runs once per step (its token is kept in the step's prepared state, ``meta.prepare(backend)``)
+and ``run()`` once per layer.
 The cache is passed as the two strided views ``cache.latent [blocks, page, 512]`` and ``cache.rope [blocks,
 page, 64]`` of the one 576-wide tensor; FlashInfer reads their strides (fa2/fa3) or recognises them as
 adjacent halves of one packed row (cutlass), so nothing is copied.
@@ -23,9 +24,8 @@ from . import api
 from ._common import (
     FlashInferBackendBase,
     PlanSlot,
-    cached_block_table,
     deliver_outputs,
-    ensure_planned,
+    dense_block_table,
     live_pages,
     output_buffers,
     pack_query,
@@ -106,10 +106,12 @@ def cutlass_fixed_scale(rope_dim: int) -> float:
 
 
 def plan_cutlass(wrapper, meta: BatchMetadata, *, kv_lora_rank: int, rope_dim: int, page_size: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, table: torch.Tensor | None = None) -> None:
     """``wrapper.plan(...)`` for cutlass: dense metadata whose block-table width is a multiple of
-    ``128 / page_size`` (FlashInfer's alignment rule), 128 heads, the kernel's fixed scale."""
-    table = cached_block_table(meta, align=128 // page_size)
+    ``128 / page_size`` (FlashInfer's alignment rule), 128 heads, the kernel's fixed scale. ``table [B, W]``:
+    the step's aligned table when already built (default: built here with :func:`dense_block_table`)."""
+    if table is None:
+        table = dense_block_table(meta, align=128 // page_size)
     metadata = api.load_plan_metadata_class().dense(**api.dense_metadata_kwargs(
         meta.query_start_loc.to(torch.int32).contiguous(), table, meta.seq_lens.to(torch.int32).contiguous(),
         max(1, meta.max_query_len)))
@@ -172,7 +174,7 @@ class FlashInferMLABackend(FlashInferBackendBase):
             slot = wrapper_slot(dev, fi_backend)
             key = (self.name, fi_backend, H, q_latent.dtype, cache.data.dtype, cache.block_size, r,
                    cache.qk_rope_head_dim, float(scale))
-            ensure_planned(meta, key, slot, lambda: plan_fa(
+            self.step_state(meta).ensure_planned(key, slot, lambda: plan_fa(
                 slot.wrapper, meta, num_heads=H, kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim,
                 page_size=cache.block_size, scale=scale, q_dtype=q_latent.dtype, kv_dtype=cache.data.dtype))
             fp8_scale = cache.scale_value if cache.is_fp8 else None  # host sync for fp8 caches only
@@ -234,9 +236,10 @@ class FlashInferCutlassMLABackend(FlashInferBackendBase):
                                multiplier=scale_ratio(scale, cutlass_fixed_scale(rope)))
             slot = wrapper_slot(cache.device, "cutlass")
             key = (self.name, q_latent.dtype, cache.block_size, r, rope)
-            ensure_planned(meta, key, slot, lambda: plan_cutlass(
+            state = self.step_state(meta)
+            state.ensure_planned(key, slot, lambda: plan_cutlass(
                 slot.wrapper, meta, kv_lora_rank=r, rope_dim=rope, page_size=cache.block_size,
-                dtype=q_latent.dtype))
+                dtype=q_latent.dtype, table=state.block_table(meta, align=128 // cache.block_size)))
             slot.wrapper.run(**api.cutlass_run_kwargs(query, cache.latent, cache.rope, out=full))
 
         return run_padded_heads(q_latent, out, heads, launch), None

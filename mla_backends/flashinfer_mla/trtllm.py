@@ -21,7 +21,6 @@ from ..metadata import BatchMetadata
 from . import api
 from ._common import (
     FlashInferBackendBase,
-    cached_block_table,
     deliver_outputs,
     fp8_query_scale,
     output_buffers,
@@ -98,7 +97,7 @@ class FlashInferTrtllmMLABackend(FlashInferBackendBase):
             fn = api.load_trtllm_decode()
             fn(**api.trtllm_kwargs(
                 query.view(B, q_len, H, query.shape[-1]), cache.data, workspace_for(dev, "trtllm"),
-                kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim, block_tables=cached_block_table(meta),
+                kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim, block_tables=self.step_state(meta).block_table(meta),
                 seq_lens=meta.seq_lens, max_seq_len=meta.max_seq_len, out=result.view(B, q_len, H, r),
                 lse=lse, bmm1_scale=bmm1, bmm2_scale=bmm2))
         return deliver_outputs(result, lse, out, lse_out)

@@ -21,7 +21,6 @@ from ..metadata import BatchMetadata
 from . import api
 from ._common import (
     FlashInferBackendBase,
-    cached_block_table,
     fp8_query_scale,
     pack_query,
     run_padded_heads,
@@ -80,7 +79,7 @@ class FlashInferXqaMLABackend(FlashInferBackendBase):
             fn(**api.xqa_kwargs(
                 query.view(T, 1, heads, query.shape[-1]), cache.data, workspace_for(dev, "xqa"),
                 kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim,
-                block_tables=cached_block_table(meta, align=max(1, 128 // cache.block_size)),
+                block_tables=self.step_state(meta).block_table(meta, align=max(1, 128 // cache.block_size)),
                 seq_lens=meta.seq_lens, max_seq_len=meta.max_seq_len, out=full, bmm1_scale=bmm1,
                 bmm2_scale=bmm2))
 
