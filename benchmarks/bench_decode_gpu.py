@@ -1,26 +1,27 @@
 #!/usr/bin/env python
-"""GPU decode benchmark: every available backend's ``forward_mqa`` over a grid of batch x context x heads.
+"""GPU decode benchmark: every backend's ``forward_mqa`` over batch x context x heads, judged by its roofline.
 
 Usage::
 
-    python benchmarks/bench_decode_gpu.py                      # full grid, writes bench_decode_gpu.json
-    python benchmarks/bench_decode_gpu.py --quick              # batch 1/64, context 4k, 128 heads
-    python benchmarks/bench_decode_gpu.py --backends TRITON_MLA --peak-gbps 3350 --output h100.json
-    python benchmarks/bench_decode_gpu.py --dry-run            # print the grid and each backend's verdict
+    python benchmarks/bench_decode_gpu.py                          # detected GPU, full grid
+    python benchmarks/bench_decode_gpu.py --quick --json out.json  # batch 1/64, context 4k, 128 heads
+    python benchmarks/bench_decode_gpu.py --dry-run --gpu h200 --json grid.json   # no GPU needed
+    python benchmarks/bench_decode_gpu.py --peak-gbps 4300 --peak-tflops 790      # measured peaks instead
 
 Grid (defaults): batch 1, 8, 64, 128; context 1k, 4k, 16k; heads 16, 128; kv caches bfloat16 and fp8_e4m3;
 bf16 queries; DeepSeek-V3 latent (512 + 64); page size 64; one new token per request; scattered pages.
 
-For every point and backend that accepts it (``not_supported_reasons`` on the detected device is empty) it
-runs warm-up calls, then times ``--iters`` calls with CUDA events (``call_ms``: the whole ``forward_mqa``,
-input validation included) and, when the profiler works, the GPU kernel time of the same calls
-(``kernel_ms``). It reports:
-
-* GB/s: bytes of latent cache read (``sum(seq_lens) * row_width * element size``) per second;
-* TFLOP/s: absorbed-core FLOPs ``2 * tokens * heads * seq_len * (2 * kv_lora_rank + qk_rope_head_dim)``;
-* the fraction of the device's peak HBM bandwidth (table below, or ``--peak-gbps``).
-
-Rates use ``kernel_ms`` when measured, else ``call_ms``. Without a CUDA device it prints why and exits 0.
+Each (point, backend) is judged against ``max(bytes / peak bandwidth, FLOPs / peak tensor rate)``
+(``mla_backends.roofline``): bytes are the cache rows read plus the queries and outputs, FLOPs the absorbed
+core (``2 * H * (576 + 512)`` per row and query token). The peaks are the vendor's figures from the package's
+GPU table (``mla_backends.gpus``; the detected device's name, or ``--gpu``); ``--peak-gbps`` and
+``--peak-tflops`` override them. An fp8 cache is judged against the bf16 tensor peak unless the backend runs
+fp8 MMA (:data:`FP8_MMA_BACKENDS`). Each record: ``backend, gpu, batch, context, heads, kv_cache_dtype, bytes,
+flops, roofline_us, bound`` (``"memory"`` or ``"compute"``); a timed run adds ``time_us`` (the kernel time
+from the profiler when it works, else the whole call from CUDA events) and ``roofline_fraction``
+(roofline_us / time_us). ``--dry-run`` lists (and with ``--json`` writes) the records a run would make on
+the GPU named, with each backend's verdict from its declarations on that (simulated) device, and a time
+estimate. Without a CUDA device a timed run prints why and exits 0.
 """
 
 from __future__ import annotations
@@ -31,39 +32,23 @@ import json
 import os
 import platform
 import sys
+import time
 import traceback
 from typing import Any
-
-#: peak HBM bandwidth in GB/s by marketing-name fragment (first match wins; more specific names first)
-PEAK_HBM_GBPS: tuple[tuple[str, float], ...] = (
-    ("GB200", 8000.0),
-    ("B200", 8000.0),
-    ("H200", 4800.0),
-    ("H100 PCIE", 2000.0),
-    ("H100 NVL", 3900.0),
-    ("H100", 3350.0),  # SXM (HBM3)
-    ("H800", 3350.0),
-    ("H20", 4000.0),
-    ("A100-SXM4-80GB", 2039.0),
-    ("A100 80GB PCIE", 1935.0),
-    ("A100", 1555.0),  # 40 GB
-)
 
 DEFAULT_BATCHES = (1, 8, 64, 128)
 DEFAULT_CONTEXTS = (1024, 4096, 16384)
 DEFAULT_HEADS = (16, 128)
 DEFAULT_KV_DTYPES = ("bfloat16", "fp8_e4m3")
-#: target from issue 6: Triton at batch >= 64, context >= 4k, 128 heads reaches this fraction of peak
+#: backends whose fp8-cache path multiplies in fp8 (query quantised to fp8): judged against the fp8 peak.
+#: The others (TRITON_MLA, FLASHINFER_MLA's fa3, REF_TORCH) dequantise fp8 rows and multiply in bf16/fp32.
+FP8_MMA_BACKENDS = frozenset({"FLASHINFER_MLA_TRTLLM", "FLASHINFER_MLA_XQA"})
+#: target from issue 6: Triton at batch >= 64, context >= 4k, 128 heads reaches this fraction of its roofline
 TRITON_TARGET_FRACTION = 0.70
-
-
-def peak_gbps_for(name: str) -> float | None:
-    """Peak HBM bandwidth (GB/s) for a device name, or None when it is not in :data:`PEAK_HBM_GBPS`."""
-    upper = name.upper()
-    for fragment, gbps in PEAK_HBM_GBPS:
-        if fragment in upper:
-            return gbps
-    return None
+#: seconds a timed point is assumed to cost beyond its kernels (inputs, warm-up, profiler), for estimates
+POINT_OVERHEAD_S = 0.6
+#: seconds for a backend's first compile of one kernel configuration (Triton), for estimates
+COMPILE_S = 4.0
 
 
 def point_dims(heads: int) -> Any:
@@ -73,18 +58,13 @@ def point_dims(heads: int) -> Any:
     return MLADims(num_heads=heads)
 
 
-def cache_bytes_read(seq_lens: list[int], dims: Any, element_size: int) -> int:
-    """Bytes of latent cache one call reads: every visible row once (576 * 2 bytes per token in bf16)."""
-    from mla_backends import costs
+def _kv_bytes(kv_cache_dtype: str) -> int:
+    """Bytes per cache element of a canonical kv-cache dtype name (2 for bfloat16, 1 for fp8)."""
+    import torch
 
-    return sum(seq_lens) * costs.latent_bytes_per_token_per_layer(dims, element_size)
+    from mla_backends.dtypes import kv_cache_torch_dtype
 
-
-def absorbed_flops(seq_lens: list[int], dims: Any) -> int:
-    """FLOPs of the absorbed core for one decode token per request: QK^T (r + rope wide) plus PV (r wide)."""
-    from mla_backends import costs
-
-    return sum(seq_lens) * costs.absorbed_core_flops_per_context_token(dims)
+    return kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16).itemsize
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -108,31 +88,32 @@ def _str_list(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from mla_backends.gpus import gpu_spec
+
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--batch", type=_int_list, default=DEFAULT_BATCHES, help="batch sizes (default 1,8,64,128)"
-    )
-    p.add_argument(
-        "--context", type=_int_list, default=DEFAULT_CONTEXTS, help="context lengths (default 1k,4k,16k)"
-    )
+    p.add_argument("--batch", type=_int_list, default=DEFAULT_BATCHES, help="batch sizes (default 1,8,64,128)")
+    p.add_argument("--context", type=_int_list, default=DEFAULT_CONTEXTS, help="context lengths (default 1k,4k,16k)")
     p.add_argument("--heads", type=_int_list, default=DEFAULT_HEADS, help="query heads (default 16,128)")
-    p.add_argument(
-        "--kv-dtypes",
-        type=_str_list,
-        default=DEFAULT_KV_DTYPES,
-        help="kv cache dtypes (default bfloat16,fp8_e4m3)",
-    )
+    p.add_argument("--kv-dtypes", type=_str_list, default=DEFAULT_KV_DTYPES,
+                   help="kv cache dtypes (default bfloat16,fp8_e4m3)")
     p.add_argument("--page-size", type=int, default=64, help="cache page size (default 64)")
     p.add_argument("--backends", type=_str_list, default=None, help="only these backend names")
+    p.add_argument("--gpu", default=None,
+                   help="a GPU of the package's table (h200, b200, ...): its peaks, and for --dry-run the "
+                        "simulated device (default: the detected one)")
     p.add_argument("--warmup", type=int, default=5, help="warm-up calls per point (default 5)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per point (default 20)")
-    p.add_argument("--peak-gbps", type=float, default=None, help="peak HBM bandwidth (GB/s) for the fraction")
+    p.add_argument("--peak-gbps", type=float, default=None, help="peak memory bandwidth, GB/s (10**9 B/s)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="peak dense tensor rate, TFLOP/s")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop timing after this many seconds; the points left are recorded as not run")
     p.add_argument("--no-profiler", action="store_true", help="skip the kernel-time measurement")
     p.add_argument("--quick", action="store_true", help="batch 1,64; context 4k; heads 128")
-    p.add_argument("--dry-run", action="store_true", help="print the grid and verdicts, time nothing")
-    p.add_argument("--output", default="bench_decode_gpu.json", help="JSON results file")
+    p.add_argument("--dry-run", action="store_true", help="list the records and verdicts, time nothing")
+    p.add_argument("--json", "--output", dest="output", default=None,
+                   help="write the records to this JSON file (a timed run defaults to bench_decode_gpu.json)")
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.context, args.heads = (1, 64), (4096,), (128,)
@@ -142,47 +123,76 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.kv_dtypes = tuple(canonical_kv_cache_dtype(k) for k in args.kv_dtypes)
     except (ValueError, TypeError) as exc:
         p.error(f"--kv-dtypes: {exc}")
+    if args.gpu is not None:
+        try:
+            args.gpu = gpu_spec(args.gpu)
+        except ValueError as exc:
+            p.error(f"--gpu: {exc}")
     if args.page_size < 1:
         p.error(f"--page-size: got {args.page_size}; supported >= 1")
     if args.warmup < 0 or args.iters < 1:
         p.error(f"--warmup/--iters: got {args.warmup}/{args.iters}; supported >= 0 / >= 1")
-    if args.peak_gbps is not None and not args.peak_gbps > 0:
-        p.error(f"--peak-gbps: got {args.peak_gbps}; supported a positive number")
+    for flag, v in (("--peak-gbps", args.peak_gbps), ("--peak-tflops", args.peak_tflops),
+                    ("--max-seconds", args.max_seconds)):
+        if v is not None and not v > 0:
+            p.error(f"{flag}: got {v}; supported a positive number")
     return args
+
+
+def simulated_device_for(spec: Any) -> Any:
+    """A simulated selector device for a GPU-table row (compute capability, memory, SMs)."""
+    from mla_backends.device import DeviceInfo
+
+    return DeviceInfo(kind="cuda", name=spec.name, compute_capability=spec.compute_capability,
+                      total_memory=spec.memory_bytes, sm_count=spec.sms, simulated=True)
 
 
 def detect(torch: Any) -> Any:
     """The device as the selector sees it (NVML through ``selector.detect``; torch as a fallback)."""
-    from mla_backends.device import CPU_DEVICE, DeviceInfo
+    from mla_backends.device import CPU_DEVICE, device_info_for
 
     dev = None
     try:
         from selector.detect import detect_device
 
         dev = detect_device(0)
-    except Exception:  # an older tree without selector.detect, or NVML trouble
+    except Exception:  # NVML trouble: torch below
         dev = None
     if (dev is None or not dev.is_cuda) and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        dev = DeviceInfo(
-            kind="cuda",
-            name=props.name,
-            compute_capability=(props.major, props.minor),
-            total_memory=int(props.total_memory),
-            index=0,
-            sm_count=props.multi_processor_count,
-        )
+        dev = device_info_for(torch.device("cuda", 0))
     return dev or CPU_DEVICE
+
+
+def peaks(args: argparse.Namespace, device_name: str) -> tuple[Any, float | None, float | None]:
+    """(table row or None, peak bytes/s, peak bf16 FLOP/s): ``--gpu``, else the device name; flags override."""
+    from mla_backends.gpus import gpu_spec_for_device_name
+
+    spec = args.gpu or gpu_spec_for_device_name(device_name)
+    bw = args.peak_gbps * 1e9 if args.peak_gbps else (spec.bandwidth_bytes_per_s if spec else None)
+    fl = args.peak_tflops * 1e12 if args.peak_tflops else (spec.tensor_flops_per_s() if spec else None)
+    return spec, bw, fl
+
+
+def judge(point: dict[str, Any], backend: str, spec: Any, bw: float, flops_bf16: float,
+          args: argparse.Namespace) -> dict[str, Any]:
+    """The roofline fields of one record (bytes, flops, roofline_us, bound)."""
+    from mla_backends.roofline import decode_roofline
+
+    peak_flops = flops_bf16
+    fp8_mma = point["kv_cache_dtype"].startswith("fp8") and backend in FP8_MMA_BACKENDS
+    if fp8_mma and spec is not None and not args.peak_tflops:
+        peak_flops = spec.tensor_flops_per_s(fp8_mma=True)
+    r = decode_roofline(point_dims(point["heads"]), [point["context"]] * point["batch"],
+                        cache_bytes=_kv_bytes(point["kv_cache_dtype"]), peak_bytes_per_s=bw,
+                        peak_flops_per_s=peak_flops)
+    return {"bytes": r.bytes, "flops": r.flops, "roofline_us": r.roofline_us, "bound": r.bound,
+            "peak_flops_from": "fp8" if fp8_mma else "bf16"}
 
 
 def candidate_backends(names: tuple[str, ...] | None) -> dict[str, type]:
     from mla_backends.plugins import registered_backends
 
     found = dict(registered_backends())
-    if "TRITON_MLA" not in found:  # registries without the built-in entry still get the Triton backend
-        from mla_backends.triton_mla import TritonMLABackend
-
-        found["TRITON_MLA"] = TritonMLABackend
     if names:
         wanted = {n.upper() for n in names}
         unknown = wanted - set(found)
@@ -202,6 +212,26 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
         for c in args.context
         for b in args.batch
     ]
+
+
+def verdicts(torch: Any, backends: dict[str, type], point: dict[str, Any], device: Any,
+             page: int) -> dict[str, list[str]]:
+    """Each backend's reasons against the point on ``device`` (empty: it runs)."""
+    from mla_backends.backend import AttentionSpec
+
+    spec = AttentionSpec(num_heads=point["heads"], dtype=torch.bfloat16, kv_cache_dtype=point["kv_cache_dtype"],
+                         block_size=page, need_lse=False, device=device)
+    return {name: list(cls.not_supported_reasons(spec)) for name, cls in backends.items()}
+
+
+def estimate_seconds(records: list[dict[str, Any]], args: argparse.Namespace) -> float:
+    """Rough wall time of a timed run over ``records``: per point overhead, calls at the roofline (at least
+    20 us each), one compile per (backend, heads, kv dtype)."""
+    calls = args.warmup + args.iters * (1 if args.no_profiler else 2)
+    configs = {(r["backend"], r["heads"], r["kv_cache_dtype"]) for r in records}
+    points = {(r["batch"], r["context"], r["heads"], r["kv_cache_dtype"]) for r in records}
+    kernels = sum(calls * max(r["roofline_us"], 20.0) * 1e-6 for r in records)
+    return len(points) * POINT_OVERHEAD_S + kernels + len(configs) * COMPILE_S
 
 
 def build_inputs(torch: Any, point: dict[str, Any], page: int, device: Any) -> tuple[Any, ...]:
@@ -237,6 +267,7 @@ def build_inputs(torch: Any, point: dict[str, Any], page: int, device: Any) -> t
     return cache, meta, q_latent, q_rope
 
 
+
 def _kernel_ms(torch: Any, fn: Any, iters: int) -> float | None:
     """GPU time per call (ms): the summed durations of every CUDA kernel/memcpy the calls ran, from the
     profiler (the input validation's few small kernels included); None when it cannot be measured."""
@@ -256,6 +287,7 @@ def _kernel_ms(torch: Any, fn: Any, iters: int) -> float | None:
         return total_us / 1000.0 / iters if total_us > 0 else None
     except Exception:
         return None
+
 
 
 def time_backend(
@@ -286,30 +318,12 @@ def time_backend(
     return result
 
 
-def rates(point: dict[str, Any], ms: float, elem_size: int, peak: float | None) -> dict[str, Any]:
-    seq = [point["context"]] * point["batch"]
-    dims = point_dims(point["heads"])
-    nbytes = cache_bytes_read(seq, dims, elem_size)
-    flops = absorbed_flops(seq, dims)
-    gbps = nbytes / (ms * 1e-3) / 1e9
-    return {
-        "bytes": nbytes,
-        "flops": flops,
-        "gbps": gbps,
-        "tflops": flops / (ms * 1e-3) / 1e12,
-        "fraction_of_peak": (gbps / peak) if peak else None,
-    }
-
-
-def print_row(name: str, p: dict[str, Any], r: dict[str, Any]) -> None:
-    frac = r.get("fraction_of_peak")
-    kern = r.get("kernel_ms")
-    print(
-        f"{name:<24} {p['kv_cache_dtype']:<9} {p['batch']:>5} {p['context']:>6} {p['heads']:>5} "
-        f"{r['call_ms']:>9.4f} {(f'{kern:.4f}') if kern else '-':>9} {r['gbps']:>8.1f} {r['tflops']:>7.2f} "
-        f"{('%.0f%%' % (100 * frac)) if frac is not None else '-':>6}",
-        flush=True,
-    )
+def print_row(r: dict[str, Any]) -> None:
+    t = r.get("time_us")
+    frac = r.get("roofline_fraction")
+    print(f"{r['backend']:<24} {r['kv_cache_dtype']:<9} {r['batch']:>5} {r['context']:>6} {r['heads']:>5} "
+          f"{r['roofline_us']:>11.1f} {r['bound']:<8} {(f'{t:.1f}') if t else '-':>9} "
+          f"{('%.0f%%' % (100 * frac)) if frac is not None else '-':>6}", flush=True)
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
@@ -320,86 +334,98 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
+def plan(torch: Any, args: argparse.Namespace, device: Any, gpu_key: str, spec: Any, bw: float | None,
+         fl: float | None) -> tuple[list[tuple[dict[str, Any], list[tuple[str, type]]]], list[dict[str, Any]],
+                                    list[dict[str, Any]]]:
+    """(points with their runnable backends, records without timings, skipped (backend, point, reasons))."""
+    backends = candidate_backends(args.backends)
+    todo, records, skipped = [], [], []
+    for point in grid(args):
+        runnable = []
+        for name, why in verdicts(torch, backends, point, device, args.page_size).items():
+            if why:
+                skipped.append({"backend": name, **point, "reasons": why})
+                continue
+            runnable.append((name, backends[name]))
+            rec: dict[str, Any] = {"backend": name, "gpu": gpu_key, **point}
+            if bw and fl:
+                rec.update(judge(point, name, spec, bw, fl, args))
+            records.append(rec)
+        if runnable:
+            todo.append((point, runnable))
+    return todo, records, skipped
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from mla_backends.backend import AttentionSpec
     from mla_backends.dims import MLADims
 
-    device = detect(torch)
+    device = simulated_device_for(args.gpu) if (args.dry_run and args.gpu) else detect(torch)
+    spec, bw, fl = peaks(args, device.name)
+    gpu_key = spec.key if spec else (device.name if device.is_cuda else "cpu")
     payload: dict[str, Any] = {
-        "format": "mla-backends/bench-decode-gpu/v1",
+        "format": "mla-backends/bench-decode-gpu/v2",
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
-        "device": {
-            "name": device.name,
-            "compute_capability": device.compute_capability,
-            "sm_count": device.sm_count,
-            "total_memory": device.total_memory,
-        },
-        "config": {k: v for k, v in vars(args).items() if k not in ("output",)},
-        "results": [],
-        "skipped": [],
-        "errors": [],
+        "gpu": gpu_key,
+        "device": {"name": device.name, "compute_capability": device.compute_capability,
+                   "sm_count": device.sm_count, "total_memory": device.total_memory,
+                   "simulated": device.simulated},
+        "peaks": {"bytes_per_s": bw, "bf16_flops_per_s": fl,
+                  "from": "flags" if (args.peak_gbps or args.peak_tflops) else ("table" if spec else None)},
+        "config": {k: (v.key if k == "gpu" and v is not None else v) for k, v in vars(args).items()
+                   if k != "output"},
+        "records": [], "skipped": [], "errors": [], "not_run": [],
     }
-    backends = candidate_backends(args.backends)
-    points = grid(args)
     if args.dry_run:
-        print(f"device: {device.describe()}; {len(points)} grid points; backends: {', '.join(backends)}")
-        for name, cls in backends.items():
-            for kv in args.kv_dtypes:
-                for h in args.heads:
-                    spec = AttentionSpec(
-                        num_heads=h,
-                        dtype=torch.bfloat16,
-                        kv_cache_dtype=kv,
-                        block_size=args.page_size,
-                        need_lse=False,
-                        device=device,
-                    )
-                    why = cls.not_supported_reasons(spec)
-                    print(f"  {name:<24} {kv:<9} heads {h:>3}: {'runs' if not why else '; '.join(why)}")
+        todo, records, skipped = plan(torch, args, device, gpu_key, spec, bw, fl)
+        payload.update(records=records, skipped=skipped)
+        est = estimate_seconds(records, args) if (bw and fl) else None
+        payload["estimate_s"] = est
+        print(f"device: {device.describe()}; {len(grid(args))} grid points, {len(records)} records "
+              f"(point x accepting backend)" + (f", about {est:.0f} s when timed" if est else ""))
+        if not (bw and fl):
+            print("  peaks unknown for this device: pass --gpu NAME or --peak-gbps and --peak-tflops")
+        grouped: dict[tuple[str, str], int] = {}
+        for s in skipped:
+            key = (s["backend"], "; ".join(s["reasons"]))
+            grouped[key] = grouped.get(key, 0) + 1
+        for (name, why), n in grouped.items():
+            print(f"  skip {name:<24} at {n} point(s): {why}")
+        if bw and fl:
+            print(f"{'backend':<24} {'kv':<9} {'batch':>5} {'ctx':>6} {'heads':>5} {'roofline_us':>11} "
+                  f"{'bound':<8} {'time_us':>9} {'frac':>6}")
+            for r in records:
+                print_row(r)
+        if args.output:
+            write_json(args.output, payload)
         return 0
     if not device.is_cuda or not torch.cuda.is_available():
-        print(
-            "bench_decode_gpu: no CUDA device found (torch.cuda.is_available() is False); this benchmark "
-            "times GPU kernels, so nothing was timed. Run it on a machine with an NVIDIA GPU "
-            "(see README, 'GPU benchmarks'); --dry-run shows the grid and the backends' verdicts."
-        )
+        print("bench_decode_gpu: no CUDA device found (torch.cuda.is_available() is False); this benchmark "
+              "times GPU kernels, so nothing was timed. Run it on a machine with an NVIDIA GPU "
+              "(see README, 'GPU benchmarks'); --dry-run --gpu h200 shows the grid and the verdicts.")
         return 0
-
-    peak = args.peak_gbps or peak_gbps_for(device.name)
-    payload["peak_gbps"] = peak
+    if not (bw and fl):
+        print(f"bench_decode_gpu: {device.name!r} is not in the GPU table (docs/gpus.md); the roofline "
+              "needs --gpu NAME or --peak-gbps and --peak-tflops. Timing without it.")
     scale = MLADims().softmax_scale
-    print(
-        f"device: {device.describe()}, {device.sm_count} SMs, peak HBM "
-        f"{(f'{peak:.0f} GB/s') if peak else 'unknown (pass --peak-gbps)'}"
-    )
-    print(
-        f"{'backend':<24} {'kv':<9} {'batch':>5} {'ctx':>6} {'heads':>5} {'call_ms':>9} {'kern_ms':>9} "
-        f"{'GB/s':>8} {'TFLOP/s':>7} {'peak':>6}"
-    )
+    print(f"device: {device.describe()}, {device.sm_count} SMs; peaks "
+          f"{(f'{bw / 1e9:.0f} GB/s, {fl / 1e12:.0f} bf16 TFLOP/s') if (bw and fl) else 'unknown'}")
+    print(f"{'backend':<24} {'kv':<9} {'batch':>5} {'ctx':>6} {'heads':>5} {'roofline_us':>11} {'bound':<8} "
+          f"{'time_us':>9} {'frac':>6}")
+    todo, records, skipped = plan(torch, args, device, gpu_key, spec, bw, fl)
+    payload["skipped"] = skipped
+    by_key = {(r["backend"], r["batch"], r["context"], r["heads"], r["kv_cache_dtype"]): r for r in records}
     instances: dict[str, Any] = {}
-    for point in points:
-        runnable = []
-        for name, cls in backends.items():
-            spec = AttentionSpec(
-                num_heads=point["heads"],
-                dtype=torch.bfloat16,
-                kv_cache_dtype=point["kv_cache_dtype"],
-                block_size=args.page_size,
-                need_lse=False,
-                device=device,
-            )
-            why = cls.not_supported_reasons(spec)
-            if why:
-                payload["skipped"].append({"backend": name, **point, "reasons": why})
-            else:
-                runnable.append((name, cls))
-        if not runnable:
+    t0 = time.monotonic()
+    for point, runnable in todo:
+        if args.max_seconds and time.monotonic() - t0 > args.max_seconds:
+            payload["not_run"].extend({"backend": n, **point, "reason": f"--max-seconds {args.max_seconds}"}
+                                      for n, _ in runnable)
             continue
         try:
             inputs = build_inputs(torch, point, args.page_size, "cuda")
@@ -407,54 +433,37 @@ def main(argv: list[str] | None = None) -> int:
             payload["errors"].append({**point, "error": f"out of memory building inputs: {exc}"})
             torch.cuda.empty_cache()
             continue
-        elem = inputs[0].data.element_size()
         for name, cls in runnable:
+            rec = by_key[(name, point["batch"], point["context"], point["heads"], point["kv_cache_dtype"])]
             try:
                 backend = instances.get(name) or instances.setdefault(name, cls())
                 r = time_backend(torch, backend, inputs, args, scale)
             except Exception as exc:  # one backend failing must not stop the others
-                payload["errors"].append(
-                    {
-                        "backend": name,
-                        **point,
-                        "error": f"{type(exc).__name__}: {exc}",
-                        "traceback": traceback.format_exc(limit=3),
-                    }
-                )
+                payload["errors"].append({"backend": name, **point, "error": f"{type(exc).__name__}: {exc}",
+                                          "traceback": traceback.format_exc(limit=3)})
                 print(f"{name:<24} {point}: {type(exc).__name__}: {exc}", flush=True)
                 torch.cuda.empty_cache()
                 continue
             ms = r["kernel_ms"] or r["call_ms"]
-            r.update(rates(point, ms, elem, peak))
-            r["rates_from"] = "kernel_ms" if r["kernel_ms"] else "call_ms"
-            payload["results"].append({"backend": name, **point, **r})
-            print_row(name, point, r)
+            rec.update(call_ms=r["call_ms"], kernel_ms=r["kernel_ms"], time_us=ms * 1e3,
+                       time_from="kernel_ms" if r["kernel_ms"] else "call_ms")
+            if "warning" in r:
+                rec["warning"] = r["warning"]
+            if "roofline_us" in rec:
+                rec["roofline_fraction"] = rec["roofline_us"] / rec["time_us"]
+            payload["records"].append(rec)
+            print_row(rec)
         del inputs
         torch.cuda.empty_cache()
-
-    target = [
-        r
-        for r in payload["results"]
-        if r["backend"] == "TRITON_MLA"
-        and r["batch"] >= 64
-        and r["context"] >= 4096
-        and r["heads"] == 128
-        and r.get("fraction_of_peak") is not None
-    ]
+    target = [r for r in payload["records"] if r["backend"] == "TRITON_MLA" and r["batch"] >= 64
+              and r["context"] >= 4096 and r["heads"] == 128 and r.get("roofline_fraction") is not None]
     if target:
-        worst = min(r["fraction_of_peak"] for r in target)
-        verdict = "meets" if worst >= TRITON_TARGET_FRACTION else "misses"
-        summary = (
-            f"TRITON_MLA at batch>=64, context>=4k, 128 heads: worst {100 * worst:.0f}% of peak HBM "
-            f"bandwidth ({verdict} the {100 * TRITON_TARGET_FRACTION:.0f}% target)"
-        )
-        payload["triton_target"] = {
-            "worst_fraction": worst,
-            "target": TRITON_TARGET_FRACTION,
-            "met": worst >= 0.7,
-        }
-        print(summary)
-    write_json(args.output, payload)
+        worst = min(r["roofline_fraction"] for r in target)
+        met = worst >= TRITON_TARGET_FRACTION
+        payload["triton_target"] = {"worst_fraction": worst, "target": TRITON_TARGET_FRACTION, "met": met}
+        print(f"TRITON_MLA at batch>=64, context>=4k, 128 heads: worst {100 * worst:.0f}% of its roofline "
+              f"({'meets' if met else 'misses'} the {100 * TRITON_TARGET_FRACTION:.0f}% target)")
+    write_json(args.output or "bench_decode_gpu.json", payload)
     return 0
 
 

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 import torch
+from devices import case_device
 
 from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
 from mla_backends.backend import AttentionSpec
@@ -89,17 +90,21 @@ def test_importing_the_backend_and_gating_do_not_import_triton():
 
 
 # ---- input validation before any kernel ---------------------------------------------------------------
-def _tiny(q_dtype=torch.bfloat16):
-    cache = LatentKVCache(4, 16, 512, 64, kv_cache_dtype="bfloat16", model_dtype=torch.bfloat16)
-    meta = BatchMetadata.build([1], [3], torch.tensor([[2, 0]], dtype=torch.int32), 16, num_blocks=4)
-    return cache, meta, torch.zeros(1, 16, 512, dtype=q_dtype), torch.zeros(1, 16, 64, dtype=q_dtype)
+def _tiny(q_dtype=torch.bfloat16, device=None):
+    """A 1-token case on ``device`` (default :func:`devices.case_device`: CUDA when it can run kernels)."""
+    device = case_device() if device is None else device
+    cache = LatentKVCache(4, 16, 512, 64, kv_cache_dtype="bfloat16", model_dtype=torch.bfloat16, device=device)
+    bt = torch.tensor([[2, 0]], dtype=torch.int32, device=device)
+    meta = BatchMetadata.build([1], [3], bt, 16, num_blocks=4)
+    zeros = dict(dtype=q_dtype, device=device)
+    return cache, meta, torch.zeros(1, 16, 512, **zeros), torch.zeros(1, 16, 64, **zeros)
 
 
 def test_forward_on_cpu_without_interpreter_names_the_device(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("checks the CPU path; this machine has CUDA")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    cache, meta, ql, qr = _tiny()
+    cache, meta, ql, qr = _tiny(device="cpu")
     with pytest.raises(ValueError, match=r"device: got CPU; supported a CUDA device .*TRITON_INTERPRET=1"):
         TritonMLABackend().forward_mqa(ql, qr, cache, meta, scale=0.1)
 
@@ -119,7 +124,7 @@ def test_rejects_unsupported_query_dtype():
 def test_forward_refuses_what_the_declarations_refuse_on_its_device(monkeypatch, device, kv, reason):
     # the tensors stay on the CPU; the declared check sees the device this test names
     monkeypatch.setattr(device_module, "device_info_for", lambda dev: device)
-    cache = LatentKVCache(4, 16, 512, 64, kv_cache_dtype=kv, model_dtype=torch.bfloat16)
+    cache = LatentKVCache(4, 16, 512, 64, kv_cache_dtype=kv, model_dtype=torch.bfloat16, device=case_device())
     _, meta, ql, qr = _tiny()
     with pytest.raises(ValueError) as info:
         TritonMLABackend().forward_mqa(ql, qr, cache, meta, scale=0.1)

@@ -1,4 +1,4 @@
-"""``benchmarks/bench_decode_gpu.py`` without a GPU: arguments, rates, the peak table, the CPU exit."""
+"""``benchmarks/bench_decode_gpu.py`` without a GPU: arguments, peaks, the roofline records, the CPU exit."""
 
 from __future__ import annotations
 
@@ -21,21 +21,63 @@ def bench():
     return module
 
 
-def test_peak_table(bench):
-    assert bench.peak_gbps_for("NVIDIA H100 80GB HBM3") == 3350.0
-    assert bench.peak_gbps_for("NVIDIA H100 PCIe") == 2000.0
-    assert bench.peak_gbps_for("NVIDIA H200") == 4800.0
-    assert bench.peak_gbps_for("NVIDIA B200") == 8000.0
-    assert bench.peak_gbps_for("NVIDIA GeForce RTX 3060") is None
+def test_peaks_come_from_the_gpu_table_and_flags_override(bench):
+    args = bench.parse_args([])
+    spec, bw, fl = bench.peaks(args, "NVIDIA H100 80GB HBM3")
+    assert spec.key == "h100" and bw == 3.35e12 and fl == pytest.approx(989.4e12)
+    assert bench.peaks(args, "NVIDIA H100 PCIe")[1] == 2.0e12
+    assert bench.peaks(args, "NVIDIA GeForce RTX 3060") == (None, None, None)
+    spec, bw, fl = bench.peaks(bench.parse_args(["--gpu", "H200", "--peak-gbps", "4300"]), "whatever")
+    assert spec.key == "h200" and bw == 4.3e12 and fl == pytest.approx(989.4e12)
+    assert bench.peaks(bench.parse_args(["--peak-tflops", "790", "--peak-gbps", "1"]), "x")[1:] == (1e9, 790e12)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--gpu", "v100"])
 
 
-def test_bytes_and_flops(bench):
-    # one request, 4096 positions, bf16: 4096 rows of 576 * 2 bytes; QK (576) + PV (512) MACs per head and row
-    assert bench.cache_bytes_read([4096], bench.point_dims(128), 2) == 4096 * 1152
-    assert bench.absorbed_flops([4096], bench.point_dims(128)) == 2 * 128 * 4096 * (576 + 512)
-    r = bench.rates(dict(batch=2, context=1000, heads=16, kv_cache_dtype="fp8_e4m3"), 1.0, 1, 1000.0)
-    assert r["bytes"] == 2 * 1000 * 576 and r["gbps"] == pytest.approx(1.152)
-    assert r["fraction_of_peak"] == pytest.approx(1.152e-3)
+def test_judge_bytes_flops_and_bound(bench):
+    from mla_backends.gpus import gpu_spec
+
+    h200 = gpu_spec("h200")
+    args = bench.parse_args([])
+    point = dict(batch=64, context=16384, heads=128, kv_cache_dtype="bfloat16")
+    r = bench.judge(point, "TRITON_MLA", h200, h200.bandwidth_bytes_per_s, h200.tensor_flops_per_s(), args)
+    assert r["flops"] == 64 * 16384 * 2 * 128 * 1088 and r["bound"] == "compute"
+    assert r["bytes"] == 64 * 16384 * 1152 + 64 * 128 * 1088 * 2
+    # fp8: half the cache bytes; judged at the bf16 peak, except for a backend that multiplies in fp8
+    fp8 = dict(point, kv_cache_dtype="fp8_e4m3")
+    tri = bench.judge(fp8, "TRITON_MLA", h200, 4.8e12, 989.4e12, args)
+    trt = bench.judge(fp8, "FLASHINFER_MLA_TRTLLM", h200, 4.8e12, 989.4e12, args)
+    assert tri["bytes"] == 64 * 16384 * 576 + 64 * 128 * 1088 * 2 and tri["peak_flops_from"] == "bf16"
+    assert trt["peak_flops_from"] == "fp8" and trt["roofline_us"] < tri["roofline_us"]
+    r16 = bench.judge(dict(point, heads=16), "TRITON_MLA", h200, 4.8e12, 989.4e12, args)
+    assert r16["bound"] == "memory"
+
+
+def test_dry_run_json_for_h200(bench, tmp_path, capsys):
+    out = tmp_path / "grid.json"
+    assert bench.main(["--dry-run", "--gpu", "h200", "--backends", "TRITON_MLA,REF_TORCH",
+                       "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["gpu"] == "h200" and data["device"]["simulated"] is True
+    recs = data["records"]
+    assert {r["backend"] for r in recs} == {"TRITON_MLA", "REF_TORCH"} and len(recs) == 2 * 48
+    fields = {"backend", "gpu", "batch", "context", "heads", "kv_cache_dtype", "bytes", "flops", "roofline_us",
+              "bound"}
+    assert all(fields <= set(r) and "time_us" not in r for r in recs)
+    big = [r for r in recs if r["heads"] == 128 and r["context"] == 16384 and r["kv_cache_dtype"] == "bfloat16"]
+    assert big and all(r["bound"] == "compute" for r in big)
+    assert all(r["bound"] == "memory" for r in recs if r["heads"] == 16)
+    assert data["estimate_s"] > 0 and "about" in capsys.readouterr().out
+
+
+def test_dry_run_skips_what_the_declarations_refuse(bench, tmp_path):
+    out = tmp_path / "grid.json"
+    assert bench.main(["--dry-run", "--gpu", "a100", "--quick", "--backends", "TRITON_MLA",
+                       "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    # TRITON_MLA declares fp8 caches from SM89: on an A100 only the bf16 points are records
+    assert {r["kv_cache_dtype"] for r in data["records"]} == {"bfloat16"}
+    assert {s["kv_cache_dtype"] for s in data["skipped"]} == {"fp8_e4m3"}
 
 
 def test_arguments(bench):
@@ -55,13 +97,13 @@ def test_exits_cleanly_without_a_gpu(bench, tmp_path, capsys):
     assert not out.exists()
     assert bench.main(["--dry-run", "--quick", "--backends", "TRITON_MLA"]) == 0
     text = capsys.readouterr().out
-    assert "TRITON_MLA" in text and "4 grid points" in text
+    assert "4 grid points" in text and "peaks unknown" in text
 
 
 def test_json_writer(bench, tmp_path):
     path = tmp_path / "sub" / "r.json"
-    bench.write_json(str(path), {"results": [{"gbps": 1.5, "device": ("cuda", (9, 0))}]})
-    assert json.loads(path.read_text())["results"][0]["gbps"] == 1.5
+    bench.write_json(str(path), {"records": [{"time_us": 1.5, "device": ("cuda", (9, 0))}]})
+    assert json.loads(path.read_text())["records"][0]["time_us"] == 1.5
 
 
 @pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])

@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from devices import case_device
 
 from mla_backends.backend import DEFAULT_TOLERANCES
 from mla_backends.cache import LatentKVCache
@@ -68,10 +69,14 @@ def make_case(
     q_dtype=torch.bfloat16,
     fp8_scale=1.0,
     seed=0,
-    device="cpu",
+    device=None,
     amplitude=1.0,
 ):
-    """A filled cache with a scattered block table, the batch metadata and random absorbed queries."""
+    """A filled cache with a scattered block table, the batch metadata and random absorbed queries.
+
+    ``device`` None: :func:`devices.case_device` (CUDA with compiled kernels when it can, else the CPU).
+    """
+    device = case_device() if device is None else device
     g = torch.Generator().manual_seed(seed)
     B = len(query_lens)
     pages = [-(-(q + c) // page) for q, c in zip(query_lens, context_lens, strict=True)]

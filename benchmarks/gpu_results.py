@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""Assemble one device run's results file: ``<gpu>-<yyyy-mm-dd>-<label>.json``.
+
+    python benchmarks/gpu_results.py --outdir OUT --label first --bench OUT/bench_decode_gpu.json \\
+        --junit OUT/gpu-tests.xml [--absent flashinfer]
+
+Writes ``OUT/<gpu>-<date>-<label>.json`` = ``{"gpu", "date", "label", "versions", "records", "tests",
+"skipped", "errors", "not_run", "absent"}``: the benchmark's records (see ``bench_decode_gpu.py``), the
+pytest summary from its JUnit XML (counts, and each failure's test id and first line), the versions of
+everything that ran. Copy it into ``benchmarks/results/`` and run ``python benchmarks/gpu_readme.py`` to
+regenerate the README's GPU section. Standard library only (torch/triton are asked for their versions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from typing import Any
+
+FORMAT = "mla-backends/gpu-results/v1"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _version(module: str) -> str:
+    try:
+        return str(getattr(importlib.import_module(module), "__version__", "unknown"))
+    except Exception as exc:  # absent, or broken on import
+        return f"absent ({type(exc).__name__})"
+
+
+def versions() -> dict[str, Any]:
+    """Python, torch (and its CUDA), Triton, FlashInfer, numpy, the driver, nvcc, and this checkout's commit."""
+    out: dict[str, Any] = {"python": platform.python_version()}
+    for mod in ("torch", "triton", "flashinfer", "numpy", "pynvml"):
+        out[mod] = _version(mod)
+    try:
+        import torch
+
+        out["torch_cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            out["device"] = {"name": p.name, "compute_capability": [p.major, p.minor],
+                             "sm_count": p.multi_processor_count, "total_memory": p.total_memory}
+    except Exception:
+        pass
+    for key, cmd in (("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+                     ("nvcc", ["nvcc", "--version"]), ("commit", ["git", "-C", ROOT, "rev-parse", "HEAD"])):
+        try:
+            text = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            text = ""
+        if key == "nvcc":
+            m = re.search(r"release ([\d.]+)", text)
+            text = m.group(1) if m else ""
+        out[key] = text.splitlines()[0] if text else None
+    return out
+
+
+def junit_summary(path: str) -> dict[str, Any]:
+    """Counts and failures from a pytest JUnit XML file (``{"available": False}`` when there is none)."""
+    if not os.path.exists(path):
+        return {"available": False}
+    root = ET.parse(path).getroot()
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "time_s": 0.0}
+    failed: list[dict[str, str]] = []
+    for suite in root.iter("testsuite"):
+        for key in ("tests", "failures", "errors", "skipped"):
+            counts[key] += int(suite.get(key, 0))
+        counts["time_s"] += float(suite.get("time", 0.0))
+        for case in suite.iter("testcase"):
+            for tag in ("failure", "error"):
+                el = case.find(tag)
+                if el is not None:
+                    msg = (el.get("message") or el.text or "").strip().splitlines()
+                    failed.append({"test": f"{case.get('classname')}::{case.get('name')}", "kind": tag,
+                                   "message": msg[0][:300] if msg else ""})
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return {"available": True, **counts, "failed": failed}
+
+
+def results_name(gpu: str, date: str, label: str) -> str:
+    """``<gpu>-<yyyy-mm-dd>-<label>.json`` with anything but ``[a-z0-9.-]`` turned into ``-``."""
+    clean = [re.sub(r"[^a-z0-9.]+", "-", s.lower()).strip("-") for s in (gpu, label)]
+    if not re.fullmatch(r"\d{4}-\d{2}-\d{2}", date):
+        raise ValueError(f"date: got {date!r}; supported yyyy-mm-dd")
+    return f"{clean[0] or 'gpu'}-{date}-{clean[1] or 'run'}.json"
+
+
+def assemble(bench: dict[str, Any], tests: dict[str, Any], label: str, date: str,
+             absent: list[str]) -> dict[str, Any]:
+    """The results file's content from the benchmark payload and the test summary."""
+    return {"format": FORMAT, "gpu": bench.get("gpu", "unknown"), "date": date, "label": label,
+            "versions": versions(), "peaks": bench.get("peaks"), "records": bench.get("records", []),
+            "tests": tests, "skipped": bench.get("skipped", []), "errors": bench.get("errors", []),
+            "not_run": bench.get("not_run", []), "triton_target": bench.get("triton_target"),
+            "absent": absent}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--outdir", required=True)
+    p.add_argument("--label", default="checks")
+    p.add_argument("--bench", required=True, help="bench_decode_gpu.py's JSON")
+    p.add_argument("--junit", required=True, help="pytest --junitxml file")
+    p.add_argument("--absent", action="append", default=[], help="an optional piece that was not there")
+    args = p.parse_args(argv)
+    bench: dict[str, Any] = {}
+    if os.path.exists(args.bench):
+        with open(args.bench) as f:
+            bench = json.load(f)
+    date = _dt.date.today().isoformat()
+    payload = assemble(bench, junit_summary(args.junit), args.label, date, args.absent)
+    path = os.path.join(args.outdir, results_name(payload["gpu"], date, args.label))
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
