@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                         device=device,
                     )
                     why = cls.not_supported_reasons(spec)
-                    print(f"  {name:<24} {kv:<9} heads {h:>3}: {'runs' if not why else '; '.join(why)}")
+                    print(f"  {name:<24} {kv:<9} heads {h:>3}: {'runs' if not why else '; '.join(map(str, why))}")
         return 0
     if not device.is_cuda or not torch.cuda.is_available():
         print(
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             why = cls.not_supported_reasons(spec)
             if why:
-                payload["skipped"].append({"backend": name, **point, "reasons": why})
+                payload["skipped"].append({"backend": name, **point, "reasons": [str(r) for r in why]})
             else:
                 runnable.append((name, cls))
         if not runnable:

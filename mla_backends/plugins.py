@@ -20,6 +20,7 @@ from typing import Any
 
 import pluggy
 
+from .backend import contract_problems
 from .hookspecs import PROJECT_NAME, MLABackendsSpec
 from .registry import PluginProblem, RegistrationError, Registry, get_registry
 
@@ -111,6 +112,8 @@ def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: 
             cls = _resolve(item.backend)
             registry.add(cls, source=plugin_name, name=item.name, before=item.before, after=item.after,
                          archs=item.archs)
+            for text in contract_problems(cls):  # registered and working, but shown by `mla-backends list`
+                registry.record(PluginProblem(plugin=plugin_name, stage="contract", error=f"{cls.name}: {text}"))
         except _NotBuilt as exc:
             log.debug("backend %s not registered: %s", item.name or item.backend, exc)
             registry.record(PluginProblem(plugin=plugin_name, stage="missing",

@@ -28,6 +28,7 @@ from selector.device import CPU_DEVICE, DeviceInfo, simulated_device
 
 from ..backend import AttentionSpec, MLABackend, QueryLenSupport
 from ..dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, dtype_name
+from ..reasons import Reason, ReasonKind, without_kinds
 
 __all__ = [
     "Case",
@@ -179,13 +180,13 @@ def declaration_devices(cls: type[MLABackend]) -> list[DeviceInfo]:
     return devices
 
 
-def declared_reasons(cls: type[MLABackend], spec: AttentionSpec) -> list[str]:
-    """``not_supported_reasons`` without the "package not installed" reasons (declarations, not installs)."""
-    return [r for r in cls.not_supported_reasons(spec) if not r.startswith("package:")]
+def declared_reasons(cls: type[MLABackend], spec: AttentionSpec) -> list[Reason]:
+    """``not_supported_reasons`` without the ``PACKAGE`` reasons (declarations, not installs)."""
+    return without_kinds(cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
 
 
-def _accepting_device(cls: type[MLABackend], case: Case) -> tuple[DeviceInfo | None, list[str]]:
-    first: list[str] | None = None
+def _accepting_device(cls: type[MLABackend], case: Case) -> tuple[DeviceInfo | None, list[Reason]]:
+    first: list[Reason] | None = None
     for dev in declaration_devices(cls):
         reasons = declared_reasons(cls, case.spec(dev))
         if not reasons:
@@ -316,7 +317,7 @@ class _Builder:
             "dims": [dims] if dims is not None else self.dims,
         }
         first: Case | None = None
-        first_reasons: list[str] = []
+        first_reasons: list[Reason] = []
         for dt, pg, hd, dm in itertools.product(
             options["dtype"], options["page"], options["heads"], options["dims"]
         ):
@@ -351,7 +352,7 @@ class _Builder:
                 if first is None:
                     first, first_reasons = case, reasons
         assert first is not None
-        return replace(first, rejected=tuple(first_reasons))
+        return replace(first, rejected=tuple(map(str, first_reasons)))
 
     # ---- the matrices ----------------------------------------------------------------------------------
     def output_cases(self) -> list[Case]:

@@ -25,6 +25,7 @@ from ..cache import LatentKVCache
 from ..dims import MLADims
 from ..dtypes import dtype_name
 from ..metadata import BatchMetadata
+from ..reasons import Reason
 from .cases import Case, UnsupportedProbe, declared_reasons
 from .reference import reference_mqa
 
@@ -428,7 +429,7 @@ def check_declared_accepted(cls: type[MLABackend], axis: str, value: str, case: 
     if reasons:
         raise AssertionError(
             f"{cls.name}: not_supported_reasons rejects its declared {axis} {value} "
-            f"({case.id} on {case.device.describe()}): {'; '.join(reasons)}"
+            f"({case.id} on {case.device.describe()}): {'; '.join(map(str, reasons))}"
         )
 
 
@@ -447,11 +448,11 @@ def check_unsupported_rejected(cls: type[MLABackend], probe: UnsupportedProbe) -
             f"{cls.name}: not_supported_reasons returned {reasons!r} for {probe.label}, which "
             f"its capabilities do not declare ({probe.spec}); expected at least one reason"
         )
-    bad = [r for r in reasons if not isinstance(r, str) or not r.strip()]
+    bad = [r for r in reasons if not isinstance(r, (Reason, str)) or not str(r).strip()]
     if bad:
         raise AssertionError(
-            f"{cls.name}: not_supported_reasons for {probe.label} contains empty or non-str "
-            f"reasons {bad!r}; expected readable 'got X; supported Y' strings"
+            f"{cls.name}: not_supported_reasons for {probe.label} contains empty or non-Reason "
+            f"reasons {bad!r}; expected readable 'got X; supported Y' reasons"
         )
 
 

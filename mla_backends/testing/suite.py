@@ -109,7 +109,7 @@ class BackendConformance:
     def _require_runnable(cls: type[MLABackend], case: Case, device: torch.device) -> None:
         reasons = checks.run_reasons(cls, case, device)
         if reasons:
-            pytest.skip(f"{cls.name} cannot run {case.id} on {device}: {'; '.join(reasons)}")
+            pytest.skip(f"{cls.name} cannot run {case.id} on {device}: {'; '.join(map(str, reasons))}")
 
     # ---- numerics ------------------------------------------------------------------------------------------
     def test_output_matches_reference(
