@@ -198,7 +198,8 @@ class FlashInferBackendBase(MLABackend):
         for path, name in cls.entry_points:
             if not _install.source_defines(path, name):
                 reasons.append(Reason(ReasonKind.VERSION, f"flashinfer-python {version}",
-                                      f"no {name} in flashinfer/{path}", f"a release that defines it ({_install.TESTED_RANGE_TEXT})"))
+                                      f"no {name} in flashinfer/{path}",
+                                      f"a release that defines it ({_install.TESTED_RANGE_TEXT})"))
         return reasons
 
     # ---- helpers for subclasses --------------------------------------------------------------------------
