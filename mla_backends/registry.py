@@ -135,8 +135,7 @@ def validate_backend_class(cls: object) -> list[str]:
         except Exception as exc:  # a declaration so broken its own checks fail
             problems.append(f"capabilities: unreadable ({type(exc).__name__}: {exc})")
     if cls._forward_mqa_impl is MLABackend._forward_mqa_impl and cls.forward_mqa is MLABackend.forward_mqa:
-        problems.append("forward_mqa: got the abstract base method; supported an implementation "
-                        "(define _forward_mqa_impl)")
+        problems.append("_forward_mqa_impl: got the abstract base method; supported an implementation")
     return problems
 
 
@@ -233,7 +232,7 @@ class Registry:
         """Resolve a (case-insensitive) name, enum member or class; unknown names raise with a suggestion.
 
         A class need not be registered, but it is checked as :meth:`add` would (``ValueError`` listing every
-        problem: the abstract base, a missing ``forward_mqa``, malformed capabilities ...).
+        problem: the abstract base, a missing ``_forward_mqa_impl``, malformed capabilities ...).
         """
         if isinstance(name, type) and issubclass(name, MLABackend):
             problems = validate_backend_class(name)

@@ -63,7 +63,7 @@ def test_declared_page_sizes_dtypes_and_dims():
     assert reasons(device=H100, block_size=48) == [
         "page size: got 48; supported 1, 2, 4, 8, 16, 32, 64, 128, 256"
     ]
-    assert any(r.startswith("dtype: got float64") for r in reasons(device=H100, dtype=torch.float64))
+    assert any(str(r).startswith("dtype: got float64") for r in reasons(device=H100, dtype=torch.float64))
     assert reasons(device=H100, kv_lora_rank=256, qk_rope_head_dim=64) == []
     assert caps.requires == ("triton",) and caps.extra == "triton" and caps.sparse and caps.dense
 
