@@ -21,7 +21,8 @@ import torch
 
 from ..backend import MLABackend
 from . import checks
-from .cases import Case, DeclaredProbe, Plan, UnsupportedProbe, build_plan
+from .cases import Case, DeclaredProbe, Plan, UnsupportedProbe
+from .matrix import build_plan
 
 __all__ = ["BackendConformance", "resolve_backend"]
 
