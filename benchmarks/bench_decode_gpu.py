@@ -221,7 +221,7 @@ def verdicts(torch: Any, backends: dict[str, type], point: dict[str, Any], devic
 
     spec = AttentionSpec(num_heads=point["heads"], dtype=torch.bfloat16, kv_cache_dtype=point["kv_cache_dtype"],
                          block_size=page, need_lse=False, device=device)
-    return {name: list(cls.not_supported_reasons(spec)) for name, cls in backends.items()}
+    return {name: [str(r) for r in cls.not_supported_reasons(spec)] for name, cls in backends.items()}
 
 
 def estimate_seconds(records: list[dict[str, Any]], args: argparse.Namespace) -> float:

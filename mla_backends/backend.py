@@ -1,205 +1,86 @@
-"""The backend contract: declared :class:`Capabilities`, the :class:`AttentionSpec` a selection asks about,
-and the :class:`MLABackend` base class whose ``forward_mqa`` every backend implements.
+"""The backend contract: the :class:`MLABackend` base class and the declarations it reads
+(:class:`Capabilities`, :class:`AttentionSpec`, defined in :mod:`mla_backends.capabilities`, re-exported here).
 
 A backend states what it handles as data. :meth:`MLABackend.not_supported_reasons` turns those declarations
-into *every* reason a request does not fit, each worded ``"<what>: got X; supported Y"``. A backend with extra
-rules overrides it and extends the list returned by ``super()``; it never re-implements the shared checks.
+into *every* :class:`~mla_backends.reasons.Reason` a request does not fit, each reading
+``"<what>: got X; supported Y"``; rules the declarations cannot express go in the one hook
+:meth:`MLABackend.backend_reasons`, whose reasons are appended. Nobody overrides ``not_supported_reasons``.
+
+:meth:`MLABackend.forward_mqa` is the one entry point and is written once, here: it validates the inputs (the
+shared :func:`~mla_backends.mqa_inputs.check_mqa_inputs` and the backend's declarations,
+:func:`~mla_backends.mqa_inputs.check_declared_support`), provides ``out`` / ``lse_out``, returns at once for
+zero tokens, calls the backend's kernel method :meth:`MLABackend._forward_mqa_impl`, and checks what came
+back. Backends implement only ``_forward_mqa_impl``; :func:`contract_problems` names a class that still
+overrides ``forward_mqa`` (recorded as a plugin problem when registered; it keeps working).
 """
 
 from __future__ import annotations
 
-import enum
 import importlib.util
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from .device import CPU_DEVICE, DeviceInfo
-from .dtypes import FP8_CACHE_DTYPES, KV_CACHE_DTYPES, canonical_kv_cache_dtype, dtype_name, resolve_kv_cache_dtype
+from .capabilities import (
+    DEFAULT_TOLERANCES,
+    AttentionSpec,
+    Capabilities,
+    QueryLenSupport,
+    Tolerance,
+    env_switch_on,
+)
+from .device import DeviceInfo
+from .dtypes import FP8_CACHE_DTYPES, dtype_name
+from .mqa_inputs import check_declared_support, check_mqa_inputs
+from .reasons import Reason, ReasonKind, as_reason
 
 if TYPE_CHECKING:
     from .cache import LatentKVCache
     from .metadata import BatchMetadata
 
-__all__ = ["QueryLenSupport", "Capabilities", "AttentionSpec", "MLABackend", "Tolerance"]
+__all__ = ["QueryLenSupport", "Capabilities", "AttentionSpec", "MLABackend", "Tolerance", "DEFAULT_TOLERANCES",
+           "BackendContractError", "contract_problems"]
 
 
-class QueryLenSupport(enum.IntEnum):
-    """How many query tokens per request ``forward_mqa`` accepts (each level includes the ones before)."""
-
-    SINGLE = 1  # exactly one token per request
-    UNIFORM = 2  # several, the same count for every request
-    VARLEN = 3  # any count per request
+class BackendContractError(RuntimeError):
+    """A backend's kernel method broke the ``forward_mqa`` contract (replaced or reshaped its output, returned
+    a value); the message names the backend."""
 
 
-_STORAGE_NAMES = tuple(n for n in KV_CACHE_DTYPES if n != "auto")
+def contract_problems(cls: type) -> list[str]:
+    """Ways the ``MLABackend`` subclass ``cls`` departs from the contract (empty when it follows it).
 
-
-def _is_storage_kv_cache_dtype(name: object) -> bool:
-    """True for a canonical storage name: what a spec's cache dtype resolves to, so the only names that can
-    match (aliases such as ``"bf16"`` and ``"auto"``, which resolves to the model dtype, never do)."""
-    try:
-        return name != "auto" and canonical_kv_cache_dtype(name) == name  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """Allowed error against the float64 reference: ``|x - ref| <= atol + rtol * |ref|``."""
-
-    atol: float
-    rtol: float
-
-
-DEFAULT_TOLERANCES: dict[str, Tolerance] = {
-    "float64": Tolerance(1e-9, 1e-9),
-    "float32": Tolerance(2e-5, 2e-5),
-    "float16": Tolerance(2e-3, 2e-3),
-    "bfloat16": Tolerance(1.6e-2, 1.6e-2),
-}
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """Everything a backend declares about what it runs. Frozen: a declaration, not state.
-
-    Compute capabilities: ``compute_capabilities`` (an explicit set) or ``min_compute_capability`` /
-    ``max_compute_capability`` (inclusive bounds); ``cpu`` says whether the CPU is fine.
-    Page sizes: ``page_sizes`` (explicit values) or ``page_size_multiple`` (any multiple of it); None in both
-    means any page size. ``dims`` lists the ``(kv_lora_rank, qk_rope_head_dim)`` pairs (None: any).
-    ``num_heads`` lists the exact head counts, or ``max_num_heads`` bounds them (None: any).
-    ``fp8_min_compute_capability`` is an extra lower bound that applies only to fp8 caches.
-    ``requires`` names importable modules; ``extra`` is the pip extra that provides them.
+    Today one: a class in its MRO below :class:`MLABackend` defines ``forward_mqa`` itself, so the shared
+    validation, output allocation and result checks may be skipped. Such a backend still runs (its own
+    ``forward_mqa`` is called); registration records the problem so ``mla-backends list`` shows it.
     """
-
-    dtypes: frozenset[torch.dtype]
-    kv_cache_dtypes: frozenset[str]
-    cpu: bool = False
-    compute_capabilities: frozenset[tuple[int, int]] | None = None
-    min_compute_capability: tuple[int, int] | None = None
-    max_compute_capability: tuple[int, int] | None = None
-    fp8_min_compute_capability: tuple[int, int] | None = None
-    page_sizes: tuple[int, ...] | None = None
-    page_size_multiple: int | None = None
-    preferred_page_size: int = 16
-    dims: frozenset[tuple[int, int]] | None = None
-    num_heads: frozenset[int] | None = None
-    max_num_heads: int | None = None
-    query_len: QueryLenSupport = QueryLenSupport.VARLEN
-    decode_threshold: int = 1
-    dense: bool = True
-    sparse: bool = False
-    returns_lse: bool = True
-    deterministic: bool = True
-    requires: tuple[str, ...] = ()
-    extra: str | None = None
-    tolerances: dict[str, Tolerance] = field(default_factory=lambda: dict(DEFAULT_TOLERANCES), hash=False)
-
-    def __post_init__(self) -> None:
-        problems = self.problems()
-        if problems:
-            raise ValueError("malformed Capabilities: " + "; ".join(problems))
-
-    def problems(self) -> list[str]:
-        """Inconsistencies in the declaration itself (used to reject malformed plugin declarations)."""
-        out = []
-        if not self.dtypes:
-            out.append("dtypes: got an empty set; supported at least one torch dtype")
-        elif not all(isinstance(d, torch.dtype) for d in self.dtypes):
-            out.append(f"dtypes: got {sorted(map(str, self.dtypes))}; supported torch dtypes")
-        if not self.kv_cache_dtypes:
-            out.append("kv_cache_dtypes: got an empty set; supported at least one cache dtype name")
-        for n in sorted(self.kv_cache_dtypes, key=repr):
-            if not _is_storage_kv_cache_dtype(n):
-                out.append(f"kv_cache_dtypes: got {n!r}; supported canonical names {', '.join(_STORAGE_NAMES)}")
-        for cc_name in ("min_compute_capability", "max_compute_capability", "fp8_min_compute_capability"):
-            cc = getattr(self, cc_name)
-            if cc is not None and not (isinstance(cc, tuple) and len(cc) == 2):
-                out.append(f"{cc_name}: got {cc!r}; supported a (major, minor) tuple")
-        lo, hi = self.min_compute_capability, self.max_compute_capability
-        if lo is not None and hi is not None and isinstance(lo, tuple) and isinstance(hi, tuple) and lo > hi:
-            out.append(f"compute capability bounds: got min {lo} > max {hi}; supported min <= max")
-        if self.page_sizes is not None and (not self.page_sizes or any(p <= 0 for p in self.page_sizes)):
-            out.append(f"page_sizes: got {self.page_sizes}; supported positive ints")
-        if self.page_size_multiple is not None and self.page_size_multiple <= 0:
-            out.append(f"page_size_multiple: got {self.page_size_multiple}; supported a positive int")
-        if not isinstance(self.preferred_page_size, int) or self.preferred_page_size <= 0:
-            out.append(f"preferred_page_size: got {self.preferred_page_size!r}; supported a positive int")
-        elif self.page_size_reason(self.preferred_page_size) is not None:
-            out.append(f"preferred_page_size: got {self.preferred_page_size}; supported one of its own page sizes")
-        if not (self.dense or self.sparse):
-            out.append("dense/sparse: got neither; supported at least one")
-        if self.decode_threshold < 1:
-            out.append(f"decode_threshold: got {self.decode_threshold}; supported >= 1")
-        if self.query_len == QueryLenSupport.SINGLE and self.decode_threshold != 1:
-            out.append(f"decode_threshold: got {self.decode_threshold} with single-token queries; supported 1")
-        return out
-
-    # ---- individual checks: each returns None or a reason ---------------------------------------------
-    def page_size_reason(self, block_size: int) -> str | None:
-        if self.page_sizes is not None and block_size not in self.page_sizes:
-            return f"page size: got {block_size}; supported {', '.join(map(str, self.page_sizes))}"
-        if self.page_size_multiple is not None and block_size % self.page_size_multiple:
-            return f"page size: got {block_size}; supported multiples of {self.page_size_multiple}"
-        return None
-
-    def supported_page_sizes_text(self) -> str:
-        if self.page_sizes is not None:
-            return ", ".join(map(str, self.page_sizes))
-        if self.page_size_multiple is not None:
-            return f"multiples of {self.page_size_multiple}"
-        return "any"
-
-    def compute_capability_text(self) -> str:
-        if self.compute_capabilities is not None:
-            return ", ".join(f"SM{a}{b}" for a, b in sorted(self.compute_capabilities))
-        lo, hi = self.min_compute_capability, self.max_compute_capability
-        if lo and hi:
-            return f"SM{lo[0]}{lo[1]}..SM{hi[0]}{hi[1]}"
-        if lo:
-            return f"SM{lo[0]}{lo[1]}+"
-        if hi:
-            return f"up to SM{hi[0]}{hi[1]}"
-        return "any CUDA GPU"
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """What a caller asks a backend to run: the question every capability check answers.
-
-    ``block_size`` None means "the backend's preferred page size". ``kv_cache_dtype`` is a canonical cache
-    dtype name or ``auto`` (resolved against ``dtype``).
-    """
-
-    num_heads: int
-    kv_lora_rank: int = 512
-    qk_rope_head_dim: int = 64
-    dtype: torch.dtype = torch.bfloat16
-    kv_cache_dtype: str = "auto"
-    block_size: int | None = None
-    sparse: bool = False
-    max_query_len: int = 1
-    uniform_query_len: bool = True
-    need_lse: bool = False
-    device: DeviceInfo = CPU_DEVICE
-
-    @property
-    def resolved_kv_cache_dtype(self) -> str:
-        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+    problems = []
+    for klass in cls.__mro__:
+        if klass is MLABackend:
+            break
+        if "forward_mqa" in vars(klass):
+            problems.append(
+                f"forward_mqa: got an override in {klass.__module__}.{klass.__qualname__}; supported "
+                "implementing _forward_mqa_impl and leaving forward_mqa to MLABackend (it validates, "
+                "allocates out/lse_out and checks the result once for every backend)")
+            break
+    return problems
 
 
 class MLABackend:
     """Base class of every MLA decode backend.
 
-    Subclasses set ``name`` and ``capabilities`` and implement :meth:`forward_mqa`. They may extend
-    :meth:`not_supported_reasons` (call ``super()`` and append).
+    Subclasses set ``name`` and ``capabilities``, implement :meth:`_forward_mqa_impl`, and may add rules the
+    declarations cannot express in :meth:`backend_reasons`. They do not override :meth:`forward_mqa` or
+    :meth:`not_supported_reasons`.
     """
 
     name: ClassVar[str] = "ABSTRACT"
     description: ClassVar[str] = ""
     capabilities: ClassVar[Capabilities]
+    #: the reason given when a module of ``capabilities.requires`` is missing (None: the generic
+    #: ``"package: got <module> not installed; supported with it installed: pip install ..."``)
+    install_reason: ClassVar[Reason | None] = None
 
     # ---- capability checks -------------------------------------------------------------------------------
     @classmethod
@@ -216,50 +97,67 @@ class MLABackend:
         return missing
 
     @classmethod
-    def device_reasons(cls, device: DeviceInfo) -> list[str]:
-        """Reasons the device does not fit (CPU/CUDA, compute capability range)."""
+    def device_reasons(cls, device: DeviceInfo) -> list[Reason]:
+        """The ``DEVICE`` reasons of the declarations (CPU/CUDA, compute capability range): the device part
+        of :meth:`not_supported_reasons`. Not an override point."""
         caps = cls.capabilities
         if not device.is_cuda:
-            return [] if caps.cpu else ["device: got CPU; supported a CUDA device "
-                                        f"({caps.compute_capability_text()})"]
+            if caps.cpu or (caps.cpu_env_switch is not None and env_switch_on(caps.cpu_env_switch)):
+                return []
+            return [Reason(ReasonKind.DEVICE, "device", "CPU", f"a CUDA device ({caps.compute_capability_text()})",
+                           hint=caps.cpu_hint)]
         cc = device.compute_capability
         assert cc is not None
         label = f"SM{cc[0]}{cc[1]}"
-        if caps.compute_capabilities is not None:
-            if cc not in caps.compute_capabilities:
-                return [f"compute capability: got {label}; supported {caps.compute_capability_text()}"]
-            return []
         lo, hi = caps.min_compute_capability, caps.max_compute_capability
-        if (lo is not None and cc < lo) or (hi is not None and cc > hi):
-            return [f"compute capability: got {label}; supported {caps.compute_capability_text()}"]
+        if caps.compute_capabilities is not None:
+            outside = cc not in caps.compute_capabilities
+        else:
+            outside = (lo is not None and cc < lo) or (hi is not None and cc > hi)
+        if outside:
+            return [Reason(ReasonKind.DEVICE, "compute capability", label, caps.compute_capability_text())]
         return []
 
     @classmethod
-    def not_supported_reasons(cls, spec: AttentionSpec) -> list[str]:
-        """Every reason ``spec`` does not fit this backend; empty when it fits."""
+    def backend_reasons(cls, spec: AttentionSpec) -> list[Reason | str]:
+        """The one override point: reasons ``spec`` does not fit that :class:`Capabilities` cannot express
+        (empty by default). Appended after the declared reasons by :meth:`not_supported_reasons`. Return
+        :class:`Reason` values; plain strings are accepted and become reasons of kind ``OTHER``."""
+        return []
+
+    @classmethod
+    def not_supported_reasons(cls, spec: AttentionSpec) -> list[Reason]:
+        """Every reason ``spec`` does not fit this backend; empty when it fits.
+
+        The declared checks in a fixed order (package, device, dtype, cache dtype, fp8 rule, page size, dims,
+        heads, query length, dense/sparse, LSE), then :meth:`backend_reasons`.
+        """
         caps = cls.capabilities
-        reasons: list[str] = []
+        reasons: list[Reason] = []
         missing = cls.missing_requirements()
         if missing:
             extra = f": pip install 'mla-backends[{caps.extra}]'" if caps.extra else ""
-            reasons.append(f"package: got {', '.join(missing)} not installed; supported with it installed{extra}")
+            reasons.append(cls.install_reason or Reason(
+                ReasonKind.PACKAGE, "package", f"{', '.join(missing)} not installed", f"with it installed{extra}"))
         reasons += cls.device_reasons(spec.device)
         if spec.dtype not in caps.dtypes:
             names = ", ".join(sorted(dtype_name(d) for d in caps.dtypes))
-            reasons.append(f"dtype: got {dtype_name(spec.dtype)}; supported {names}")
+            reasons.append(Reason(ReasonKind.DTYPE, "dtype", dtype_name(spec.dtype), names))
         try:
             kv = spec.resolved_kv_cache_dtype
         except (ValueError, TypeError) as exc:
-            reasons.append(str(exc))
+            reasons.append(as_reason(str(exc), ReasonKind.KV_CACHE_DTYPE))
             kv = None
         if kv is not None:
             if kv not in caps.kv_cache_dtypes:
-                reasons.append(f"kv cache dtype: got {kv}; supported {', '.join(sorted(caps.kv_cache_dtypes))}")
+                reasons.append(Reason(ReasonKind.KV_CACHE_DTYPE, "kv cache dtype", kv,
+                                      ", ".join(sorted(caps.kv_cache_dtypes))))
             elif (kv in FP8_CACHE_DTYPES and caps.fp8_min_compute_capability is not None
                   and spec.device.is_cuda and spec.device.compute_capability < caps.fp8_min_compute_capability):
                 a, b = caps.fp8_min_compute_capability
                 c0, c1 = spec.device.compute_capability
-                reasons.append(f"fp8 cache: got SM{c0}{c1}; supported SM{a}{b}+ (native fp8 conversion)")
+                reasons.append(Reason(ReasonKind.FP8, "fp8 cache", f"SM{c0}{c1}",
+                                      f"SM{a}{b}+ (native fp8 conversion)"))
         if spec.block_size is not None:
             r = caps.page_size_reason(spec.block_size)
             if r:
@@ -267,22 +165,26 @@ class MLABackend:
         pair = (spec.kv_lora_rank, spec.qk_rope_head_dim)
         if caps.dims is not None and pair not in caps.dims:
             allowed = ", ".join(f"{a}/{b}" for a, b in sorted(caps.dims))
-            reasons.append(f"kv_lora_rank/qk_rope_head_dim: got {pair[0]}/{pair[1]}; supported {allowed}")
+            reasons.append(Reason(ReasonKind.DIMS, "kv_lora_rank/qk_rope_head_dim", f"{pair[0]}/{pair[1]}", allowed))
         if caps.num_heads is not None and spec.num_heads not in caps.num_heads:
-            reasons.append(f"num_heads: got {spec.num_heads}; supported {', '.join(map(str, sorted(caps.num_heads)))}")
+            reasons.append(Reason(ReasonKind.NUM_HEADS, "num_heads", str(spec.num_heads),
+                                  ", ".join(map(str, sorted(caps.num_heads)))))
         if caps.max_num_heads is not None and spec.num_heads > caps.max_num_heads:
-            reasons.append(f"num_heads: got {spec.num_heads}; supported <= {caps.max_num_heads}")
+            reasons.append(Reason(ReasonKind.NUM_HEADS, "num_heads", str(spec.num_heads), f"<= {caps.max_num_heads}"))
         if spec.max_query_len > 1:
             if caps.query_len == QueryLenSupport.SINGLE:
-                reasons.append(f"query length: got {spec.max_query_len}; supported 1 (single-token decode)")
+                reasons.append(Reason(ReasonKind.QUERY_LEN, "query length", str(spec.max_query_len),
+                                      "1 (single-token decode)"))
             elif caps.query_len == QueryLenSupport.UNIFORM and not spec.uniform_query_len:
-                reasons.append("query length: got varying lengths per request; supported uniform lengths")
+                reasons.append(Reason(ReasonKind.QUERY_LEN, "query length", "varying lengths per request",
+                                      "uniform lengths"))
         if spec.sparse and not caps.sparse:
-            reasons.append("attention: got sparse (top-k indices); supported dense only")
+            reasons.append(Reason(ReasonKind.ATTENTION, "attention", "sparse (top-k indices)", "dense only"))
         if not spec.sparse and not caps.dense:
-            reasons.append("attention: got dense; supported sparse only (top-k indices)")
+            reasons.append(Reason(ReasonKind.ATTENTION, "attention", "dense", "sparse only (top-k indices)"))
         if spec.need_lse and not caps.returns_lse:
-            reasons.append("LSE: got a request for it; supported output only (no LSE)")
+            reasons.append(Reason(ReasonKind.LSE, "LSE", "a request for it", "output only (no LSE)"))
+        reasons += [as_reason(r) for r in cls.backend_reasons(spec)]
         return reasons
 
     @classmethod
@@ -319,7 +221,8 @@ class MLABackend:
         out: torch.Tensor | None = None,
         lse_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Absorbed (MQA-shaped) attention over the paged latent cache.
+        """Absorbed (MQA-shaped) attention over the paged latent cache. Defined once, here; backends implement
+        :meth:`_forward_mqa_impl`.
 
         Args:
             q_latent: ``[tokens, heads, kv_lora_rank]`` absorbed query (``q_nope @ W_UK_T``), processing order.
@@ -329,10 +232,65 @@ class MLABackend:
             scale: softmax scale (the unabsorbed ``MLADims.softmax_scale``).
             topk_indices: sparse attention only: ``[tokens, topk]`` positions in each token's sequence,
                 ``-1`` for padding.
-            out / lse_out: optional preallocated ``[tokens, heads, kv_lora_rank]`` / ``[tokens, heads]`` buffers.
+            out / lse_out: optional preallocated ``[tokens, heads, kv_lora_rank]`` (query dtype) /
+                ``[tokens, heads]`` (float32) buffers; ``lse_out`` only for backends that return an LSE.
 
         Returns:
             ``(out [tokens, heads, kv_lora_rank], lse [tokens, heads])``: the output in latent space, in the
-            query's dtype, and the natural-log LSE in float32 (None for backends declaring no LSE).
+            query's dtype, and the natural-log LSE in float32 (None for backends declaring no LSE). These are
+            ``out`` / ``lse_out`` themselves when given.
+
+        Raises:
+            TypeError / ValueError: bad or unsupported inputs (naming the argument), before any kernel runs.
+            BackendContractError: the backend's kernel method replaced or reshaped its output.
         """
-        raise NotImplementedError
+        # while a CUDA graph is captured, skip the checks that read device values (they would synchronise)
+        capturing = cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
+                         lse_out=lse_out, check_values=not capturing)
+        check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out)
+        T, H, r = q_latent.shape
+        if out is None:
+            out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
+        if lse_out is None and self.capabilities.returns_lse:
+            lse_out = torch.empty(T, H, dtype=torch.float32, device=q_latent.device)
+        if T == 0:
+            return out, lse_out
+        returned = self._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
+                                          out=out, lse_out=lse_out)
+        self._check_result(returned, out, lse_out, (T, H, r), q_latent)
+        return out, lse_out
+
+    def _forward_mqa_impl(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        cache: LatentKVCache,
+        meta: BatchMetadata,
+        *,
+        scale: float,
+        topk_indices: torch.Tensor | None,
+        out: torch.Tensor,
+        lse_out: torch.Tensor | None,
+    ) -> None:
+        """The backend's kernel: write the output into ``out [T, H, kv_lora_rank]`` (query dtype; possibly
+        non-contiguous) and the natural-log LSE into ``lse_out [T, H]`` (float32; None for backends that
+        return no LSE). Called by :meth:`forward_mqa` only with validated inputs and ``T >= 1``; layout checks
+        the backend needs beyond the shared ones (strides, contiguity) go here. Returns None."""
+        raise NotImplementedError(f"{type(self).__name__}: _forward_mqa_impl is not implemented")
+
+    def _check_result(self, returned: object, out: torch.Tensor, lse_out: torch.Tensor | None,
+                      shape: tuple[int, int, int], q_latent: torch.Tensor) -> None:
+        """Host-side metadata checks of what the kernel method left (no device reads)."""
+        problems = []
+        if returned is not None:
+            problems.append(f"returned {type(returned).__name__}; supported None (write into out and lse_out)")
+        if tuple(out.shape) != shape or out.dtype != q_latent.dtype or out.device != q_latent.device:
+            problems.append(f"out: got {list(out.shape)} {dtype_name(out.dtype)} on {out.device}; supported "
+                            f"{list(shape)} {dtype_name(q_latent.dtype)} on {q_latent.device} (written in place)")
+        if lse_out is not None and (tuple(lse_out.shape) != shape[:2] or lse_out.dtype != torch.float32
+                                    or lse_out.device != q_latent.device):
+            problems.append(f"lse_out: got {list(lse_out.shape)} {dtype_name(lse_out.dtype)} on {lse_out.device}; "
+                            f"supported {list(shape[:2])} float32 on {q_latent.device} (written in place)")
+        if problems:
+            raise BackendContractError(f"{self.name} broke the forward_mqa contract: " + "; ".join(problems))

@@ -44,6 +44,7 @@ from .metadata import BatchMetadata
 from .plugins import get_backend
 from .prefill import PrefillWorkspace, default_workspace_rows, forward_mha
 from .projections import linear, rms_norm
+from .reasons import Reason, ReasonKind, without_kinds
 from .rope import RotaryEmbedding
 from .sparse.layer_support import SparseKVCache, build_indexer, take_indexer_weights
 from .step_plan import Run
@@ -67,9 +68,9 @@ def _choose_backend(backend: Any, dims: MLADims, dtype: torch.dtype,
     return select_backend(dims, dtype=dtype, device=dev, sparse=dims.is_sparse).backend
 
 
-def _blocking_reasons(backend_cls: type[MLABackend], spec: AttentionSpec) -> list[str]:
+def _blocking_reasons(backend_cls: type[MLABackend], spec: AttentionSpec) -> list[Reason]:
     """Why ``backend_cls`` cannot run ``spec``, less missing packages (those fail when the backend runs)."""
-    return [r for r in backend_cls.not_supported_reasons(spec) if not r.startswith("package")]
+    return without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
 
 
 class MLAAttention(torch.nn.Module):
@@ -139,7 +140,7 @@ class MLAAttention(torch.nn.Module):
         reasons = _blocking_reasons(backend_cls, self._spec())
         if reasons:
             raise ValueError(f"backend: got {backend_cls.name}, which cannot run this layer: "
-                             + "; ".join(reasons))
+                             + "; ".join(map(str, reasons)))
         self.backend_cls = backend_cls
         self.backend = backend_cls()
         # the policy named by `dispatch`, or a measured threshold table's (argument or the environment)
@@ -269,7 +270,7 @@ class MLAAttention(torch.nn.Module):
             kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype), block_size))
         if reasons:
             raise ValueError(f"allocate_cache: backend {self.backend_cls.name} cannot use this cache: "
-                             + "; ".join(reasons))
+                             + "; ".join(map(str, reasons)))
         cache_cls = LatentKVCache if self.dims.indexer is None else SparseKVCache  # V3.2: + indexer keys
         extra = {} if self.dims.indexer is None else {"layer_idx": self.layer_idx}
         return cache_cls.allocate(self.dims, num_blocks, block_size, kv_cache_dtype, model_dtype=self.dtype,

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .backend import AttentionSpec, QueryLenSupport
 from .cache import LatentKVCache
+from .capabilities import AttentionSpec, QueryLenSupport
 from .device import device_info_for
 from .dtypes import MODEL_DTYPES
 from .metadata import BatchMetadata
+from .reasons import Reason, ReasonKind, all_of_kinds, without_kinds
 from .validation import require_on_device, require_tensor
 
 __all__ = ["check_mqa_inputs", "check_declared_support"]
@@ -109,7 +110,7 @@ def check_declared_support(
     Builds the ``AttentionSpec`` the inputs describe (heads and dtype of ``q_latent [T, H, r]``; the cache's
     dims, dtype, page size and device; the query lengths of ``meta``; sparse when ``topk_indices`` is given; an
     LSE wanted when ``lse_out`` is given) and asks ``backend_cls.not_supported_reasons``, the question the
-    selector asks, so no backend re-checks its declarations by hand. Reasons about installed packages are left
+    selector asks, so no backend re-checks its declarations by hand. Reasons of kind ``PACKAGE`` are left
     out (importing the kernel reports them). Kernels with fixed query lengths (single-token or uniform) also
     need at least one token in every request.
 
@@ -130,12 +131,12 @@ def check_declared_support(
                          sparse=topk_indices is not None, max_query_len=meta.max_query_len,
                          uniform_query_len=meta.is_uniform_query_len, need_lse=lse_out is not None,
                          device=device_info_for(cache.device))
-    reasons = [r for r in backend_cls.not_supported_reasons(spec) if not r.startswith("package:")]
+    reasons = without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
     if caps.query_len != QueryLenSupport.VARLEN and meta.num_tokens and 0 in lens:
-        reasons.append(f"meta.query_lens: got {sorted(set(lens))}; supported >= 1 token in every request "
-                       f"({caps.query_len.name.lower()} query lengths)")
+        reasons.append(Reason(ReasonKind.QUERY_LEN, "meta.query_lens", str(sorted(set(lens))),
+                              f">= 1 token in every request ({caps.query_len.name.lower()} query lengths)"))
     if reasons:
-        dtype_only = all(r.startswith(("dtype:", "kv cache dtype:")) for r in reasons)
+        dtype_only = all_of_kinds(reasons, ReasonKind.DTYPE, ReasonKind.KV_CACHE_DTYPE)
         raise (TypeError if dtype_only else ValueError)(
-            f"{backend_cls.name} cannot run these inputs: " + "; ".join(reasons))
+            f"{backend_cls.name} cannot run these inputs: " + "; ".join(map(str, reasons)))
     meta.step_plan.accepted.add(key)

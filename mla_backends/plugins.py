@@ -21,7 +21,7 @@ from typing import Any
 
 import pluggy
 
-from .backend import MLABackend
+from .backend import MLABackend, contract_problems
 from .hookspecs import PROJECT_NAME, MLABackendsSpec
 from .registry import BackendName, PluginProblem, RegisteredBackend, RegistrationError, Registry
 
@@ -114,6 +114,8 @@ def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: 
             cls = _resolve(item.backend)
             registry.add(cls, source=plugin_name, name=item.name, before=item.before, after=item.after,
                          archs=item.archs)
+            for text in contract_problems(cls):  # registered and working, but shown by `mla-backends list`
+                registry.record(PluginProblem(plugin=plugin_name, stage="contract", error=f"{cls.name}: {text}"))
         except _NotBuilt as exc:
             log.debug("backend %s not registered: %s", item.name or item.backend, exc)
             registry.record(PluginProblem(plugin=plugin_name, stage="missing",

@@ -101,8 +101,10 @@ class PluginProblem:
     """Something a plugin got wrong, kept for ``explain()`` and ``mla-backends list``.
 
     ``stage``: ``import`` (the entry point failed to load), ``hook`` (its hook raised), ``register`` (a
-    registration was rejected: duplicate name, malformed capabilities, bad placement) or ``missing`` (a
-    built-in module that is not part of this installation).
+    registration was rejected: duplicate name, malformed capabilities, bad placement), ``contract`` (registered
+    and working, but departing from the backend contract: it overrides ``forward_mqa``, see
+    :func:`~mla_backends.backend.contract_problems`) or ``missing`` (a built-in module that is not part of this
+    installation).
     """
 
     plugin: str
@@ -129,8 +131,8 @@ def validate_backend_class(cls: object) -> list[str]:
             problems += [f"capabilities: {p}" for p in caps.problems()]
         except Exception as exc:  # a declaration so broken its own checks fail
             problems.append(f"capabilities: unreadable ({type(exc).__name__}: {exc})")
-    if cls.forward_mqa is MLABackend.forward_mqa:
-        problems.append("forward_mqa: got the abstract base method; supported an implementation")
+    if cls._forward_mqa_impl is MLABackend._forward_mqa_impl and cls.forward_mqa is MLABackend.forward_mqa:
+        problems.append("_forward_mqa_impl: got the abstract base method; supported an implementation")
     return problems
 
 
@@ -227,7 +229,7 @@ class Registry:
         """Resolve a (case-insensitive) name, enum member or class; unknown names raise with a suggestion.
 
         A class need not be registered, but it is checked as :meth:`add` would (``ValueError`` listing every
-        problem: the abstract base, a missing ``forward_mqa``, malformed capabilities ...).
+        problem: the abstract base, a missing ``_forward_mqa_impl``, malformed capabilities ...).
         """
         if isinstance(name, type) and issubclass(name, MLABackend):
             problems = validate_backend_class(name)

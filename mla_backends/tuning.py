@@ -172,7 +172,7 @@ def tunable_backends(
     for cls in classes.values():
         reasons = cls.not_supported_reasons(spec)
         if names or not reasons:
-            out[cls.name] = "; ".join(reasons)
+            out[cls.name] = "; ".join(map(str, reasons))
     return out
 
 

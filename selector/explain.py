@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from mla_backends.backend import AttentionSpec
 from mla_backends.device import DeviceInfo
 from mla_backends.dtypes import dtype_name
+from mla_backends.reasons import as_reason
 from mla_backends.registry import PluginProblem
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def _table(verdicts: Iterable[Verdict]) -> list[str]:
     for i, v in enumerate(rows, 1):
         verdict = "SELECTED" if v.selected else ("fits" if v.fits else "rejected")
         page = "-" if v.block_size is None else str(v.block_size)
-        reasons = list(v.reasons) or (["-"] if v.selected else ["fits, lower priority"])
+        reasons = [str(r) for r in v.reasons] or (["-"] if v.selected else ["fits, lower priority"])
         lines.append(f"  {i:>2}  {v.name:<{width}}  {v.source:<{src_w}}  {verdict:<8}  {page:>4}  "
                      f"{reasons[0]}")
         lines += [pad + r for r in reasons[1:]]
@@ -104,7 +105,8 @@ def device_dict(device: DeviceInfo) -> dict[str, Any]:
 
 def _candidates(verdicts: Iterable[Verdict]) -> list[dict[str, Any]]:
     return [{"name": v.name, "source": v.source, "selected": v.selected, "fits": v.fits,
-             "reasons": list(v.reasons), "block_size": v.block_size, "page_size_hint": v.page_size_hint}
+             "reasons": [str(r) for r in v.reasons], "reason_details": [as_reason(r).to_dict() for r in v.reasons],
+             "block_size": v.block_size, "page_size_hint": v.page_size_hint}
             for v in verdicts]
 
 

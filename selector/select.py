@@ -20,6 +20,7 @@ from mla_backends.device import DeviceInfo
 from mla_backends.dims import MLADims
 from mla_backends.dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, parse_model_dtype
 from mla_backends.plugins import get_registry
+from mla_backends.reasons import Reason, ReasonKind, all_of_kinds, as_reason
 from mla_backends.registry import BackendName, PluginProblem, Registry, UnknownBackendError
 from mla_backends.validation import require_int
 
@@ -62,7 +63,8 @@ class Verdict:
 
     Attributes:
         name / source: the backend and the plugin that registered it (``builtin`` for ours).
-        reasons: every reason it does not fit (empty when it fits), each "<what>: got X; supported Y".
+        reasons: every :class:`~mla_backends.reasons.Reason` it does not fit (empty when it fits); each
+            reads "<what>: got X; supported Y" and compares equal to that text.
         selected: True for the chosen backend.
         block_size: the page size it would run with (the request's, or its preferred one).
         page_size_hint: set when the user's ``block_size`` was its *only* obstacle: a page size that fits.
@@ -70,7 +72,7 @@ class Verdict:
 
     name: str
     source: str
-    reasons: tuple[str, ...]
+    reasons: tuple[Reason, ...]
     selected: bool = False
     block_size: int | None = None
     page_size_hint: int | None = None
@@ -151,7 +153,7 @@ class NoBackendError(SelectionError):
 class BackendNotSupportedError(SelectionError):
     """A forced backend (argument or ``MLA_BACKEND``) does not fit; ``reasons`` says why."""
 
-    def __init__(self, message: str, *, backend: str, reasons: tuple[str, ...], forced_by: str,
+    def __init__(self, message: str, *, backend: str, reasons: tuple[Reason, ...], forced_by: str,
                  **kw: Any) -> None:
         super().__init__(message, **kw)
         self.backend = backend
@@ -160,20 +162,22 @@ class BackendNotSupportedError(SelectionError):
 
 
 # ---- evaluation -------------------------------------------------------------------------------------
-def evaluate(cls: type[MLABackend], spec: AttentionSpec) -> tuple[str, ...]:
-    """``cls.not_supported_reasons(spec)``, with a plugin's crashing check turned into a reason."""
+def evaluate(cls: type[MLABackend], spec: AttentionSpec) -> tuple[Reason, ...]:
+    """``cls.not_supported_reasons(spec)`` as :class:`Reason` values (a plugin's plain strings wrapped as kind
+    ``OTHER``), with a plugin's crashing check turned into a ``CHECK_FAILED`` reason."""
     try:
-        return tuple(cls.not_supported_reasons(spec))
+        return tuple(as_reason(r) for r in cls.not_supported_reasons(spec))
     except Exception as exc:
-        return (f"capability check: got {type(exc).__name__}: {exc}; supported a check that returns reasons",)
+        return (Reason(ReasonKind.CHECK_FAILED, "capability check", f"{type(exc).__name__}: {exc}",
+                       "a check that returns reasons"),)
 
 
 def _verdict(registry: Registry, name: str, spec: AttentionSpec) -> Verdict:
     entry = registry.entry(name)
     if entry is None:
-        return Verdict(name=name, source="-", reasons=(
-            "registry: got no backend registered under this name; supported a registered backend "
-            "(see `mla-backends list`)",))
+        return Verdict(name=name, source="-", reasons=(Reason(
+            ReasonKind.REGISTRY, "registry", "no backend registered under this name",
+            "a registered backend (see `mla-backends list`)"),))
     reasons = evaluate(entry.cls, spec)
     preferred = entry.cls.capabilities.preferred_page_size
     hint = None
@@ -195,7 +199,7 @@ def _hint(registry: Registry, names: tuple[str, ...], spec: AttentionSpec,
           verdicts: tuple[Verdict, ...]) -> str:
     """One actionable change that makes a candidate fit, most practical first."""
     for v in verdicts:  # only a package is missing
-        if v.reasons and all(r.startswith("package:") for r in v.reasons):
+        if all_of_kinds(v.reasons, ReasonKind.PACKAGE):
             return f"{_extra_of(registry.get(v.name))} to enable {v.name}."
     for v in verdicts:  # only the page size
         if v.page_size_hint is not None:

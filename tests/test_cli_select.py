@@ -50,6 +50,9 @@ def test_select_exit_2_when_nothing_fits(fakes, capsys):
     assert code == 2 and doc["backend"] is None and doc["block_size"] is None
     assert doc["candidates"] == [{"name": "REF_TORCH", "source": "builtin", "selected": False, "fits": False,
                                   "reasons": ["compute capability: got SM61; supported SM70+"],
+                                  "reason_details": [{"text": "compute capability: got SM61; supported SM70+",
+                                                      "kind": "device", "what": "compute capability",
+                                                      "got": "SM61", "supported": "SM70+", "hint": None}],
                                   "block_size": 16, "page_size_hint": None}]
     assert "device='cpu'" in doc["hint"]
     code, out = run_cli(capsys, "select", "--device", "sm61")

@@ -28,6 +28,7 @@ EXPECTED = {
     "TestWritesCache": ("WritesCacheBackend", "inputs_not_written", "test_inputs_not_written"),
     "TestWritesPastOut": ("WritesPastOutBackend", "out_rows", "test_out_rows_outside_batch_untouched"),
     "TestNondeterministic": ("NondeterministicBackend", "deterministic", "test_deterministic"),
+    "TestPaddedHeads": ("PaddedHeadsBackend", "output and ctx", "test_output_matches_reference"),
     "TestLyingDeclarations": (
         "LyingDeclarationsBackend",
         "declared or undeclared",
@@ -113,6 +114,16 @@ def test_control_passes_the_same_checks(suite_results: dict[str, tuple[str, str]
     results = _of(suite_results, "TestControl")
     assert len(results) >= 5
     assert all(outcome == "passed" for outcome, _ in results.values()), results
+
+
+def test_padded_heads_is_caught_by_the_base_class_naming_the_backend(
+        suite_results: dict[str, tuple[str, str]]) -> None:
+    texts = [text for outcome, text in _of(suite_results, "TestPaddedHeads").values() if outcome == "failed"]
+    assert texts and all("BROKEN_PADDED_HEADS broke the forward_mqa contract" in t for t in texts), texts
+
+
+def test_every_broken_backend_is_exercised() -> None:
+    assert {b for b, _, _ in EXPECTED.values()} == {c.__name__ for c in broken.BROKEN_BACKENDS}
 
 
 def test_base2_lse_is_reported_as_lse_not_output(suite_results: dict[str, tuple[str, str]]) -> None:

@@ -12,7 +12,8 @@ from mla_backends.backend import Capabilities, MLABackend, QueryLenSupport
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.testing import build_plan
 from mla_backends.testing.cases import declared_reasons
-from mla_backends.testing.checks import TRAILING, expected, prepare, tolerance_for
+from mla_backends.testing.checks import tolerance_for
+from mla_backends.testing.inputs import TRAILING, expected, prepare
 from mla_backends.testing.reference import random_orthogonal, reference_mqa, up_projections
 
 

@@ -16,6 +16,7 @@ from mla_backends.backend import Capabilities, MLABackend
 from mla_backends.dims import MLADims
 from mla_backends.hookspecs import hookimpl
 from mla_backends.plugins import add_plugin, load_registry, run_plugin
+from mla_backends.reasons import ReasonKind
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.registry import BackendName, RegistrationError
 from selector.select import select_backend
@@ -58,7 +59,8 @@ def test_example_plugin_is_selectable_by_override_and_by_its_placement(loaded, m
     sel = select_backend(V3, device="sm120", dtype="float32", block_size=32)
     assert [v.name for v in sel.verdicts] == ["FLASHINFER_MLA_XQA", "TRITON_MLA", "EXAMPLE_MLA", "REF_TORCH"]
     assert sel.name == "EXAMPLE_MLA" and sel.verdicts[2].source == "example"
-    assert sel.verdicts[1].reasons[0].startswith("package: got triton not installed")
+    assert str(sel.verdicts[1].reasons[0]).startswith("package: got triton not installed")
+    assert sel.verdicts[1].reasons[0].kind is ReasonKind.PACKAGE
     # ... and a page size the plugin does not accept gives its own declared reason
     sel = select_backend(V3, device="sm90", dtype="float64", block_size=40)
     ex = next(v for v in sel.verdicts if v.name == "EXAMPLE_MLA")

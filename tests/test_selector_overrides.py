@@ -58,7 +58,7 @@ def test_forced_but_unfit_raises_with_every_reason(fakes):
                            "query length: got 2; supported 1 (single-token decode)")
     msg = str(err)
     assert msg.startswith("The forced backend FLASHINFER_MLA_XQA does not fit this request.")
-    assert all(r in msg for r in err.reasons) and "no silent fallback" in msg
+    assert all(str(r) in msg for r in err.reasons) and "no silent fallback" in msg
     assert err.to_dict()["backend"] is None
 
 

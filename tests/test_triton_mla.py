@@ -385,7 +385,7 @@ def test_gpu_cuda_graph_capture_and_replay_with_new_lengths():
 def test_launch_path_reads_no_device_values(monkeypatch):
     # After the shared validation, nothing in the call may read a tensor's value on the host (on a GPU that
     # would synchronise and break CUDA-graph capture): make every such read raise, then run a call.
-    import mla_backends.triton_mla.backend as backend_module
+    import mla_backends.backend as backend_module  # MLABackend.forward_mqa runs the shared validation
 
     cache, meta, ql, qr = make_case([1, 3], [40, 9], page=16, seed=12)
     real_check = backend_module.check_mqa_inputs

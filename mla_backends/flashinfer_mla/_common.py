@@ -14,10 +14,9 @@ from typing import Any, ClassVar
 import torch
 
 from ..backend import AttentionSpec, MLABackend
-from ..cache import LatentKVCache
 from ..dtypes import FP8_CACHE_DTYPES, FP8_E4M3_MAX, dtype_name
 from ..metadata import BatchMetadata
-from ..mqa_inputs import check_declared_support, check_mqa_inputs
+from ..reasons import Reason, ReasonKind
 from . import _install
 from .api import WORKSPACE_BYTES
 
@@ -185,24 +184,20 @@ def dense_block_table(meta: BatchMetadata, *, align: int = 1) -> torch.Tensor:
 class FlashInferBackendBase(MLABackend):
     """Shared behaviour of the FlashInfer backends (not registered itself).
 
-    Selection: the base class's declared checks, then (when flashinfer is present) the installed version
-    against the tested range and the entry points in ``entry_points`` read from the installed source, then
-    :meth:`extra_reasons` of the subclass. A missing package is reported as :data:`NOT_INSTALLED_REASON`.
+    Selection: the base class's declared checks (a missing package reads as :data:`NOT_INSTALLED_REASON`),
+    then :meth:`backend_reasons`: the installed version against the tested range and the entry points in
+    ``entry_points`` read from the installed source (when flashinfer is present), then the subclass's rules
+    (subclasses extend ``super().backend_reasons(spec)``).
     """
 
     #: ``(path under flashinfer/, name)`` that the backend calls; checked in the installed source text
     entry_points: ClassVar[tuple[tuple[str, str], ...]] = ()
+    install_reason: ClassVar[Reason | None] = Reason(ReasonKind.PACKAGE, "package", text=_install.NOT_INSTALLED_REASON)
 
     @classmethod
-    def not_supported_reasons(cls, spec: AttentionSpec) -> list[str]:
-        reasons = super().not_supported_reasons(spec)
-        if cls.missing_requirements():
-            reasons = [r for r in reasons if not r.startswith("package: ")]
-            reasons.insert(0, _install.NOT_INSTALLED_REASON)
-        else:
-            reasons[0:0] = cls.installed_reasons()
-        reasons += cls.extra_reasons(spec)
-        return reasons
+    def backend_reasons(cls, spec: AttentionSpec) -> list[Reason | str]:
+        """The installed flashinfer-python's version and entry points (when it is installed at all)."""
+        return [] if cls.missing_requirements() else list(cls.installed_reasons())
 
     @classmethod
     def is_available(cls) -> bool:
@@ -210,20 +205,16 @@ class FlashInferBackendBase(MLABackend):
         return not cls.missing_requirements() and not cls.installed_reasons()
 
     @classmethod
-    def installed_reasons(cls) -> list[str]:
+    def installed_reasons(cls) -> list[Reason]:
         """Why the installed flashinfer-python cannot serve this backend (version, missing entry points)."""
         version = _install.installed_version()
         reasons = _install.version_reasons(version)
         for path, name in cls.entry_points:
             if not _install.source_defines(path, name):
-                reasons.append(f"flashinfer-python {version}: got no {name} in flashinfer/{path}; "
-                               f"supported a release that defines it ({_install.TESTED_RANGE_TEXT})")
+                reasons.append(Reason(ReasonKind.VERSION, f"flashinfer-python {version}",
+                                      f"no {name} in flashinfer/{path}",
+                                      f"a release that defines it ({_install.TESTED_RANGE_TEXT})"))
         return reasons
-
-    @classmethod
-    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
-        """Backend rules the declarative :class:`Capabilities` cannot express (override and extend)."""
-        return []
 
     def prepare(self, meta: BatchMetadata) -> FlashInferStep:
         """A fresh :class:`FlashInferStep` for ``meta``'s step (filled on first use by each layer's call)."""
@@ -237,16 +228,6 @@ class FlashInferBackendBase(MLABackend):
         return state
 
     # ---- helpers for subclasses --------------------------------------------------------------------------
-    def _check_forward_inputs(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                              meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
-                              out: torch.Tensor | None, lse_out: torch.Tensor | None) -> None:
-        """The checks every FlashInfer ``forward_mqa`` runs first: :func:`check_mqa_inputs`, then
-        :func:`check_declared_support` (this backend's declarations and :meth:`extra_reasons`: dtypes, dims,
-        page size, heads, query lengths, dense only, LSE, the CUDA device)."""
-        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
-                         lse_out=lse_out)
-        check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out)
-
     @staticmethod
     def _resolved_kv(spec: AttentionSpec) -> str | None:
         try:
@@ -255,15 +236,15 @@ class FlashInferBackendBase(MLABackend):
             return None  # the base class already reported it
 
     @classmethod
-    def _kv_matches_query_reason(cls, spec: AttentionSpec) -> list[str]:
+    def _kv_matches_query_reason(cls, spec: AttentionSpec) -> list[Reason]:
         """A non-fp8 cache must hold the query's dtype (FlashInfer's kernels take one 16-bit type)."""
         kv = cls._resolved_kv(spec)
         if kv is None or kv in FP8_CACHE_DTYPES or kv not in cls.capabilities.kv_cache_dtypes:
             return []
         if kv != dtype_name(spec.dtype) and spec.dtype in cls.capabilities.dtypes:
             fp8 = " or fp8_e4m3" if "fp8_e4m3" in cls.capabilities.kv_cache_dtypes else ""
-            return [f"kv cache dtype: got {kv} with {dtype_name(spec.dtype)} queries; supported the query "
-                    f"dtype ({dtype_name(spec.dtype)}){fp8}"]
+            return [Reason(ReasonKind.KV_CACHE_DTYPE, "kv cache dtype", f"{kv} with {dtype_name(spec.dtype)} queries",
+                           f"the query dtype ({dtype_name(spec.dtype)}){fp8}")]
         return []
 
 

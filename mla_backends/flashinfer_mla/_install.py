@@ -14,6 +14,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+from ..reasons import Reason, ReasonKind
+
 __all__ = [
     "DISTRIBUTION",
     "MIN_VERSION",
@@ -55,20 +57,19 @@ def installed_version() -> str | None:
         return None
 
 
-def version_reasons(version: str | None) -> list[str]:
-    """Reasons a flashinfer-python version is unusable (empty inside the tested range)."""
+def version_reasons(version: str | None) -> list[Reason]:
+    """Reasons (kind ``VERSION``) a flashinfer-python version is unusable (empty inside the tested range)."""
+    what = "flashinfer-python version"
     if version is None:
-        return [f"flashinfer-python version: got unknown (no package metadata); "
-                f"supported {TESTED_RANGE_TEXT}"]
+        return [Reason(ReasonKind.VERSION, what, "unknown (no package metadata)", TESTED_RANGE_TEXT)]
     parsed = parse_version(version)
     if parsed is None:
-        return [f"flashinfer-python version: got {version!r} (unparseable); supported {TESTED_RANGE_TEXT}"]
+        return [Reason(ReasonKind.VERSION, what, f"{version!r} (unparseable)", TESTED_RANGE_TEXT)]
     if parsed < MIN_VERSION:
-        return [f"flashinfer-python version: got {version}; supported {TESTED_RANGE_TEXT} "
-                f"(older releases lack the MLA API used here)"]
+        return [Reason(ReasonKind.VERSION, what, version,
+                       f"{TESTED_RANGE_TEXT} (older releases lack the MLA API used here)")]
     if parsed >= MAX_VERSION_EXCLUSIVE:
-        return [f"flashinfer-python version: got {version}; supported {TESTED_RANGE_TEXT} "
-                f"(newer releases are untested)"]
+        return [Reason(ReasonKind.VERSION, what, version, f"{TESTED_RANGE_TEXT} (newer releases are untested)")]
     return []
 
 

@@ -20,6 +20,7 @@ from ..backend import AttentionSpec, Capabilities, QueryLenSupport
 from ..cache import LatentKVCache
 from ..dtypes import dtype_name
 from ..metadata import BatchMetadata
+from ..reasons import Reason, ReasonKind
 from . import api
 from ._common import (
     FlashInferBackendBase,
@@ -144,28 +145,29 @@ class FlashInferMLABackend(FlashInferBackendBase):
     )
 
     @classmethod
-    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
-        reasons = cls._kv_matches_query_reason(spec)
+    def backend_reasons(cls, spec: AttentionSpec) -> list[Reason | str]:
+        reasons = super().backend_reasons(spec) + cls._kv_matches_query_reason(spec)
         if cls._resolved_kv(spec) == "fp8_e4m3":
             if spec.device.is_cuda and spec.device.compute_capability != (9, 0):
                 c0, c1 = spec.device.compute_capability
-                reasons.append(f"fp8 cache: got SM{c0}{c1}; supported SM90 only (FlashInfer's fa3 fp8 path)")
+                reasons.append(Reason(ReasonKind.FP8, "fp8 cache", f"SM{c0}{c1}",
+                                      "SM90 only (FlashInfer's fa3 fp8 path)"))
             if spec.dtype != torch.bfloat16:
-                reasons.append(f"fp8 cache: got {dtype_name(spec.dtype)} queries; supported bfloat16 queries")
+                reasons.append(Reason(ReasonKind.FP8, "fp8 cache", f"{dtype_name(spec.dtype)} queries",
+                                      "bfloat16 queries"))
         return reasons
 
-    def forward_mqa(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                    meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
-                                   out=out, lse_out=lse_out)
-        return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out)
+    def _forward_mqa_impl(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                          meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                          out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+        """Plan (once per batch) and run the paged wrapper; see :meth:`_launch`."""
+        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                 *, scale: float, out: torch.Tensor | None, lse_out: torch.Tensor | None,
                 fi_backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Plan (once per batch) and run; inputs already validated. ``fi_backend`` overrides fa2/fa3."""
+        """Plan (once per batch) and run into ``out`` / ``lse_out`` (fresh buffers when None; returned);
+        inputs already validated. ``fi_backend`` overrides fa2/fa3."""
         T, H, r = q_latent.shape
         dev = cache.device
         result, lse = output_buffers(q_latent, out, lse_out)
@@ -210,23 +212,21 @@ class FlashInferCutlassMLABackend(FlashInferBackendBase):
     )
 
     @classmethod
-    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
-        return cls._kv_matches_query_reason(spec)
+    def backend_reasons(cls, spec: AttentionSpec) -> list[Reason | str]:
+        return super().backend_reasons(spec) + cls._kv_matches_query_reason(spec)
 
-    def forward_mqa(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                    meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, None]:
-        self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
-                                   out=out, lse_out=lse_out)
+    def _forward_mqa_impl(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                          meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                          out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+        """Pad, plan (once per batch) and run; the kernel reads the cache as one packed tensor."""
         if not cache.data.is_contiguous():
             raise ValueError("cache.data: got a non-contiguous tensor; supported a contiguous "
                              "[blocks, page, 576] tensor")
-        return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out)
+        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                 *, scale: float, out: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        """Pad, plan (once per batch) and run; inputs already validated."""
+        """Pad, plan (once per batch) and run into ``out`` (returned, with None); inputs already validated."""
         r = q_latent.shape[2]
         rope = cache.qk_rope_head_dim
         heads = self.capabilities.max_num_heads  # the kernel's fixed head count; fewer heads are padded

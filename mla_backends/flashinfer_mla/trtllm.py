@@ -18,6 +18,7 @@ import torch
 from ..backend import AttentionSpec, Capabilities, QueryLenSupport
 from ..cache import LatentKVCache
 from ..metadata import BatchMetadata
+from ..reasons import Reason, ReasonKind
 from . import api
 from ._common import (
     FlashInferBackendBase,
@@ -59,19 +60,18 @@ class FlashInferTrtllmMLABackend(FlashInferBackendBase):
         return 1 <= num_heads <= 64 or num_heads == 128
 
     @classmethod
-    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+    def backend_reasons(cls, spec: AttentionSpec) -> list[Reason | str]:
+        reasons = super().backend_reasons(spec)
         # more than max_num_heads is the base class's reason; this adds the gap below it
         if spec.num_heads <= cls.capabilities.max_num_heads and not cls.heads_ok(spec.num_heads):
-            return [f"num_heads: got {spec.num_heads}; supported {cls.HEADS_TEXT}"]
-        return []
+            reasons.append(Reason(ReasonKind.NUM_HEADS, "num_heads", str(spec.num_heads), cls.HEADS_TEXT))
+        return reasons
 
-    def forward_mqa(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                    meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
-                                   out=out, lse_out=lse_out)
-        return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out)
+    def _forward_mqa_impl(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                          meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                          out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+        """Build the trtllm-gen call and run it into ``out`` / ``lse_out``."""
+        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                 *, scale: float, out: torch.Tensor | None, lse_out: torch.Tensor | None,

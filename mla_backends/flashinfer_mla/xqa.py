@@ -50,13 +50,11 @@ class FlashInferXqaMLABackend(FlashInferBackendBase):
         extra="flashinfer",
     )
 
-    def forward_mqa(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                    meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, lse_out: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, None]:
-        self._check_forward_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
-                                   out=out, lse_out=lse_out)
-        return self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out)
+    def _forward_mqa_impl(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                          meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                          out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+        """Pad, quantise (fp8) and run into ``out``."""
+        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                 *, scale: float, out: torch.Tensor | None) -> tuple[torch.Tensor, None]:

@@ -22,7 +22,6 @@ from ..backend import Capabilities, MLABackend, QueryLenSupport
 from ..cache import LatentKVCache, position_slots
 from ..dtypes import KV_CACHE_DTYPES, accumulate_dtype
 from ..metadata import BatchMetadata
-from ..mqa_inputs import check_mqa_inputs
 from ..validation import require_int
 
 __all__ = ["RefTorchBackend", "stream_chunk_pages"]
@@ -78,7 +77,7 @@ class RefTorchBackend(MLABackend):
         returns_lse=True,
     )
 
-    def forward_mqa(
+    def _forward_mqa_impl(
         self,
         q_latent: torch.Tensor,
         q_rope: torch.Tensor,
@@ -86,26 +85,19 @@ class RefTorchBackend(MLABackend):
         meta: BatchMetadata,
         *,
         scale: float,
-        topk_indices: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-        lse_out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
-                         out=out, lse_out=lse_out)
-        T, H, r = q_latent.shape
-        if out is None:
-            out = torch.empty_like(q_latent)
-        if lse_out is None:
-            lse_out = torch.empty(T, H, dtype=torch.float32, device=q_latent.device)
-        if T == 0:
-            return out, lse_out
+        topk_indices: torch.Tensor | None,
+        out: torch.Tensor,
+        lse_out: torch.Tensor | None,
+    ) -> None:
+        """Dense (streamed or padded groups) or sparse attention into ``out`` / ``lse_out`` (see
+        :meth:`MLABackend.forward_mqa`, which validated the inputs)."""
+        assert lse_out is not None  # returns_lse: forward_mqa always provides it
         cdt = accumulate_dtype(q_latent.dtype)
         q = torch.cat([q_latent, q_rope], dim=-1).to(cdt)  # [T, H, 576]
         if topk_indices is not None:
             self._sparse(q, cache, meta, topk_indices, scale, out, lse_out)
         else:
             self._dense_dispatch(q, cache, meta, scale, out, lse_out)
-        return out, lse_out
 
     # ---- dense -----------------------------------------------------------------------------------------
     def _dense_dispatch(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,

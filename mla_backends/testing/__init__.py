@@ -4,7 +4,9 @@ Subclass :class:`BackendConformance` in a pytest module (``backend = "MY_BACKEND
 ``mla-backends conformance MY_BACKEND [--quick]``. The pieces:
 
 - :mod:`.reference`: an independent float64 naive *expanded* MLA (the expected values);
-- :mod:`.cases`: cases generated from the backend's declared capabilities (full and quick matrices);
+- :mod:`.cases`: the case types; :mod:`.matrix`: the cases generated from the backend's declared
+  capabilities (full and quick matrices, :func:`build_plan`);
+- :mod:`.inputs`: a case's inputs on a device and its expected values;
 - :mod:`.checks`: the checks as plain functions raising ``AssertionError``;
 - :mod:`.suite`: :class:`BackendConformance`, the pytest test class (needs pytest);
 - :mod:`.plugin`: the opt-in pytest plugin (``-p mla_backends.testing.plugin``), never auto-loaded;
@@ -24,7 +26,7 @@ __all__ = ["BackendConformance", "resolve_backend", "build_plan", "reference_mqa
 _LAZY = {
     "BackendConformance": ".suite",
     "resolve_backend": ".suite",
-    "build_plan": ".cases",
+    "build_plan": ".matrix",
     "reference_mqa": ".reference",
 }
 

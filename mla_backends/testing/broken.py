@@ -1,8 +1,9 @@
 """Deliberately broken backends: the suite's self-test. Each one must be reported by the conformance suite.
 
-Every class wraps :class:`~mla_backends.ref_torch.RefTorchBackend` and breaks exactly one thing a real
-kernel can get wrong. None is registered: pass the class itself (``backend = NextPageBackend``) or its
-import path (``mla-backends conformance mla_backends.testing.broken:NextPageBackend``).
+Every class wraps :class:`~mla_backends.ref_torch.RefTorchBackend` (its kernel method ``_forward_mqa_impl``;
+``forward_mqa`` stays the base class's) and breaks exactly one thing a real kernel can get wrong. None is
+registered: pass the class itself (``backend = NextPageBackend``) or its import path
+(``mla-backends conformance mla_backends.testing.broken:NextPageBackend``).
 
 ==============================  ===============================================  ============================
 class                           bug                                              failing test
@@ -14,6 +15,7 @@ class                           bug                                             
 ``WritesCacheBackend``          overwrites the new tokens' cache rows            inputs_not_written
 ``WritesPastOutBackend``        stores one row past the end of ``out=``          out_rows_outside_batch_...
 ``NondeterministicBackend``     perturbs the output by an ulp at random          deterministic
+``PaddedHeadsBackend``          hands back ``out`` with one padding head         output_matches_reference
 ``LyingDeclarationsBackend``    says yes to every request                        undeclared_combinations_...
 ==============================  ===============================================  ============================
 """
@@ -40,24 +42,20 @@ __all__ = [
     "WritesCacheBackend",
     "WritesPastOutBackend",
     "NondeterministicBackend",
+    "PaddedHeadsBackend",
     "LyingDeclarationsBackend",
     "BROKEN_BACKENDS",
 ]
-
-Result = tuple[torch.Tensor, torch.Tensor]
-
 
 class NextPageBackend(RefTorchBackend):
     """Off-by-one in the page walk: page ``i`` of a sequence is read from block-table entry ``i + 1``."""
 
     name: ClassVar[str] = "BROKEN_NEXT_PAGE"
 
-    def forward_mqa(self, q_latent, q_rope, cache, meta: BatchMetadata, **kw) -> Result:  # type: ignore[override]
+    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta: BatchMetadata, **kw) -> None:  # type: ignore[override]
         shifted = torch.roll(meta.block_table, shifts=-1, dims=1)
         shifted = torch.where(shifted >= 0, shifted, torch.zeros_like(shifted))  # -1 entries read block 0
-        return super().forward_mqa(
-            q_latent, q_rope, cache, dataclasses.replace(meta, block_table=shifted), **kw
-        )
+        super()._forward_mqa_impl(q_latent, q_rope, cache, dataclasses.replace(meta, block_table=shifted), **kw)
 
 
 class LatentScaleBackend(RefTorchBackend):
@@ -65,8 +63,9 @@ class LatentScaleBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_LATENT_SCALE"
 
-    def forward_mqa(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float, **kw) -> Result:  # type: ignore[override]
-        return super().forward_mqa(q_latent, q_rope, cache, meta, scale=cache.kv_lora_rank**-0.5, **kw)
+    def _forward_mqa_impl(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float,  # type: ignore[override]
+                          **kw) -> None:
+        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=cache.kv_lora_rank**-0.5, **kw)
 
 
 class Base2LseBackend(RefTorchBackend):
@@ -74,10 +73,9 @@ class Base2LseBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_BASE2_LSE"
 
-    def forward_mqa(self, *args, **kw) -> Result:  # type: ignore[override]
-        out, lse = super().forward_mqa(*args, **kw)
-        lse.div_(math.log(2.0))
-        return out, lse
+    def _forward_mqa_impl(self, *args, lse_out: torch.Tensor, **kw) -> None:  # type: ignore[override]
+        super()._forward_mqa_impl(*args, lse_out=lse_out, **kw)
+        lse_out.div_(math.log(2.0))
 
 
 class IgnoresFp8ScaleBackend(RefTorchBackend):
@@ -85,12 +83,12 @@ class IgnoresFp8ScaleBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_IGNORES_FP8_SCALE"
 
-    def forward_mqa(self, q_latent, q_rope, cache: LatentKVCache, meta, **kw) -> Result:  # type: ignore[override]
+    def _forward_mqa_impl(self, q_latent, q_rope, cache: LatentKVCache, meta, **kw) -> None:  # type: ignore[override]
         if cache.is_fp8:
             unscaled = copy.copy(cache)  # shares the data, not the scale
             unscaled.scale = torch.ones_like(cache.scale)
             cache = unscaled
-        return super().forward_mqa(q_latent, q_rope, cache, meta, **kw)
+        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
 
 
 class WritesCacheBackend(RefTorchBackend):
@@ -98,26 +96,26 @@ class WritesCacheBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_WRITES_CACHE"
 
-    def forward_mqa(self, q_latent, q_rope, cache: LatentKVCache, meta: BatchMetadata, **kw) -> Result:  # type: ignore[override]
-        result = super().forward_mqa(q_latent, q_rope, cache, meta, **kw)
+    def _forward_mqa_impl(self, q_latent, q_rope, cache: LatentKVCache, meta: BatchMetadata,  # type: ignore[override]
+                          **kw) -> None:
+        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
         cache.data.view(-1, cache.row_width)[meta.slot_mapping] = 0
-        return result
 
 
 class WritesPastOutBackend(RefTorchBackend):
-    """Correct output, plus one extra row stored past the end of a caller-given ``out`` (grid off by one)."""
+    """Correct output, plus one extra row stored past the end of ``out`` (grid off by one); visible when the
+    caller's ``out`` is a slice of a larger buffer."""
 
     name: ClassVar[str] = "BROKEN_WRITES_PAST_OUT"
 
-    def forward_mqa(self, q_latent, q_rope, cache, meta, *, out=None, **kw) -> Result:  # type: ignore[override]
-        result = super().forward_mqa(q_latent, q_rope, cache, meta, out=out, **kw)
-        if out is not None and out.shape[0]:
-            T = out.shape[0]
-            end = (out.storage_offset() + (T + 1) * out.stride(0)) * out.element_size()
-            if end <= out.untyped_storage().nbytes():
-                past = torch.as_strided(out, (T + 1, *out.shape[1:]), out.stride(), out.storage_offset())
-                past[T] = out[T - 1]
-        return result
+    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, *, out: torch.Tensor,  # type: ignore[override]
+                          **kw) -> None:
+        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, out=out, **kw)
+        T = out.shape[0]
+        end = (out.storage_offset() + (T + 1) * out.stride(0)) * out.element_size()
+        if end <= out.untyped_storage().nbytes():
+            past = torch.as_strided(out, (T + 1, *out.shape[1:]), out.stride(), out.storage_offset())
+            past[T] = out[T - 1]
 
 
 class NondeterministicBackend(RefTorchBackend):
@@ -125,12 +123,25 @@ class NondeterministicBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_NONDETERMINISTIC"
 
-    def forward_mqa(self, *args, **kw) -> Result:  # type: ignore[override]
-        out, lse = super().forward_mqa(*args, **kw)
+    def _forward_mqa_impl(self, *args, out: torch.Tensor, **kw) -> None:  # type: ignore[override]
+        super()._forward_mqa_impl(*args, out=out, **kw)
         eps = torch.finfo(out.dtype).eps
         noise = 1 + 2 * eps * (2 * torch.rand(out.shape, device=out.device) - 1)
         out.copy_((out.double() * noise).to(out.dtype))
-        return out, lse
+
+
+class PaddedHeadsBackend(RefTorchBackend):
+    """Computes into a buffer padded by one head (as a fixed-head-count kernel does) and hands that back in
+    place of ``out`` (``out.set_(padded)``) instead of copying the caller's heads: ``out`` comes back
+    ``[T, H + 1, r]``. :meth:`~mla_backends.backend.MLABackend.forward_mqa` must refuse it, naming the backend."""
+
+    name: ClassVar[str] = "BROKEN_PADDED_HEADS"
+
+    def _forward_mqa_impl(self, *args, out: torch.Tensor, **kw) -> None:  # type: ignore[override]
+        T, H, r = out.shape
+        padded = out.new_zeros(T, H + 1, r)
+        super()._forward_mqa_impl(*args, out=padded[:, :H], **kw)
+        out.set_(padded)
 
 
 class LyingDeclarationsBackend(RefTorchBackend):
@@ -156,5 +167,6 @@ BROKEN_BACKENDS = (
     WritesCacheBackend,
     WritesPastOutBackend,
     NondeterministicBackend,
+    PaddedHeadsBackend,
     LyingDeclarationsBackend,
 )

@@ -21,7 +21,8 @@ import torch
 
 from ..backend import MLABackend
 from . import checks
-from .cases import Case, DeclaredProbe, Plan, UnsupportedProbe, build_plan
+from .cases import Case, DeclaredProbe, Plan, UnsupportedProbe
+from .matrix import build_plan
 
 __all__ = ["BackendConformance", "resolve_backend"]
 
@@ -109,7 +110,7 @@ class BackendConformance:
     def _require_runnable(cls: type[MLABackend], case: Case, device: torch.device) -> None:
         reasons = checks.run_reasons(cls, case, device)
         if reasons:
-            pytest.skip(f"{cls.name} cannot run {case.id} on {device}: {'; '.join(reasons)}")
+            pytest.skip(f"{cls.name} cannot run {case.id} on {device}: {'; '.join(map(str, reasons))}")
 
     # ---- numerics ------------------------------------------------------------------------------------------
     def test_output_matches_reference(

@@ -1,6 +1,6 @@
 """``TRITON_MLA``: the portable GPU backend, a split-KV paged absorbed-MLA decode written in Triton.
 
-The kernels live in :mod:`.kernels` and are imported on the first :meth:`TritonMLABackend.forward_mqa` call,
+The kernels live in :mod:`.kernels` and are imported on the first ``forward_mqa`` call,
 so importing this module (and selecting backends) never imports triton. See ``docs/triton.md``.
 """
 
@@ -13,9 +13,8 @@ import torch
 
 from ..backend import Capabilities, MLABackend, QueryLenSupport
 from ..cache import LatentKVCache
-from ..device import DeviceInfo, cuda_device_index
+from ..device import cuda_device_index
 from ..metadata import BatchMetadata
-from ..mqa_inputs import check_declared_support, check_mqa_inputs
 from .interpreter import interpreter_enabled
 from .plan import BLOCK_H, MAX_KV_SPLITS, SCRATCH, block_h_for, choose_num_kv_splits, next_pow2, sm_count
 
@@ -85,6 +84,8 @@ class TritonMLABackend(MLABackend):
         deterministic=True,
         requires=("triton",),
         extra="triton",
+        cpu_env_switch="TRITON_INTERPRET",  # the CPU only interpreted, for testing
+        cpu_hint=_CPU_TAIL,
     )
 
     def __init__(self, num_kv_splits: int | None = None) -> None:
@@ -94,17 +95,6 @@ class TritonMLABackend(MLABackend):
             if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
                 raise ValueError(f"num_kv_splits: got {num_kv_splits}; supported 1..{MAX_KV_SPLITS} or None")
         self.num_kv_splits = num_kv_splits
-
-    # ---- capability checks -------------------------------------------------------------------------------
-    @classmethod
-    def device_reasons(cls, device: DeviceInfo) -> list[str]:
-        """The base checks, plus: the CPU is accepted only under ``TRITON_INTERPRET=1`` (testing only)."""
-        reasons = super().device_reasons(device)
-        if device.is_cuda:
-            return reasons
-        if interpreter_enabled():
-            return []
-        return [f"{r}; {_CPU_TAIL}" for r in reasons]
 
     # ---- planning -----------------------------------------------------------------------------------------
     def plan_num_kv_splits(
@@ -117,7 +107,7 @@ class TritonMLABackend(MLABackend):
         return choose_num_kv_splits(max_len, meta.num_tokens, num_heads, sm_count(device))
 
     # ---- the kernel --------------------------------------------------------------------------------------
-    def forward_mqa(
+    def _forward_mqa_impl(
         self,
         q_latent: torch.Tensor,
         q_rope: torch.Tensor,
@@ -125,37 +115,15 @@ class TritonMLABackend(MLABackend):
         meta: BatchMetadata,
         *,
         scale: float,
-        topk_indices: torch.Tensor | None = None,
-        out: torch.Tensor | None = None,
-        lse_out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Absorbed attention over the paged latent cache (see :meth:`MLABackend.forward_mqa`).
-
-        Returns ``(out [tokens, heads, kv_lora_rank] in q's dtype, lse [tokens, heads] float32 natural log)``.
-        """
-        # while a CUDA graph is captured, skip the checks that read device values (they would synchronise)
-        capturing = cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        check_mqa_inputs(
-            q_latent,
-            q_rope,
-            cache,
-            meta,
-            scale=scale,
-            topk_indices=topk_indices,
-            out=out,
-            lse_out=lse_out,
-            check_values=not capturing,
-        )
-        check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out)
+        topk_indices: torch.Tensor | None,
+        out: torch.Tensor,
+        lse_out: torch.Tensor | None,
+    ) -> None:
+        """Stage 1 (split-KV partials) and stage 2 (merge) into ``out [T, H, R]`` (q's dtype) and
+        ``lse_out [T, H]`` (float32, natural log); inputs validated by :meth:`MLABackend.forward_mqa`."""
+        assert lse_out is not None  # returns_lse: forward_mqa always provides it
         self._check_layout(q_latent, q_rope, cache, out)
         T, H, R = q_latent.shape
-        if out is None:
-            out = torch.empty_like(q_latent)
-        if lse_out is None:
-            lse_out = torch.empty(T, H, dtype=torch.float32, device=q_latent.device)
-        if T == 0:
-            return out, lse_out
-
         from . import kernels  # first call only: imports triton
 
         if cache.device.type != "cuda" and not kernels.INTERPRET:
@@ -238,7 +206,6 @@ class TritonMLABackend(MLABackend):
             BLOCK_H=BLOCK_H,
             num_warps=4,
         )
-        return out, lse_out
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @staticmethod

@@ -1,4 +1,4 @@
-"""The Triton interpreter switch, read in one place (a leaf module: no triton import, nothing of ours).
+"""The Triton interpreter switch, read in one place (no triton import).
 
 ``TRITON_INTERPRET=1`` makes Triton run kernels on the CPU, for testing only. The backend reads it to accept CPU
 tensors; :mod:`.kernels` reads it once at import, as Triton's ``@jit`` decorator does, to pick its workarounds.
@@ -6,7 +6,7 @@ tensors; :mod:`.kernels` reads it once at import, as Triton's ``@jit`` decorator
 
 from __future__ import annotations
 
-import os
+from ..capabilities import env_switch_on
 
 __all__ = ["INTERPRET_ENV", "interpreter_enabled"]
 
@@ -16,4 +16,4 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 
 def interpreter_enabled() -> bool:
     """True when ``TRITON_INTERPRET`` asks Triton to interpret kernels on the CPU (testing only)."""
-    return os.environ.get(INTERPRET_ENV, "0") not in ("", "0")
+    return env_switch_on(INTERPRET_ENV)
