@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from selector.device import cuda_device_index, device_info_for
 
+from . import checkpoint
 from .backend import AttentionSpec, MLABackend, QueryLenSupport
 from .cache import LatentKVCache
 from .dims import MLADims, read_config_json
@@ -46,6 +47,7 @@ from .hf_loading import (
     expected_hf_shapes,
     fold_kv_b,
     hf_attention_bias,
+    rank_hf_shapes,
     shard_hf_tensor,
 )
 from .metadata import BatchMetadata
@@ -251,6 +253,20 @@ class MLAAttention(torch.nn.Module):
                    max_model_len=max_model_len, max_num_seqs=max_num_seqs, layer_idx=layer_idx,
                    threshold_table=threshold_table, weight_block_size=weight_block_size_from_config(config))
 
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, layer_idx: int, *, dtype: str | torch.dtype | None = None,
+                        tp_rank: int = 0, tp_size: int = 1, **options: Any) -> MLAAttention:
+        """Layer ``layer_idx`` of the checkpoint folder ``path`` (``config.json`` + safetensors), reading only
+        the shards and, with ``tp_size > 1``, the slices it needs (:mod:`mla_backends.checkpoint`).
+        ``dtype=None``: the checkpoint's own (bf16 for fp8 releases); ``options`` go to :meth:`from_hf_config`."""
+        ckpt = checkpoint.Checkpoint(path)
+        state = ckpt.read_attention_layer(layer_idx, tp_rank=tp_rank, tp_size=tp_size,
+                                          dtype=ckpt.resolve_dtype(dtype))
+        layer = cls.from_hf_config(ckpt.config, dtype=ckpt.resolve_dtype(dtype), tp_rank=tp_rank,
+                                   tp_size=tp_size, layer_idx=layer_idx, **options)
+        layer.load_hf_state_dict(state, sharded=True)
+        return layer
+
     def _spec(self, kv_cache_dtype: str = "auto", block_size: int | None = None) -> AttentionSpec:
         return AttentionSpec(num_heads=self.dims.num_heads, kv_lora_rank=self.dims.kv_lora_rank,
                              qk_rope_head_dim=self.dims.qk_rope_head_dim, dtype=self.dtype,
@@ -266,7 +282,8 @@ class MLAAttention(torch.nn.Module):
         return out
 
     @torch.no_grad()
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], *, prefix: str = "") -> None:
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], *, prefix: str = "",
+                           sharded: bool = False) -> None:
         """Load transformers-named attention weights (full, unsharded tensors; this rank's slice is taken).
 
         Every key is checked before anything is written: missing, unexpected and misshaped keys raise a
@@ -274,14 +291,17 @@ class MLAAttention(torch.nn.Module):
         into ``W_UK_T`` / ``W_UV``. Tensors are copied in place, so their storage (and pointers) stay put.
         ``prefix`` (e.g. ``"model.layers.3.self_attn."``) is stripped from the keys. Block-quantised fp8
         checkpoints (DeepSeek's releases: float8 ``X.weight`` plus ``X.weight_scale_inv``) are dequantised
-        first, block by ``self.weight_block_size`` (see :mod:`mla_backends.fp8_checkpoint`).
+        first, block by ``self.weight_block_size`` (see :mod:`mla_backends.fp8_checkpoint`). With
+        ``sharded=True`` the tensors are already this rank's slices (``hf_loading.rank_hf_shapes``).
         """
         state_dict = dequantize_fp8_checkpoint(state_dict, self.weight_block_size, dtype=self.dtype)
         state_dict, load_indexer = take_indexer_weights(self.indexer, state_dict, prefix)  # V3.2 indexer.*
-        found = check_hf_state_dict(state_dict, expected_hf_shapes(self.dims, self.attention_bias), prefix)
+        shapes = rank_hf_shapes(self.dims, self.attention_bias, self.tp_rank) if sharded else \
+            expected_hf_shapes(self.dims, self.attention_bias)
+        found = check_hf_state_dict(state_dict, shapes, prefix)
         targets = self._named_targets()
         for name, value in found.items():
-            targets[name].copy_(shard_hf_tensor(name, value, self.dims, self.tp_rank))
+            targets[name].copy_(value if sharded else shard_hf_tensor(name, value, self.dims, self.tp_rank))
         w_uk_t, w_uv = fold_kv_b(self.kv_b_proj.weight, self.dims.num_heads, self.dims.qk_nope_head_dim,
                                  self.dims.v_head_dim)
         self.W_UK_T.copy_(w_uk_t)
