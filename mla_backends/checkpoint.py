@@ -32,7 +32,7 @@ from .fp8_checkpoint import SCALE_SUFFIX, dequantize_block_fp8, weight_block_siz
 from .hf_loading import expected_hf_shapes, hf_attention_bias, hf_shard_range
 from .validation import require_int
 
-__all__ = ["Checkpoint", "CheckpointError", "INDEX_FILE", "SINGLE_FILE", "attention_prefix"]
+__all__ = ["Checkpoint", "CheckpointError", "read_layer", "INDEX_FILE", "SINGLE_FILE", "attention_prefix"]
 
 #: the index of a sharded checkpoint and the single file of an unsharded one (transformers' names)
 INDEX_FILE = "model.safetensors.index.json"
@@ -131,8 +131,8 @@ class Checkpoint:
         expected = expected_hf_shapes(self.dims, hf_attention_bias(self.config))
         missing = [prefix + n for n in expected if prefix + n not in out]
         if missing:
-            raise CheckpointError(f"{self.path}: layer {layer_idx} has no {missing} (in its "
-                                  f"{INDEX_FILE if os.path.isfile(os.path.join(self.path, INDEX_FILE)) else SINGLE_FILE})")
+            where = INDEX_FILE if os.path.isfile(os.path.join(self.path, INDEX_FILE)) else SINGLE_FILE
+            raise CheckpointError(f"{self.path}: layer {layer_idx} has no {missing} (in its {where})")
         absent = sorted({s for s in out.values() if not os.path.isfile(os.path.join(self.path, s))})
         if absent:
             raise CheckpointError(f"{self.path}: missing shard(s) {absent} holding layer {layer_idx}'s attention")
@@ -213,3 +213,14 @@ class Checkpoint:
         except (TypeError, ValueError) as err:
             raise CheckpointError(f"{scale_key}: {err}") from err
         return full.narrow(dim, start - lo, stop - start).contiguous()
+
+
+def read_layer(path: str | os.PathLike, layer_idx: int, *, dtype: str | torch.dtype | None = None, tp_rank: int = 0,
+               tp_size: int = 1) -> tuple[dict[str, Any], torch.dtype, dict[str, torch.Tensor]]:
+    """``(config, dtype, rank state dict)`` of layer ``layer_idx`` of the checkpoint folder ``path``:
+    only its shards are opened, only rank ``tp_rank``'s slices read, fp8 weights dequantised to ``dtype``
+    (None: the checkpoint's own, bfloat16 for fp8). Load with ``load_hf_state_dict(state, sharded=True)``."""
+    ckpt = Checkpoint(path)
+    out_dtype = ckpt.resolve_dtype(dtype)
+    state = ckpt.read_attention_layer(layer_idx, tp_rank=tp_rank, tp_size=tp_size, dtype=out_dtype)
+    return ckpt.config, out_dtype, state

@@ -256,14 +256,11 @@ class MLAAttention(torch.nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, layer_idx: int, *, dtype: str | torch.dtype | None = None,
                         tp_rank: int = 0, tp_size: int = 1, **options: Any) -> MLAAttention:
-        """Layer ``layer_idx`` of the checkpoint folder ``path`` (``config.json`` + safetensors), reading only
-        the shards and, with ``tp_size > 1``, the slices it needs (:mod:`mla_backends.checkpoint`).
-        ``dtype=None``: the checkpoint's own (bf16 for fp8 releases); ``options`` go to :meth:`from_hf_config`."""
-        ckpt = checkpoint.Checkpoint(path)
-        state = ckpt.read_attention_layer(layer_idx, tp_rank=tp_rank, tp_size=tp_size,
-                                          dtype=ckpt.resolve_dtype(dtype))
-        layer = cls.from_hf_config(ckpt.config, dtype=ckpt.resolve_dtype(dtype), tp_rank=tp_rank,
-                                   tp_size=tp_size, layer_idx=layer_idx, **options)
+        """Layer ``layer_idx`` of checkpoint folder ``path``, read as :func:`checkpoint.read_layer` describes
+        (``dtype=None``: the checkpoint's own); ``options`` go to :meth:`from_hf_config`."""
+        config, dtype, state = checkpoint.read_layer(path, layer_idx, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+        layer = cls.from_hf_config(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, layer_idx=layer_idx,
+                                   **options)
         layer.load_hf_state_dict(state, sharded=True)
         return layer
 
