@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -e ".[test,hf,flashinfer,dev]"
+	$(BIN)/python -m pip install -e ".[test,hf,transformers,flashinfer,dev]"
 	$(BIN)/python -m pip install -q -e $(EXAMPLE_PLUGIN)
 	rm -rf $(TEST_SITE) && $(BIN)/python -m pip install -q --no-deps --no-build-isolation --target $(TEST_SITE) $(BROKEN_PLUGIN)
 	touch $(STAMP)

@@ -23,6 +23,8 @@ _LAZY = {
     "registered_backends": ".plugins",
     "RefTorchBackend": ".ref_torch",
     "MLAAttention": ".layer",
+    "load_attention_layers": ".pretrained",
+    "Checkpoint": ".checkpoint",
     "forward_mha": ".prefill",
     "select_backend": "selector",
     "Selection": "selector",

@@ -34,7 +34,8 @@ import torch
 from .dims import MLADims, hf_config_value
 from .dtypes import accumulate_dtype
 
-__all__ = ["expected_hf_shapes", "check_hf_state_dict", "shard_hf_tensor", "fold_kv_b", "hf_attention_bias",
+__all__ = ["expected_hf_shapes", "check_hf_state_dict", "shard_hf_tensor", "hf_shard_range", "rank_hf_shapes",
+           "fold_kv_b", "hf_attention_bias",
            "random_hf_state_dict", "StateDictError"]
 
 
@@ -124,21 +125,41 @@ def check_hf_state_dict(state_dict: Mapping[str, Any], expected: Mapping[str, tu
     return found
 
 
+def hf_shard_range(name: str, dims: MLADims, tp_rank: int) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)``: the part of full tensor ``name`` that rank ``tp_rank`` holds along ``dim``
+    (``dims`` is the per-rank view); None when the tensor is replicated (or ``tp_size`` is 1)."""
+    if dims.tp_size == 1:
+        return None
+    H = dims.num_heads
+    widths = {"q_proj.weight": (0, dims.qk_head_dim), "q_b_proj.weight": (0, dims.qk_head_dim),
+              "kv_b_proj.weight": (0, dims.qk_nope_head_dim + dims.v_head_dim),
+              "o_proj.weight": (1, dims.v_head_dim)}
+    if name not in widths:
+        return None
+    dim, per_head = widths[name]
+    w = per_head * H
+    return dim, tp_rank * w, (tp_rank + 1) * w
+
+
+def rank_hf_shapes(dims: MLADims, attention_bias: bool = False, tp_rank: int = 0) -> dict[str, tuple[int, ...]]:
+    """Shapes of rank ``tp_rank``'s slices of :func:`expected_hf_shapes` (replicated tensors unchanged)."""
+    out = {}
+    for name, shape in expected_hf_shapes(dims, attention_bias).items():
+        rng = hf_shard_range(name, dims, tp_rank)
+        if rng is not None:
+            dim, start, stop = rng
+            shape = tuple(stop - start if i == dim else n for i, n in enumerate(shape))
+        out[name] = shape
+    return out
+
+
 def shard_hf_tensor(name: str, tensor: torch.Tensor, dims: MLADims, tp_rank: int) -> torch.Tensor:
     """The part of full tensor ``name`` that rank ``tp_rank`` holds (``dims`` is the per-rank view)."""
-    if dims.tp_size == 1:
+    rng = hf_shard_range(name, dims, tp_rank)
+    if rng is None:
         return tensor
-    H = dims.num_heads
-    if name in ("q_proj.weight", "q_b_proj.weight"):
-        w = dims.qk_head_dim * H
-        return tensor[tp_rank * w: (tp_rank + 1) * w]
-    if name == "kv_b_proj.weight":
-        w = (dims.qk_nope_head_dim + dims.v_head_dim) * H
-        return tensor[tp_rank * w: (tp_rank + 1) * w]
-    if name == "o_proj.weight":
-        w = dims.v_head_dim * H
-        return tensor[:, tp_rank * w: (tp_rank + 1) * w]
-    return tensor
+    dim, start, stop = rng
+    return tensor.narrow(dim, start, stop - start)
 
 
 def fold_kv_b(kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int,

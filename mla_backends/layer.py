@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from . import checkpoint
 from .backend import AttentionSpec, MLABackend
 from .cache import LatentKVCache
 from .device import cuda_device_index, device_info_for
@@ -36,17 +37,19 @@ from .dtypes import dtype_name, parse_model_dtype
 from .fp8_checkpoint import (
     DEFAULT_WEIGHT_BLOCK_SIZE,
     check_weight_block_size,
-    dequantize_fp8_checkpoint,
     weight_block_size_from_config,
 )
-from .hf_loading import check_hf_state_dict, expected_hf_shapes, fold_kv_b, hf_attention_bias, shard_hf_tensor
+from .hf_loading import (
+    hf_attention_bias,
+)
+from .layer_weights import add_attention_weights, load_hf_weights
 from .metadata import BatchMetadata
 from .plugins import get_backend
 from .prefill import PrefillWorkspace, default_workspace_rows, forward_mha
 from .projections import linear, rms_norm
 from .reasons import Reason, ReasonKind, without_kinds
 from .rope import RotaryEmbedding
-from .sparse.layer_support import SparseKVCache, build_indexer, take_indexer_weights
+from .sparse.layer_support import SparseKVCache, build_indexer
 from .step_plan import Run
 from .threshold_table import ThresholdTable
 from .validation import require_int, require_tensor
@@ -146,37 +149,7 @@ class MLAAttention(torch.nn.Module):
         # the policy named by `dispatch`, or a measured threshold table's (argument or the environment)
         self.dispatch: DispatchPolicy = layer_policy(dispatch, threshold_table, backend_cls.name)
 
-        H, N, P, V, R = dims.num_heads, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim, \
-            dims.kv_lora_rank
-        hid = dims.hidden_size
-        kw = {"dtype": self.dtype, "device": self.device}
-
-        def param(*shape: int) -> torch.nn.Parameter:
-            return torch.nn.Parameter(torch.zeros(*shape, **kw), requires_grad=False)
-
-        if dims.q_lora_rank is None:
-            self.q_proj = torch.nn.Module()
-            self.q_proj.weight = param(H * (N + P), hid)
-        else:
-            self.q_a_proj = torch.nn.Module()
-            self.q_a_proj.weight = param(dims.q_lora_rank, hid)
-            self.q_a_proj.bias = param(dims.q_lora_rank) if self.attention_bias else None
-            self.q_a_layernorm = torch.nn.Module()
-            self.q_a_layernorm.weight = param(dims.q_lora_rank)
-            self.q_b_proj = torch.nn.Module()
-            self.q_b_proj.weight = param(H * (N + P), dims.q_lora_rank)
-        self.kv_a_proj_with_mqa = torch.nn.Module()
-        self.kv_a_proj_with_mqa.weight = param(R + P, hid)
-        self.kv_a_proj_with_mqa.bias = param(R + P) if self.attention_bias else None
-        self.kv_a_layernorm = torch.nn.Module()
-        self.kv_a_layernorm.weight = param(R)
-        self.kv_b_proj = torch.nn.Module()
-        self.kv_b_proj.weight = param(H * (N + V), R)
-        self.o_proj = torch.nn.Module()
-        self.o_proj.weight = param(hid, H * V)
-        self.o_proj.bias = param(hid) if self.attention_bias else None
-        self.register_buffer("W_UK_T", torch.zeros(H, N, R, **kw), persistent=False)
-        self.register_buffer("W_UV", torch.zeros(H, R, V, **kw), persistent=False)
+        add_attention_weights(self, dims, self.attention_bias, dtype=self.dtype, device=self.device)
 
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -221,6 +194,17 @@ class MLAAttention(torch.nn.Module):
                    max_model_len=max_model_len, max_num_seqs=max_num_seqs, layer_idx=layer_idx,
                    threshold_table=threshold_table, weight_block_size=weight_block_size_from_config(config))
 
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, layer_idx: int, *, dtype: str | torch.dtype | None = None,
+                        tp_rank: int = 0, tp_size: int = 1, **options: Any) -> MLAAttention:
+        """Layer ``layer_idx`` of checkpoint folder ``path``, read as :func:`checkpoint.read_layer` describes
+        (``dtype=None``: the checkpoint's own); ``options`` go to :meth:`from_hf_config`."""
+        config, dtype, state = checkpoint.read_layer(path, layer_idx, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+        layer = cls.from_hf_config(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, layer_idx=layer_idx,
+                                   **options)
+        layer.load_hf_state_dict(state, sharded=True)
+        return layer
+
     def _spec(self, kv_cache_dtype: str = "auto", block_size: int | None = None) -> AttentionSpec:
         return AttentionSpec(num_heads=self.dims.num_heads, kv_lora_rank=self.dims.kv_lora_rank,
                              qk_rope_head_dim=self.dims.qk_rope_head_dim, dtype=self.dtype,
@@ -228,35 +212,11 @@ class MLAAttention(torch.nn.Module):
                              device=device_info_for(self.device))
 
     # ---- weights -----------------------------------------------------------------------------------------
-    def _named_targets(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for name in expected_hf_shapes(self.dims, self.attention_bias):
-            mod, attr = name.rsplit(".", 1)
-            out[name] = getattr(getattr(self, mod), attr)
-        return out
-
-    @torch.no_grad()
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], *, prefix: str = "") -> None:
-        """Load transformers-named attention weights (full, unsharded tensors; this rank's slice is taken).
-
-        Every key is checked before anything is written: missing, unexpected and misshaped keys raise a
-        :class:`~mla_backends.hf_loading.StateDictError` listing all of them. Then ``kv_b_proj`` is folded
-        into ``W_UK_T`` / ``W_UV``. Tensors are copied in place, so their storage (and pointers) stay put.
-        ``prefix`` (e.g. ``"model.layers.3.self_attn."``) is stripped from the keys. Block-quantised fp8
-        checkpoints (DeepSeek's releases: float8 ``X.weight`` plus ``X.weight_scale_inv``) are dequantised
-        first, block by ``self.weight_block_size`` (see :mod:`mla_backends.fp8_checkpoint`).
-        """
-        state_dict = dequantize_fp8_checkpoint(state_dict, self.weight_block_size, dtype=self.dtype)
-        state_dict, load_indexer = take_indexer_weights(self.indexer, state_dict, prefix)  # V3.2 indexer.*
-        found = check_hf_state_dict(state_dict, expected_hf_shapes(self.dims, self.attention_bias), prefix)
-        targets = self._named_targets()
-        for name, value in found.items():
-            targets[name].copy_(shard_hf_tensor(name, value, self.dims, self.tp_rank))
-        w_uk_t, w_uv = fold_kv_b(self.kv_b_proj.weight, self.dims.num_heads, self.dims.qk_nope_head_dim,
-                                 self.dims.v_head_dim)
-        self.W_UK_T.copy_(w_uk_t)
-        self.W_UV.copy_(w_uv)
-        load_indexer()
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], *, prefix: str = "",
+                           sharded: bool = False) -> None:
+        """Load transformers-named attention weights; see :func:`~mla_backends.layer_weights.load_hf_weights`
+        (full tensors, this rank's slice taken; ``sharded=True``: already this rank's slices)."""
+        load_hf_weights(self, state_dict, prefix=prefix, sharded=sharded)
         self._loaded = True
 
     # ---- cache, workspace, dispatch ----------------------------------------------------------------------

@@ -31,12 +31,11 @@ import datetime as _dt
 import math
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import metadata as _md
-from typing import Any, TextIO
+from typing import Any
 
 import torch
 
@@ -49,6 +48,7 @@ from .hf_loading import random_hf_state_dict
 from .layer import MLAAttention
 from .metadata import BatchMetadata
 from .plugins import get_backend, registered_backends
+from .progress import ProgressBar
 from .threshold_table import ContextThresholds, ThresholdTable
 from .validation import require_int
 
@@ -265,34 +265,6 @@ class PathTimer:
                     if i or not warmup:  # a warm-up round is not kept
                         best[key] = min(best[key], time.perf_counter() - t0)
         return Timing(context_len, query_len, best["a"], best["e"])
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr (redrawn with ``\\r``); silent when disabled."""
-
-    def __init__(
-        self, total: int, *, enabled: bool = True, stream: TextIO | None = None, width: int = 30
-    ) -> None:
-        self.total = max(1, total)
-        self.done = 0
-        self.enabled = enabled
-        self.stream = stream if stream is not None else sys.stderr
-        self.width = width
-        self.start = time.perf_counter()
-
-    def update(self, label: str = "") -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        frac = self.done / self.total
-        filled = int(self.width * frac)
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:5.1f}s eta {eta:5.1f}s {label:<36}")
-        if self.done >= self.total:
-            self.stream.write("\n")
-        self.stream.flush()
 
 
 def _versions() -> dict[str, str]:

@@ -31,3 +31,14 @@ def test_prompts_are_parsed_to_ints():
     args = build_parser().parse_args(["demo", "--prompts", "5,3", "--context", "0"])
     assert args.prompts == [5, 3] and args.context == 0
     assert build_parser().parse_args(["demo"]).prompts == [96, 64, 80, 32]
+
+
+def test_generate_section_agrees(capsys):
+    import argparse
+
+    pytest.importorskip("transformers")
+    from mla_backends.cli.generate_demo import generate_demo
+
+    assert generate_demo(argparse.Namespace(seed=0)) == 0
+    out = capsys.readouterr().out
+    assert "tokens agreeing: 100.0% of 48" in out and "speed ratio" in out

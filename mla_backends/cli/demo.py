@@ -5,7 +5,8 @@ block table, checks it against the naive expanded computation, and prints both t
 
 Then it runs a real :class:`~mla_backends.layer.MLAAttention` (random weights, the same shapes): a batched
 prefill, decode steps, and a mixed step (decodes plus extends over cached prefixes), and checks the mixed step
-against the same step run entirely through the expanded path.
+against the same step run entirely through the expanded path. Last, transformers' own ``generate()`` of a tiny
+random DeepSeek model, unpatched and patched (:mod:`mla_backends.cli.generate_demo`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-steps", type=int_at_least(0), default=6,
                    help="layer section: decode steps (default 6)")
     p.add_argument("--skip-layer", action="store_true", help="only the decode comparison")
+    p.add_argument("--skip-generate", action="store_true",
+                   help="no transformers generate() section (tiny DeepSeek model, unpatched vs patched)")
     p.set_defaults(func=run)
 
 
@@ -184,4 +187,9 @@ def run(args: argparse.Namespace) -> int:
     rc = decode_comparison(args)
     if getattr(args, "skip_layer", False):
         return rc
-    return max(rc, layer_demo(args))
+    rc = max(rc, layer_demo(args))
+    if getattr(args, "skip_generate", False):
+        return rc
+    from .generate_demo import generate_demo
+
+    return max(rc, generate_demo(args))

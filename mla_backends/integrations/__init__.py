@@ -1,0 +1,6 @@
+"""Adapters that run other libraries' models on mla-backends.
+
+- :mod:`mla_backends.integrations.transformers`: ``patch_model`` / ``unpatch_model`` put transformers'
+  DeepSeek-V2/V3 attention on :class:`~mla_backends.layer.MLAAttention`, so ``model.generate()`` decodes
+  absorbed over a paged latent cache. Imported on demand (it imports transformers).
+"""

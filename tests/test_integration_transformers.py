@@ -1,0 +1,135 @@
+"""transformers' own ``generate()`` on a patched model against the unpatched one (tiny random models, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import left_padded, tiny_v2, tiny_v3
+
+pytest.importorskip("transformers")
+from mla_backends.integrations.transformers import (  # noqa: E402
+    MLAGenerationCache,
+    PatchedMLAAttention,
+    UnsupportedGenerationError,
+    is_patched,
+    patch_model,
+    unpatch_model,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW_TOKENS = 32
+TIE = 1e-5  # relative gap of the unpatched top two logits below which the patched model may pick either
+LOGITS_RTOL = 1e-4
+
+
+def _generate(model, ids, mask, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                              return_dict_in_generate=True, output_logits=True, pad_token_id=0, **kw)
+
+
+def _compare(ref, got) -> int:
+    """Steps compared before a (near-tie) divergence; fails on any other difference."""
+    steps = len(ref.logits)
+    for t in range(steps):
+        a, b = ref.logits[t], got.logits[t]
+        err = ((a - b).abs().amax(-1) / a.abs().amax(-1)).max().item()
+        assert err < LOGITS_RTOL, f"step {t}: logits differ by {err:.2e} relative"
+        ta, tb = a.argmax(-1), b.argmax(-1)
+        if not torch.equal(ta, tb):
+            top2 = a.topk(2, dim=-1).values
+            gap = ((top2[:, 0] - top2[:, 1]) / top2[:, 0].abs())[ta != tb]
+            assert (gap < TIE).all(), f"step {t}: tokens differ away from a near-tie (gap {gap.tolist()})"
+            return t
+    assert torch.equal(ref.sequences, got.sequences)
+    return steps
+
+
+@pytest.mark.parametrize("build", [tiny_v3, tiny_v2], ids=["v3_moe_yarn_qlora", "v2_q_proj"])
+def test_greedy_generate_matches_unpatched(build):
+    model = build()
+    ids, mask = left_padded([5, 11, 3])
+    ref = _generate(model, ids, mask)
+    patch_model(model, backend="REF_TORCH", block_size=4)  # small pages: the pool grows during the call
+    assert all(isinstance(layer.self_attn, PatchedMLAAttention) for layer in model.model.layers)
+    got = _generate(model, ids, mask)
+    assert len(got.logits) == NEW_TOKENS
+    assert _compare(ref, got) >= NEW_TOKENS // 2
+    again = _generate(model, ids, mask)  # a second call starts from a fresh cache (nothing leaks)
+    assert torch.equal(again.sequences, got.sequences)
+    unpatch_model(model)
+    assert torch.equal(_generate(model, ids, mask).sequences, ref.sequences)
+
+
+def test_sampling_follows_the_same_distribution():
+    model = tiny_v3(seed=1)
+    ids, mask = left_padded([4, 7, 2], seed=3)
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=5, pad_token_id=0)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        ref = model.generate(ids, **kw)
+        patch_model(model, backend="REF_TORCH")
+        torch.manual_seed(7)
+        got = model.generate(ids, **kw)
+    assert torch.equal(ref, got)
+
+
+def test_plain_forward_and_cache_lifetime():
+    model = tiny_v3()
+    ids, mask = left_padded([6, 6, 6])
+    with torch.no_grad():
+        ref = model(ids, attention_mask=mask).logits
+        patch_model(model, backend="REF_TORCH")
+        got = model(ids, attention_mask=mask).logits
+    assert ((ref - got).abs().max() / ref.abs().max()).item() < LOGITS_RTOL
+    state = model.__dict__["_mla_backends_patch"]
+    assert state.active is None  # the forward's temporary cache is gone
+    seen = []
+    original = MLAGenerationCache.release
+
+    def spy(self):
+        seen.append(self.num_blocks)
+        original(self)
+
+    MLAGenerationCache.release = spy
+    try:
+        out = _generate(model, *left_padded([3, 5, 2]))
+    finally:
+        MLAGenerationCache.release = original
+    assert seen and seen[0] > 0  # the call's pages were allocated, then released when it returned
+    assert out.past_key_values.released and not out.past_key_values.caches
+
+
+@pytest.mark.parametrize("kwargs, feature", [
+    ({"num_beams": 2}, "beam search"),
+    ({"penalty_alpha": 0.5, "top_k": 4}, "contrastive search"),
+    ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
+])
+def test_unsupported_features_raise_naming_them(kwargs, feature):
+    model = patch_model(tiny_v3(num_layers=1), backend="REF_TORCH")
+    ids, mask = left_padded([3, 4])
+    with pytest.raises(UnsupportedGenerationError, match=feature):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0, **kwargs)
+
+
+def test_unpatch_restores_the_original_modules():
+    model = tiny_v3()
+    before = [layer.self_attn for layer in model.model.layers]
+    patch_model(model, backend="REF_TORCH")
+    assert is_patched(model)
+    with pytest.raises(ValueError, match="already patched"):
+        patch_model(model)
+    unpatch_model(model)
+    assert not is_patched(model)
+    assert [layer.self_attn for layer in model.model.layers] == before
+    assert "generate" not in model.__dict__
+    with pytest.raises(ValueError, match="did not patch"):
+        unpatch_model(model)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="model"):
+        patch_model(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="block_size"):
+        patch_model(tiny_v3(num_layers=1), block_size=0)
