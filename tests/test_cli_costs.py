@@ -134,7 +134,7 @@ def _doc_examples() -> list[tuple[list[str], list[str]]]:
 
 def test_cost_model_doc_examples_match_the_commands(capsys):
     examples = _doc_examples()
-    assert [argv[0] for argv, _ in examples] == ["crossover", "kv-cache"]
+    assert [argv[0] for argv, _ in examples] == ["crossover", "kv-cache", "kv-cache"]
     for argv, shown in examples:
         rc, out, _ = _run(capsys, *argv)
         assert rc == 0 and out.splitlines() == shown, argv

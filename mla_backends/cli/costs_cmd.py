@@ -215,8 +215,11 @@ def _run_deployment(args: argparse.Namespace, dims: Any) -> int:
           f"deployment (cluster_tokens) {rep['cluster_tokens']:,}")
     comm = rep["dcp_comm_bytes_per_token_per_layer"]
     if rep["dcp"] > 1:
-        parts = ", ".join(f"{k} {v:,}" for k, v in comm.items() if k != "tp_all_reduce")
-        print(f"  DCP bytes sent per rank per token per layer: {parts}")
+        print(f"  DCP decode, B sent per rank per token per layer: query all-gather "
+              f"{comm['decode_query_all_gather']:,}, LSE all-gather {comm['decode_lse_all_gather']:,}, "
+              f"output reduce-scatter {comm['decode_output_reduce_scatter']:,}")
+        print(f"  DCP prefill: context all-gather {comm['prefill_context_all_gather_per_context_token']:,} B "
+              "per context token per layer")
     print(f"  TP all-reduce (apart): {comm['tp_all_reduce']:,} B per token per layer")
     if "context_len" in rep:
         print(f"  sequences of {rep['context_len']:,} per DCP group: {rep['sequences_per_dcp_group']:,}")
