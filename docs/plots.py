@@ -3,7 +3,8 @@
     .venv/bin/python docs/plots.py                      # uses docs/data/tune-cpu.json for the measured side
     .venv/bin/python docs/plots.py --table my-gpu.json  # plot another `mla-backends tune --output` file
 
-Writes docs/kv-cache-bytes.png (latent vs expanded vs GQA cache per sequence against context length) and
+Writes docs/kv-cache-bytes.png (latent vs expanded vs GQA cache per sequence against context length),
+docs/dcp-tokens.png (tokens a DeepSeek-V3 deployment on 8 H200 holds under DCP 1/2/4/8 and DP-attention) and
 docs/crossover.png (modelled vs measured absorbed/expanded crossover). Every modelled number comes from
 mla_backends.costs; the measured ones are read from the threshold table, never re-measured here.
 """
@@ -22,7 +23,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mla_backends import costs  # noqa: E402
+from mla_backends.cli.reports import deployment_report  # noqa: E402
 from mla_backends.dims import MLADims  # noqa: E402
+from mla_backends.gpus import gpu_spec  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GiB = costs.GiB
@@ -185,6 +188,29 @@ def plot_crossover(path: str, table_path: str) -> bool:
     return True
 
 
+def plot_dcp(path: str) -> None:
+    """``cluster_tokens`` of DeepSeek-V3 on 8 H200 at TP=8 (weights as published, utilization 0.9)."""
+    v3, h200 = MLADims.deepseek_v3(), gpu_spec("h200")
+    layouts = [("DCP=1", 1, False), ("DCP=2", 2, False), ("DCP=4", 4, False), ("DCP=8", 8, False),
+               ("DP-attention", 1, True)]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    x = np.arange(len(layouts))
+    for k, (cache, color) in enumerate((("bfloat16", "tab:blue"), ("fp8_e4m3", "tab:cyan"))):
+        tokens = [deployment_report(v3, gpu_memory_bytes=h200.memory_bytes, gpu_name=h200.name, tp=8, dcp=d,
+                                    dp_attention=dp, kv_cache_dtype=cache)["cluster_tokens"]
+                  for _, d, dp in layouts]
+        bars = ax.bar(x + (k - 0.5) * 0.38, np.array(tokens) / 1e6, 0.38, color=color, label=f"{cache} cache")
+        ax.bar_label(bars, [f"{t / 1e6:.2f}M" for t in tokens], fontsize=7)
+    ax.set_xticks(x, [name for name, _, _ in layouts])
+    ax.set_ylabel("tokens of context the deployment holds (millions)")
+    ax.set_title("DeepSeek-V3 on 8 x H200, TP=8, fp8 weights: cluster_tokens")
+    ax.grid(True, axis="y", alpha=0.25)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
@@ -195,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=HERE, help="where the PNGs go (default docs/)")
     args = p.parse_args(argv)
     plot_bytes(os.path.join(args.out_dir, "kv-cache-bytes.png"))
+    plot_dcp(os.path.join(args.out_dir, "dcp-tokens.png"))
     if os.path.isfile(args.table):
         if not plot_crossover(os.path.join(args.out_dir, "crossover.png"), args.table):
             print(

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["GROUP_ELEMENT_BUDGET", "softmax_with_lse", "merge_attention_states", "padded_groups"]
+__all__ = ["GROUP_ELEMENT_BUDGET", "softmax_with_lse", "lse_merge_weights", "merge_attention_states",
+           "padded_groups"]
 
 #: most elements of one padded group's working set (gathered rows + scores): 64 Mi elements, 256 MiB in
 #: float32. REF_TORCH's dense groups, its sparse token steps and the V3.2 indexer's selection groups use it.
@@ -29,20 +30,32 @@ def softmax_with_lse(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.
     return torch.matmul(p, values), lse
 
 
+def lse_merge_weights(lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights that merge ``K`` partial results over disjoint key sets, from their stacked LSEs.
+
+    ``lse [K, ...]`` (natural log) -> ``(weights [K, ...], merged_lse [...])``: the merged output is
+    ``sum_k weights[k] * o_k``. A part with LSE ``-inf`` (no keys) gets weight 0; when every part is empty all
+    weights are 0 and the merged LSE is ``-inf`` (never NaN). Used for two parts by
+    :func:`merge_attention_states` and for the ``D`` ranks of a decode-context-parallel group.
+    """
+    m = lse.amax(dim=0)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m)
+    total = w.sum(dim=0)
+    denom = torch.where(total > 0, total, torch.ones_like(total))
+    return w / denom, m + torch.log(total)
+
+
 def merge_attention_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
                            lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Combine two attention results over disjoint key sets.
 
     ``o_* [n, H, V]``, ``lse_* [n, H]`` (natural log). A part with LSE ``-inf`` (no keys) gets weight 0; when
-    both are empty the output is 0 and the LSE ``-inf`` (never NaN).
+    both are empty the output is 0 and the LSE ``-inf`` (never NaN). The weights are
+    :func:`lse_merge_weights`'.
     """
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    total = w_a + w_b
-    denom = torch.where(total > 0, total, torch.ones_like(total))
-    o = (o_a * (w_a / denom).unsqueeze(-1)) + (o_b * (w_b / denom).unsqueeze(-1))
-    return o, m + torch.log(total)
+    w, lse = lse_merge_weights(torch.stack([lse_a, lse_b]))
+    return o_a * w[0].unsqueeze(-1) + o_b * w[1].unsqueeze(-1), lse
 
 
 def padded_groups(seq_lens: Sequence[int], query_lens: Sequence[int], per_pos: int, per_row: int,

@@ -92,11 +92,16 @@ def _pos_int(name: str, v: Any, *, allow_zero: bool = False) -> int:
 
 
 def _heads_per_rank(dims: MLADims, tp: int) -> int:
+    """Heads one rank runs: whole-model dims split ``tp`` ways; per-rank dims (``tp_size > 1``) keep theirs."""
     _pos_int("tp", tp)
-    total = dims.total_num_heads
-    if total % tp:
-        raise ValueError(f"tp: got {tp}; supported a divisor of the model's {total} heads")
-    return total // tp
+    if dims.tp_size > 1:
+        if tp not in (1, dims.tp_size):
+            raise ValueError(f"tp: got {tp} for per-rank dims (tp_size {dims.tp_size}); supported 1 or "
+                             f"{dims.tp_size} (the dims' own split), or the whole model's dims")
+        return dims.num_heads
+    if dims.num_heads % tp:
+        raise ValueError(f"tp: got {tp}; supported a divisor of the model's {dims.num_heads} heads")
+    return dims.num_heads // tp
 
 
 def _layers(dims: MLADims, num_layers: int | None) -> int:
@@ -278,23 +283,18 @@ def absorbed_path_flops(
     Rectangular: ``Q * 33,554,432 + Q * S * 278,528`` for V3 at TP=1.
     """
     pairs = attention_pairs(query_len, context_len, causal=causal)
-    return query_len * fold_flops_per_query_token(dims, tp) + pairs * absorbed_core_flops_per_context_token(
-        dims, tp
-    )
+    return query_len * fold_flops_per_query_token(dims, tp) + pairs * absorbed_core_flops_per_context_token(dims, tp)
 
 
-def expanded_path_flops(
-    dims: MLADims, query_len: int, context_len: int, *, tp: int = 1, causal: bool = False
-) -> int:
+def expanded_path_flops(dims: MLADims, query_len: int, context_len: int, *, tp: int = 1, causal: bool = False) -> int:
     """Expanded path: up-project every key token once, then the expanded core for every pair.
 
     Rectangular: ``S * 33,554,432 + Q * S * 81,920``. Causal: the ``Q`` new tokens are up-projected too.
     """
     pairs = attention_pairs(query_len, context_len, causal=causal)
     keys = context_len + (query_len if causal else 0)
-    return keys * up_projection_flops_per_context_token(
-        dims, tp
-    ) + pairs * expanded_core_flops_per_context_token(dims, tp)
+    up = up_projection_flops_per_context_token(dims, tp)
+    return keys * up + pairs * expanded_core_flops_per_context_token(dims, tp)
 
 
 def cheaper_path(

@@ -23,6 +23,7 @@ One step, for ``T`` tokens in processing order (decodes first):
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ import torch
 from . import checkpoint
 from .backend import AttentionSpec, MLABackend
 from .cache import LatentKVCache
+from .dcp import LSE_REASON, check_dcp_metadata, context_rows, dcp_group_for, dispatch_capabilities
+from .dcp import absorbed_attention as dcp_absorbed_attention
 from .device import cuda_device_index, device_info_for
 from .dims import MLADims, read_config_json
 from .dispatch import DispatchPolicy, decode_threshold, layer_policy, step_runs
@@ -39,9 +42,8 @@ from .fp8_checkpoint import (
     check_weight_block_size,
     weight_block_size_from_config,
 )
-from .hf_loading import (
-    hf_attention_bias,
-)
+from .hf_loading import hf_attention_bias
+from .layer_inputs import check_step_inputs
 from .layer_weights import add_attention_weights, load_hf_weights
 from .metadata import BatchMetadata
 from .plugins import get_backend
@@ -60,20 +62,25 @@ __all__ = ["MLAAttention"]
 DEFAULT_MAX_NUM_SEQS = 256
 
 
-def _choose_backend(backend: Any, dims: MLADims, dtype: torch.dtype,
-                    device: torch.device) -> type[MLABackend]:
-    """A named/given backend through the registry; otherwise the selector's choice."""
+def _choose_backend(backend: Any, dims: MLADims, dtype: torch.dtype, device: torch.device,
+                    dcp_size: int) -> type[MLABackend]:
+    """A named/given backend through the registry; otherwise the selector's choice (under DCP for the
+    group's ``dcp_size * H`` heads, with the LSE)."""
     if backend is not None:
         return get_backend(backend)
     from selector import select_backend  # selector.select imports the registry: loaded on first use
 
     dev = "cpu" if device.type != "cuda" else f"cuda:{cuda_device_index(device)}"
-    return select_backend(dims, dtype=dtype, device=dev, sparse=dims.is_sparse).backend
+    kernel_dims = replace(dims, num_heads=dims.num_heads * dcp_size, tp_size=dims.tp_size // dcp_size)
+    return select_backend(kernel_dims, dtype=dtype, device=dev, sparse=dims.is_sparse,
+                          need_lse=dcp_size > 1).backend
 
 
 def _blocking_reasons(backend_cls: type[MLABackend], spec: AttentionSpec) -> list[Reason]:
-    """Why ``backend_cls`` cannot run ``spec``, less missing packages (those fail when the backend runs)."""
-    return without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
+    """Why ``backend_cls`` cannot run ``spec``, less missing packages (those fail when the backend runs);
+    a refused LSE (the layer asks for one only under DCP) is worded as DCP's need."""
+    reasons = without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
+    return [LSE_REASON if r.kind is ReasonKind.LSE else r for r in reasons]
 
 
 class MLAAttention(torch.nn.Module):
@@ -109,6 +116,8 @@ class MLAAttention(torch.nn.Module):
         layer_idx: int = 0,
         threshold_table: ThresholdTable | str | os.PathLike[str] | None = None,
         weight_block_size: tuple[int, int] = DEFAULT_WEIGHT_BLOCK_SIZE,
+        dcp_size: int = 1,
+        dcp_group: Any = None,
     ) -> None:
         super().__init__()
         if not isinstance(dims, MLADims):
@@ -117,6 +126,8 @@ class MLAAttention(torch.nn.Module):
         if tp_rank >= dims.tp_size:
             raise ValueError(f"tp_rank: got {tp_rank}; supported 0..{dims.tp_size - 1} "
                              f"(tp_size {dims.tp_size})")
+        #: this rank's decode-context-parallel place (None: no DCP); see mla_backends.dcp
+        self.dcp = dcp_group_for(tp_rank, dims.tp_size, dcp_size, dcp_group, sparse=dims.is_sparse)
         if workspace_rows is not None:
             require_int("workspace_rows", workspace_rows, minimum=1)
         if max_model_len is not None:
@@ -139,7 +150,7 @@ class MLAAttention(torch.nn.Module):
         self.scale = dims.softmax_scale
         self._loaded = False
 
-        backend_cls = _choose_backend(backend, dims, self.dtype, self.device)
+        backend_cls = _choose_backend(backend, dims, self.dtype, self.device, dcp_size)
         reasons = _blocking_reasons(backend_cls, self._spec())
         if reasons:
             raise ValueError(f"backend: got {backend_cls.name}, which cannot run this layer: "
@@ -168,6 +179,8 @@ class MLAAttention(torch.nn.Module):
         max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
         layer_idx: int = 0,
         threshold_table: ThresholdTable | str | os.PathLike[str] | None = None,
+        dcp_size: int = 1,
+        dcp_group: Any = None,
     ) -> MLAAttention:
         """Build the layer for a transformers config, a dict, a ``config.json`` path or an :class:`MLADims`.
 
@@ -175,6 +188,9 @@ class MLAAttention(torch.nn.Module):
             backend: backend name or class; None = ``selector.select_backend``'s choice for the device.
             dtype: model dtype (default bfloat16). device: where weights live (default CPU).
             tp_rank / tp_size: this rank and the tensor-parallel degree (heads split evenly).
+            dcp_size / dcp_group: decode context parallelism: ``dcp_size`` (dividing ``tp_size``) consecutive
+                TP ranks split every sequence's cache, interleaved; ``dcp_group`` is their ProcessGroup
+                (docs/layer.md, "Decode context parallelism"). Default 1: no DCP.
             dispatch: ``"per-request"`` (default, vLLM), ``"per-batch"`` (SGLang) or a DispatchPolicy.
             threshold_table: a ``mla-backends tune --output`` file (or a loaded ``ThresholdTable``) whose
                 measured thresholds replace the backend's constant; default ``$MLA_BACKENDS_THRESHOLD_TABLE``
@@ -192,7 +208,8 @@ class MLAAttention(torch.nn.Module):
         return cls(dims, backend=backend, dtype=dtype, device=device, tp_rank=tp_rank,
                    attention_bias=hf_attention_bias(config), dispatch=dispatch, workspace_rows=workspace_rows,
                    max_model_len=max_model_len, max_num_seqs=max_num_seqs, layer_idx=layer_idx,
-                   threshold_table=threshold_table, weight_block_size=weight_block_size_from_config(config))
+                   threshold_table=threshold_table, weight_block_size=weight_block_size_from_config(config),
+                   dcp_size=dcp_size, dcp_group=dcp_group)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, layer_idx: int, *, dtype: str | torch.dtype | None = None,
@@ -206,7 +223,8 @@ class MLAAttention(torch.nn.Module):
         return layer
 
     def _spec(self, kv_cache_dtype: str = "auto", block_size: int | None = None) -> AttentionSpec:
-        return AttentionSpec(num_heads=self.dims.num_heads, kv_lora_rank=self.dims.kv_lora_rank,
+        D = 1 if self.dcp is None else self.dcp.size  # under DCP the kernel runs the group's D * H heads
+        return AttentionSpec(num_heads=self.dims.num_heads * D, need_lse=D > 1, kv_lora_rank=self.dims.kv_lora_rank,
                              qk_rope_head_dim=self.dims.qk_rope_head_dim, dtype=self.dtype,
                              kv_cache_dtype=kv_cache_dtype, block_size=block_size, sparse=self.dims.is_sparse,
                              device=device_info_for(self.device))
@@ -223,7 +241,7 @@ class MLAAttention(torch.nn.Module):
     def allocate_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str | torch.dtype = "auto", *,
                        scale: float = 1.0) -> LatentKVCache:
         """A zeroed :class:`LatentKVCache` for this layer (model dtype, device), after checking that the
-        backend takes ``block_size`` and ``kv_cache_dtype``."""
+        backend takes ``block_size`` and ``kv_cache_dtype``. Under DCP it holds this rank's pages only."""
         require_int("num_blocks", num_blocks, minimum=1)
         require_int("block_size", block_size, minimum=1)
         reasons = _blocking_reasons(self.backend_cls, self._spec(
@@ -251,46 +269,22 @@ class MLAAttention(torch.nn.Module):
     def decode_threshold(self) -> int:
         """Largest query length run absorbed (build the step's metadata with it and the split is one cut):
         :func:`mla_backends.dispatch.decode_threshold` of this layer's policy and backend."""
-        return decode_threshold(self.dispatch, self.backend_cls.capabilities)
+        return decode_threshold(self.dispatch, dispatch_capabilities(self.backend_cls.capabilities, self.dcp))
 
     def runs(self, meta: BatchMetadata, *, sparse: bool = False) -> tuple[Run, ...]:
         """This step's runs ``Run(absorbed, start, stop)`` of processing-order requests, as dispatch cuts them
         (:func:`mla_backends.dispatch.step_runs`; kept in ``meta.step_plan``)."""
-        return step_runs(meta, self.dispatch, self.backend_cls.capabilities, sparse=sparse)
+        return step_runs(meta, self.dispatch, dispatch_capabilities(self.backend_cls.capabilities, self.dcp),
+                         sparse=sparse)
 
     # ---- forward -------------------------------------------------------------------------------------------
     def _check_inputs(self, hidden_states: torch.Tensor, positions: torch.Tensor | None, cache: LatentKVCache,
                       meta: BatchMetadata, topk_indices: torch.Tensor | None) -> None:
         if not self._loaded:
             raise RuntimeError("MLAAttention: weights not loaded; call load_hf_state_dict(state_dict) first")
-        if not isinstance(meta, BatchMetadata):
-            raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata")
-        if not isinstance(cache, LatentKVCache):
-            raise TypeError(f"cache: got {type(cache).__name__}; "
-                            "supported LatentKVCache (layer.allocate_cache)")
-        T = meta.num_tokens
-        require_tensor("hidden_states", hidden_states, shape=(T, self.dims.hidden_size), dtypes=(self.dtype,))
-        if positions is not None:
-            require_tensor("positions", positions, shape=(T,), dtypes=(torch.int32, torch.int64))
-        d = self.dims
-        if topk_indices is not None:
-            if d.indexer is None:
-                raise ValueError("topk_indices: got a tensor on a dense layer; supported None")
-            require_tensor("topk_indices", topk_indices, shape=(T, None), dtypes=(torch.int32, torch.int64))
-        elif d.indexer is not None and self.indexer is None:
-            raise ValueError(f"topk_indices: got None on layer {self.layer_idx}, which reuses the previous "
-                             "layer's top-k; supported that layer's last_topk_indices")
-        if (cache.kv_lora_rank, cache.qk_rope_head_dim) != (d.kv_lora_rank, d.qk_rope_head_dim):
-            raise ValueError(f"cache: got rows of {cache.kv_lora_rank}+{cache.qk_rope_head_dim}; supported "
-                             f"{self.dims.kv_lora_rank}+{self.dims.qk_rope_head_dim} (this layer's dims)")
-        if meta.block_size != cache.block_size:
-            raise ValueError(f"meta.block_size: got {meta.block_size}; "
-                             f"supported the cache's {cache.block_size}")
-        for name, dev in (("hidden_states", hidden_states.device), ("cache", cache.device),
-                          ("meta", meta.device)):
-            if dev != self.weight_device:
-                raise ValueError(f"{name}: got device {dev}; "
-                                 f"supported the layer's device {self.weight_device}")
+        check_step_inputs(self.dims, self.dtype, self.weight_device, hidden_states, positions, cache, meta,
+                          topk_indices, reuses_topk=self.indexer is None, layer_idx=self.layer_idx)
+        check_dcp_metadata(self.dcp, meta)
 
     @property
     def weight_device(self) -> torch.device:
@@ -316,8 +310,12 @@ class MLAAttention(torch.nn.Module):
         self._check_query(q, meta)
         N = self.dims.qk_nope_head_dim
         q_latent = torch.bmm(q[..., :N].transpose(0, 1), self.W_UK_T).transpose(0, 1).contiguous()  # [n, H, R]
-        o, _ = self.backend.forward_mqa(q_latent, q[..., N:].contiguous(), cache, meta, scale=self.scale,
-                                        topk_indices=topk_indices)
+        if self.dcp is not None:  # all-gather queries, local rows, LSE merge + reduce-scatter (mla_backends.dcp)
+            o = dcp_absorbed_attention(self.dcp, self.backend, q_latent, q[..., N:].contiguous(), cache, meta,
+                                       scale=self.scale)
+        else:
+            o, _ = self.backend.forward_mqa(q_latent, q[..., N:].contiguous(), cache, meta, scale=self.scale,
+                                            topk_indices=topk_indices)
         return torch.bmm(o.transpose(0, 1), self.W_UV).transpose(0, 1)  # [n, H, V]
 
     def expanded_attention(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
@@ -330,8 +328,9 @@ class MLAAttention(torch.nn.Module):
         rows = self.workspace_rows(cache.block_size)
         if self._workspace is None or self._workspace.rows != rows:
             self._workspace = PrefillWorkspace(rows)
+        reader = None if self.dcp is None else context_rows(self.dcp, cache, meta)  # DCP: rows all-gathered
         return forward_mha(q, latent, k_pe, cache, meta, self.kv_b_proj.weight, scale=self.scale,
-                           workspace=self._workspace, out=out)
+                           workspace=self._workspace, out=out, context_rows=reader)
 
     def forward(
         self,
@@ -400,7 +399,8 @@ class MLAAttention(torch.nn.Module):
 
     def extra_repr(self) -> str:
         d = self.dims
-        return (f"heads={d.num_heads} (tp {self.tp_rank}/{d.tp_size}), r={d.kv_lora_rank}, "
+        dcp = "" if self.dcp is None else f", dcp {self.dcp.rank}/{self.dcp.size}"
+        return (f"heads={d.num_heads} (tp {self.tp_rank}/{d.tp_size}{dcp}), r={d.kv_lora_rank}, "
                 f"nope={d.qk_nope_head_dim}, rope={d.qk_rope_head_dim}, v={d.v_head_dim}, "
                 f"q_lora={d.q_lora_rank}, dtype={dtype_name(self.dtype)}, backend={self.backend_cls.name}, "
                 f"dispatch={self.dispatch.name}, scale={self.scale:.6g}")

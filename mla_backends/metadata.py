@@ -9,6 +9,12 @@ query_lens`` rows are visible to the last new token. New token ``j`` of a reques
 Requests may come in any order. :meth:`BatchMetadata.build` reorders them stably so that decode requests
 (``query_len <= decode_threshold``) come first, and keeps the permutation so outputs go back in the caller's
 order (:meth:`BatchMetadata.to_caller_order`).
+
+Decode context parallelism (``dcp_size = D > 1``): the token at global position ``p`` is stored on DCP rank
+``p % D`` at local index ``p // D``. The lengths (``query_lens``, ``context_lens``, ``seq_lens``,
+``token_positions``) stay *global*, the same on every rank of the group; ``block_table`` and
+``slot_mapping`` are *local*: the table maps this rank's local indices, and new tokens stored on another
+rank get slot ``-1``. See docs/layer.md, "Decode context parallelism".
 """
 
 from __future__ import annotations
@@ -27,9 +33,14 @@ from .validation import require_int
 if TYPE_CHECKING:
     from .backend import MLABackend
 
-__all__ = ["BatchMetadata"]
+__all__ = ["BatchMetadata", "dcp_local_len"]
 
 IntsLike = Sequence[int] | torch.Tensor
+
+
+def dcp_local_len(length: int, dcp_rank: int, dcp_size: int) -> int:
+    """How many of positions ``0 .. length - 1`` DCP rank ``dcp_rank`` of ``dcp_size`` stores (``p % D``)."""
+    return max(0, (length - dcp_rank + dcp_size - 1) // dcp_size)
 
 
 def _as_int_list(name: str, x: IntsLike) -> list[int]:
@@ -59,6 +70,9 @@ class BatchMetadata:
         token_request: ``[T]`` int64 processing request index of every token.
         token_positions: ``[T]`` int64 position of every token in its sequence (``context_len + j``).
         num_blocks: pages of the cache the block ids were checked against in :meth:`build` (None: unchecked).
+        dcp_rank, dcp_size: this rank in its decode-context-parallel group and the group's size (0 and 1:
+            no DCP). With ``dcp_size > 1`` the lengths and positions are global, ``block_table`` and
+            ``slot_mapping`` local (module docstring).
         step_plan: the :class:`~mla_backends.step_plan.StepPlan` of this step: runs, block-id verdicts,
             sub-batches and each backend's prepared state, worked out once and reused by every layer; never
             copied (``dataclasses.replace`` starts a new one).
@@ -78,6 +92,8 @@ class BatchMetadata:
     query_lens_list: tuple[int, ...]
     context_lens_list: tuple[int, ...]
     num_blocks: int | None = None
+    dcp_rank: int = 0
+    dcp_size: int = 1
     step_plan: StepPlan = field(default_factory=StepPlan, init=False, repr=False)
 
     # ---- construction ----------------------------------------------------------------------------------
@@ -93,6 +109,8 @@ class BatchMetadata:
         num_blocks: int | None = None,
         device: str | torch.device | None = None,
         reorder: bool = True,
+        dcp_rank: int = 0,
+        dcp_size: int = 1,
     ) -> BatchMetadata:
         """Validate one step's requests and derive everything backends need.
 
@@ -106,11 +124,18 @@ class BatchMetadata:
             num_blocks: pages in the cache; when given, block ids are checked against it.
             device: where the tensors go (default: the block table's device, else CPU).
             reorder: put decodes first (default). With False the caller's order is kept.
+            dcp_rank / dcp_size: decode context parallelism (default none). The lengths stay global; row
+                ``b`` of ``block_table`` maps this rank's local tokens (``dcp_local_len(seq_len, dcp_rank,
+                dcp_size)`` of them), and new tokens stored on other ranks get slot -1.
         """
         require_int("block_size", block_size, minimum=1)
         require_int("decode_threshold", decode_threshold, minimum=0)
         if num_blocks is not None:
             require_int("num_blocks", num_blocks, minimum=1)
+        require_int("dcp_size", dcp_size, minimum=1)
+        require_int("dcp_rank", dcp_rank, minimum=0)
+        if dcp_rank >= dcp_size:
+            raise ValueError(f"dcp_rank: got {dcp_rank}; supported 0..{dcp_size - 1} (dcp_size {dcp_size})")
         q = _as_int_list("query_lens", query_lens)
         c = _as_int_list("context_lens", context_lens)
         if len(q) != len(c):
@@ -137,11 +162,13 @@ class BatchMetadata:
         bt_host = bt.detach().to("cpu", torch.int64)
         seq = [cq + cc for cq, cc in zip(q, c, strict=True)]
         for b, s in enumerate(seq):
-            need = -(-s // block_size)
+            held = dcp_local_len(s, dcp_rank, dcp_size)
+            need = -(-held // block_size)
             if need > bt_host.shape[1]:
+                where = "" if dcp_size == 1 else f", {held} of them on DCP rank {dcp_rank} of {dcp_size}"
                 raise ValueError(
-                    f"block_table: request {b} holds {s} tokens (context {c[b]} + query {q[b]}) and needs {need} "
-                    f"pages of {block_size}; got a row of {bt_host.shape[1]} entries"
+                    f"block_table: request {b} holds {s} tokens (context {c[b]} + query {q[b]}{where}) and needs "
+                    f"{need} pages of {block_size}; got a row of {bt_host.shape[1]} entries"
                 )
             if need:
                 used = bt_host[b, :need]
@@ -167,7 +194,12 @@ class BatchMetadata:
         bt_proc = bt_host[order] if B else bt_host
         pos = torch.tensor(token_positions, dtype=torch.int64)
         req = torch.tensor(token_request, dtype=torch.int64)
-        if len(token_positions):
+        if len(token_positions) and dcp_size > 1:  # interleaved: p -> rank p % D, local index p // D
+            mine = pos % dcp_size == dcp_rank
+            slots = torch.full_like(pos, -1)
+            if bool(mine.any()):
+                slots[mine] = position_slots(bt_proc, req[mine], pos[mine] // dcp_size, block_size)
+        elif len(token_positions):
             slots = position_slots(bt_proc, req, pos, block_size)
         else:
             slots = torch.zeros(0, dtype=torch.int64)
@@ -193,6 +225,8 @@ class BatchMetadata:
             query_lens_list=tuple(qo),
             context_lens_list=tuple(co),
             num_blocks=num_blocks,
+            dcp_rank=dcp_rank,
+            dcp_size=dcp_size,
         )
 
     # ---- derived sizes ---------------------------------------------------------------------------------
@@ -288,6 +322,8 @@ class BatchMetadata:
             query_lens_list=self.query_lens_list[start:stop],
             context_lens_list=self.context_lens_list[start:stop],
             num_blocks=self.num_blocks,
+            dcp_rank=self.dcp_rank,
+            dcp_size=self.dcp_size,
         )
         self.step_plan.sub_batches[key] = sub
         return sub

@@ -31,7 +31,11 @@ from .dtypes import accumulate_dtype
 from .metadata import BatchMetadata
 from .validation import require_int, require_on_device, require_tensor
 
+#: ``(chunk [(request, start, stop), ...], dtype) -> rows [n, R + P]``: a chunk's cached context rows
+ContextRows = Callable[[list[tuple[int, int, int]], torch.dtype], torch.Tensor]
+
 __all__ = [
+    "ContextRows",
     "forward_mha",
     "prefill_attention",
     "merge_attention_states",
@@ -277,6 +281,7 @@ def forward_mha(
     workspace: PrefillWorkspace | None = None,
     out: torch.Tensor | None = None,
     fused: bool | None = None,
+    context_rows: ContextRows | None = None,
 ) -> torch.Tensor:
     """Expanded attention for the requests of ``meta`` (new tokens causal + chunked cached context).
 
@@ -292,6 +297,10 @@ def forward_mha(
         workspace: reused buffers (a fresh one is made when absent).
         out: optional ``[T, H, v_head_dim]`` output in ``q``'s dtype.
         fused: passed to :func:`prefill_attention` (None: torch's fused CPU kernel wherever it applies).
+        context_rows: where a chunk's cached rows come from: called with the chunk (a list of ``(request,
+            start, stop)`` position ranges, as :func:`context_chunks` makes them) and the dtype, it returns
+            ``[rows, R + P]`` in that order. None reads them from ``cache`` through ``meta.block_table``; decode
+            context parallelism (``meta.dcp_size > 1``) needs one (:func:`mla_backends.dcp.context_rows`).
 
     Returns:
         ``[T, H, v_head_dim]`` in ``q``'s dtype.
@@ -320,6 +329,10 @@ def forward_mha(
     require_on_device(cache.device, q=q, kv_c=kv_c, k_pe=k_pe, kv_b_weight=kv_b_weight)
     if fused is not None and not isinstance(fused, bool):
         raise TypeError(f"fused: got {type(fused).__name__}; supported None, True or False")
+    if context_rows is None and meta.dcp_size > 1:
+        raise ValueError(f"context_rows: got None for metadata of DCP rank {meta.dcp_rank} of {meta.dcp_size}; "
+                         "supported the group's reader (mla_backends.dcp.context_rows), as the cache holds only "
+                         "this rank's rows")
     if workspace is None:
         workspace = PrefillWorkspace(workspace_rows if workspace_rows is not None else MAX_WORKSPACE_ROWS)
     elif workspace_rows is not None and workspace_rows != workspace.rows:
@@ -360,15 +373,18 @@ def forward_mha(
         flat = cache.data.view(-1, cache.row_width)
         direct = flat.dtype == q.dtype  # no dequantisation needed: gather straight into the workspace
         for chunk in chunks:
-            pos = torch.cat([torch.arange(a, z, device=q.device) for _, a, z in chunk])
-            req = torch.cat([torch.full((z - a,), b, dtype=torch.long, device=q.device) for b, a, z in chunk])
-            slots = position_slots(bt, req, pos, bs)
-            rows = pos.numel()
-            if direct:
-                torch.index_select(flat, 0, slots, out=latent_buf[:rows])
-                latent = latent_buf[:rows]
+            rows = sum(z - a for _, a, z in chunk)
+            if context_rows is not None:  # e.g. DCP: this rank's rows all-gathered across the group
+                latent = context_rows(chunk, q.dtype)
             else:
-                latent = cache.read_slots(slots, q.dtype)
+                pos = torch.cat([torch.arange(a, z, device=q.device) for _, a, z in chunk])
+                req = torch.cat([torch.full((z - a,), b, dtype=torch.long, device=q.device) for b, a, z in chunk])
+                slots = position_slots(bt, req, pos, bs)
+                if direct:
+                    torch.index_select(flat, 0, slots, out=latent_buf[:rows])
+                    latent = latent_buf[:rows]
+                else:
+                    latent = cache.read_slots(slots, q.dtype)
             kv = torch.matmul(latent[:, :R], w_t, out=kv_buf[:rows]).view(rows, H, N + V)
             k_pe_ctx = latent[:, R:]
             off = 0

@@ -9,6 +9,8 @@ metadata (``meta.step_plan``):
 - ``block_ids_checked``: the cache sizes (``num_blocks``) the block ids were verified against;
 - ``sub_batches``: the metadata of request ranges ``(start, stop)`` (``meta.select_requests``);
 - ``accepted``: the declaration keys a backend accepted (``mqa_inputs.check_declared_support``);
+- ``dcp``: decode context parallelism's per-step state (:mod:`mla_backends.dcp`: the local metadata of the
+  absorbed requests);
 - ``prepared``: each backend's per-step state, from :meth:`MLABackend.prepare
   <mla_backends.backend.MLABackend.prepare>`.
 
@@ -55,6 +57,7 @@ class StepPlan:
         sub_batches: ``(start, stop)`` -> the sub-batch metadata of those processing-order requests.
         accepted: keys of the ``(backend, dtype, heads, cache ...)`` combinations whose declarations accepted
             this step's inputs.
+        dcp: :mod:`mla_backends.dcp`'s per-step state, by key.
         prepared: backend class -> what its ``prepare(meta)`` returned for this step (None included).
     """
 
@@ -63,6 +66,7 @@ class StepPlan:
     sub_batches: dict[tuple[int, int], BatchMetadata] = field(default_factory=dict)
     accepted: set[Hashable] = field(default_factory=set)
     prepared: dict[type, object | None] = field(default_factory=dict)
+    dcp: dict[Hashable, object] = field(default_factory=dict)
 
     def prepare(self, backend: MLABackend, meta: BatchMetadata) -> object | None:
         """``backend.prepare(meta)`` once per backend class and step; later calls return the same state.

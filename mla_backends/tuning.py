@@ -58,6 +58,8 @@ __all__ = [
     "DEFAULT_REPEATS",
     "QUICK_QUERY_LENS",
     "QUICK_CONTEXTS",
+    "QUICK_REPEATS",
+    "QUICK_NOTE",
     "Timing",
     "Crossover",
     "measured_crossover",
@@ -75,6 +77,9 @@ DEFAULT_REPEATS = 2
 #: a few seconds; for tests and smoke runs
 QUICK_QUERY_LENS: tuple[int, ...] = (1, 4, 16)
 QUICK_CONTEXTS: tuple[int, ...] = (64, 256)
+#: passes over the quick grid (after the first pass's warm-up round); quick tables are marked not for use
+QUICK_REPEATS = 3
+QUICK_NOTE = "quick run (small grid, few repeats): not for use; run a full `mla-backends tune` for a layer"
 
 
 # ---- measured results ------------------------------------------------------------------------------------
@@ -316,6 +321,7 @@ def tune(
     repeats: int = DEFAULT_REPEATS,
     progress: bool = True,
     on_timing: Callable[[str, Timing], None] | None = None,
+    quick: bool = False,
 ) -> ThresholdTable:
     """Measure every backend over the grid and build the :class:`~mla_backends.threshold_table.ThresholdTable`.
 
@@ -328,6 +334,7 @@ def tune(
         block_size: page size in tokens (>= 1; None = each backend's preferred size).
         repeats: passes over the grid (>= 1); each point keeps its best time per path (the first pass warms
             up).
+        quick: mark the table as a quick run (``"quick": true`` and ``"note": QUICK_NOTE``): not for use.
 
     Raises ``ValueError``/``TypeError`` for a bad argument before anything is timed.
     """
@@ -407,4 +414,6 @@ def tune(
         "modelled_asymptotic_query_threshold": costs.asymptotic_query_threshold(dims),
         "backends": results,
     }
+    if quick:
+        info.update(quick=True, note=QUICK_NOTE)
     return ThresholdTable(per_backend, info)

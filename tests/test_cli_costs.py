@@ -35,7 +35,7 @@ def test_kv_cache_json_v3(capsys):
 
 def test_kv_cache_json_v32_with_memory(capsys):
     rc, out, _ = _run(
-        capsys, "kv-cache", "--model", "deepseek-v3.2", "--context", "4096", "--gpu-memory", "80", "--json"
+        capsys, "kv-cache", "--model", "deepseek-v3.2", "--context", "4096", "--cache-memory", "80", "--json"
     )
     assert rc == 0
     rep = json.loads(out)
@@ -45,7 +45,7 @@ def test_kv_cache_json_v32_with_memory(capsys):
 
 
 def test_kv_cache_text_fp8_tp8(capsys):
-    rc, out, _ = _run(capsys, "kv-cache", "--kv-cache-dtype", "fp8", "--tp", "8", "--gpu-memory", "40")
+    rc, out, _ = _run(capsys, "kv-cache", "--kv-cache-dtype", "fp8", "--tp", "8", "--cache-memory", "40")
     assert rc == 0
     assert "576 B/token/layer" in out and "35,136 B/token" in out
     assert "fp8_e4m3" in out and "TP=8" in out
@@ -134,7 +134,7 @@ def _doc_examples() -> list[tuple[list[str], list[str]]]:
 
 def test_cost_model_doc_examples_match_the_commands(capsys):
     examples = _doc_examples()
-    assert [argv[0] for argv, _ in examples] == ["crossover", "kv-cache"]
+    assert [argv[0] for argv, _ in examples] == ["crossover", "kv-cache", "kv-cache"]
     for argv, shown in examples:
         rc, out, _ = _run(capsys, *argv)
         assert rc == 0 and out.splitlines() == shown, argv
@@ -147,7 +147,11 @@ def test_cost_model_doc_examples_match_the_commands(capsys):
         (["kv-cache", "--model", "missing/config.json"], "does not exist"),
         (["kv-cache", "--tp", "3"], "--tp: got 3"),
         (["kv-cache", "--kv-cache-dtype", "int4"], "kv_cache_dtype: got 'int4'"),
-        (["kv-cache", "--gpu-memory", "0"], "--gpu-memory: got 0"),
+        (["kv-cache", "--cache-memory", "0"], "--cache-memory: got 0"),
+        (["kv-cache", "--gpu-memory", "0"], "--gpu-memory: got '0'"),
+        (["kv-cache", "--gpu", "h200"], "--tp: got 1; deepseek-v3's weights"),
+        (["kv-cache", "--gpu", "h200", "--tp", "8", "--dcp", "3"], "--dcp: got 3"),
+        (["kv-cache", "--gpu", "x9"], "gpu name: got 'x9'"),
         (["kv-cache", "--context", "-5"], "--context: got -5"),
         (["crossover", "--tp", "0"], "--tp: got 0"),
     ],

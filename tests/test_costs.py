@@ -276,3 +276,17 @@ def test_causal_crossover_is_the_root_of_the_flop_balance(v3):
             else:
                 hi = mid
         assert costs.crossover_query_len(v3, s, causal=True) == pytest.approx(lo, rel=1e-9, abs=1e-9)
+
+
+def test_per_rank_dims_give_per_rank_figures():
+    """Cost functions given a tensor-parallel view count that rank's heads, not the whole model's."""
+    v3 = MLADims.deepseek_v3()
+    rank = v3.tensor_parallel(8)
+    assert costs.expanded_bytes_per_token(rank) == costs.expanded_bytes_per_token(v3, tp=8) == 624_640
+    assert costs.expanded_bytes_per_token(v3) == 8 * 624_640
+    for fn in (costs.absorbed_path_flops, costs.expanded_path_flops):
+        assert fn(rank, 16, 4096, causal=True) == fn(v3, 16, 4096, tp=8, causal=True)
+        assert 8 * fn(rank, 16, 4096) == fn(v3, 16, 4096)
+    assert costs.absorbed_path_flops(rank, 1, 256, tp=8) == costs.absorbed_path_flops(rank, 1, 256)
+    with pytest.raises(ValueError, match="tp: got 2 for per-rank dims"):
+        costs.expanded_bytes_per_token(rank, tp=2)

@@ -208,10 +208,18 @@ def test_tune_cli_writes_a_loadable_table(tmp_path, capsys):
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "measured crossover" in captured.out and "REF_TORCH" in captured.out
-    assert "1/2" in captured.err and "2/2" in captured.err  # the progress bar
+    assert "1/6" in captured.err and "6/6" in captured.err  # the progress bar: 2 points x 3 repeats
+    assert "not for use" in captured.out
     table = ThresholdTable.load(out)
     assert table.backend_names == ("REF_TORCH",)
     assert table.info["model"]["num_heads"] == 2 and table.info["model"]["tp"] == 8
+    assert table.info["quick"] is True and "not for use" in table.info["note"]
+    assert table.info["grid"]["repeats"] == 3
+    rank = MLADims.deepseek_v2_lite().tensor_parallel(8)
+    for t in table.info["backends"]["REF_TORCH"]["timings"]:  # FLOPs of the rank's 2 heads, not all 16
+        q, c = t["query_len"], t["context_len"]
+        assert t["absorbed_flops"] == costs.absorbed_path_flops(rank, q, c, causal=True)
+        assert t["expanded_flops"] * 8 == costs.expanded_path_flops(MLADims.deepseek_v2_lite(), q, c, causal=True)
 
     rc = main(_quick_tune_args("ref_torch", query_lens="1", contexts="8") + ["--json"])
     data = json.loads(capsys.readouterr().out)

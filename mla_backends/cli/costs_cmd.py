@@ -33,13 +33,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--context", type=int, default=None, metavar="N", help="tokens per sequence, for per-sequence sizes"
     )
-    p.add_argument(
-        "--gpu-memory",
-        type=float,
-        default=None,
-        metavar="GiB",
-        help="memory one rank gives to the KV cache, in GiB",
-    )
+    p.add_argument("--cache-memory", type=float, default=None, metavar="GiB",
+                   help="memory one rank gives to the KV cache alone, in GiB (no weights counted)")
+    p.add_argument("--gpu", default=None, metavar="NAME", help="size a deployment on this GPU (a100, h100, h200, "
+                   "b200): weights, prefill workspace, what is left for the cache")
+    p.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                   help="the GPU's memory (141GB = 141e9 bytes, 80GiB; a bare number is GiB); overrides --gpu's")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="fraction of the GPU's memory the engine uses (default 0.9)")
+    p.add_argument("--dcp", type=int, default=1, metavar="N",
+                   help="decode context parallelism: N consecutive TP ranks split each sequence's cache")
+    p.add_argument("--dp-attention", action="store_true",
+                   help="attention at TP=1 on every data-parallel rank (the experts still split --tp ways)")
+    p.add_argument("--weights-dtype", default=None, help="weights dtype (default: as the preset is published; "
+                   "DeepSeek-V3/R1 fp8_e4m3 with 128x128 block scales): fp8_e4m3, bfloat16, float16, float32")
     p.set_defaults(func=run_kv_cache)
 
     c = sub.add_parser("crossover", help="modelled FLOP crossover between the absorbed and the expanded path",
@@ -81,15 +88,17 @@ def run_kv_cache(args: argparse.Namespace) -> int:
     tp = args.tp
     if args.context is not None and args.context <= 0:
         raise ValueError(f"--context: got {args.context}; supported a positive number of tokens")
-    if args.gpu_memory is not None and args.gpu_memory <= 0:
-        raise ValueError(f"--gpu-memory: got {args.gpu_memory}; supported a positive number of GiB")
+    if args.cache_memory is not None and args.cache_memory <= 0:
+        raise ValueError(f"--cache-memory: got {args.cache_memory}; supported a positive number of GiB")
+    if args.gpu is not None or args.gpu_memory is not None:
+        return _run_deployment(args, dims)
     rep = reports.kv_cache_report(
         dims,
         kv_cache_dtype=args.kv_cache_dtype,
         model_dtype=args.dtype,
         tp=tp,
         context_len=args.context,
-        gpu_memory_gib=args.gpu_memory,
+        gpu_memory_gib=args.cache_memory,
     )
     if args.json:
         print(json.dumps(rep, indent=2))
@@ -127,7 +136,7 @@ def run_kv_cache(args: argparse.Namespace) -> int:
         print(f"  one {rep['context_len']:,}-token sequence: {rep['bytes_per_sequence'] / 2**20:,.1f} MiB")
     if "tokens_that_fit" in rep:
         line = (
-            f"  {args.gpu_memory:g} GiB holds {rep['tokens_that_fit']:,} tokens "
+            f"  {args.cache_memory:g} GiB holds {rep['tokens_that_fit']:,} tokens "
             f"(GQA: {rep['gqa_tokens_that_fit']:,})"
         )
         if "sequences_that_fit" in rep:
@@ -172,4 +181,48 @@ def run_crossover(args: argparse.Namespace) -> int:
         f"  asymptotic query threshold: {rep['asymptotic_query_threshold']:.2f} "
         f"(absorbed is cheaper for Q below it as the context grows)"
     )
+    return 0
+
+
+def _run_deployment(args: argparse.Namespace, dims: Any) -> int:
+    """``kv-cache --gpu/--gpu-memory``: the deployment sizing of :func:`reports.deployment_report`."""
+    import os
+
+    from .. import deployment
+    from ..dims import read_config_json
+    from ..gpus import gpu_spec
+    from . import reports
+
+    gpu = gpu_spec(args.gpu) if args.gpu is not None else None
+    mem = deployment.parse_memory(args.gpu_memory) if args.gpu_memory is not None else gpu.memory_bytes  # type: ignore[union-attr]
+    config = read_config_json(args.model) if os.path.exists(str(args.model)) else None
+    rep = reports.deployment_report(
+        dims, gpu_memory_bytes=mem, gpu_name=gpu.name if gpu else None,
+        gpu_memory_utilization=args.gpu_memory_utilization, tp=args.tp, dcp=args.dcp,
+        dp_attention=args.dp_attention, kv_cache_dtype=args.kv_cache_dtype, model_dtype=args.dtype,
+        weights_dtype=args.weights_dtype, config=config, context_len=args.context)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+    mode = "DP-attention" if rep["dp_attention"] else f"DCP={rep['dcp']}"
+    print(f"{rep['model']} on {rep['tp']} x {rep['gpu'] or 'GPU'} ({mem / 1e9:,.1f} GB, "
+          f"utilization {rep['gpu_memory_utilization']:g}), TP={rep['tp']}, {mode}, {rep['kv_cache_dtype']} cache")
+    print(f"  weights           {rep['weights_bytes_per_rank'] / 1e9:>10,.2f} GB per rank ({rep['weights_dtype']})")
+    print(f"  prefill workspace {rep['workspace_bytes'] / 1e9:>10,.2f} GB ({rep['workspace_rows']:,} rows)")
+    print(f"  latent cache      {rep['cache_bytes_per_rank'] / 1e9:>10,.2f} GB per rank, "
+          f"{rep['cache_bytes_per_token']:,} B per token")
+    print(f"  tokens per rank {rep['tokens_per_rank']:,}; per DCP group {rep['tokens_per_dcp_group']:,}; "
+          f"deployment (cluster_tokens) {rep['cluster_tokens']:,}")
+    comm = rep["dcp_comm_bytes_per_token_per_layer"]
+    if rep["dcp"] > 1:
+        print(f"  DCP decode, B sent per rank per token per layer: query all-gather "
+              f"{comm['decode_query_all_gather']:,}, LSE all-gather {comm['decode_lse_all_gather']:,}, "
+              f"output reduce-scatter {comm['decode_output_reduce_scatter']:,}")
+        print(f"  DCP prefill: context all-gather {comm['prefill_context_all_gather_per_context_token']:,} B "
+              "per context token per layer")
+    print(f"  TP all-reduce (apart): {comm['tp_all_reduce']:,} B per token per layer")
+    if "context_len" in rep:
+        print(f"  sequences of {rep['context_len']:,} per DCP group: {rep['sequences_per_dcp_group']:,}")
+    for w in rep["warnings"]:
+        print(f"  warning: {w}")
     return 0

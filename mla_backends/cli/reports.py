@@ -10,12 +10,12 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .. import costs
+from .. import costs, deployment
 from ..dims import MLADims
 from ..dtypes import parse_model_dtype, resolve_kv_cache_dtype
 from ..validation import require_int
 
-__all__ = ["kv_cache_report", "crossover_report", "DEFAULT_QUERY_LENS", "DEFAULT_CONTEXTS"]
+__all__ = ["kv_cache_report", "crossover_report", "deployment_report", "DEFAULT_QUERY_LENS", "DEFAULT_CONTEXTS"]
 
 
 def kv_cache_report(
@@ -132,3 +132,74 @@ def crossover_report(
         "min_context_for_single_query_absorption": costs.min_context_for_absorption(d, 1),
         "contexts": rows,
     }
+
+
+def deployment_report(
+    dims: MLADims,
+    *,
+    gpu_memory_bytes: int,
+    gpu_name: str | None = None,
+    gpu_memory_utilization: float = 0.9,
+    tp: int = 1,
+    dcp: int = 1,
+    dp_attention: bool = False,
+    kv_cache_dtype: str = "auto",
+    model_dtype: str = "bfloat16",
+    weights_dtype: str | None = None,
+    config: dict[str, Any] | None = None,
+    context_len: int | None = None,
+) -> dict[str, Any]:
+    """What one rank of a deployment of ``tp`` GPUs holds: weights, the prefill workspace and the latent cache
+    in what is left of ``gpu_memory_bytes * gpu_memory_utilization``; tokens per rank and ``cluster_tokens``
+    (``tokens per rank x dcp x data-parallel groups``: DP-attention makes every rank a group); the DCP
+    communication per token per layer. ValueError when the weights and workspace do not fit."""
+    if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization: got {gpu_memory_utilization!r}; supported (0, 1]")
+    require_int("tp", tp, minimum=1)
+    require_int("dcp", dcp, minimum=1)
+    if tp % dcp:
+        raise ValueError(f"--dcp: got {dcp}; supported a divisor of --tp {tp}")
+    if dp_attention and dcp > 1:
+        raise ValueError(f"--dcp: got {dcp} with --dp-attention; supported 1 (DP-attention runs attention at "
+                         "TP=1 on every rank, so there is no TP group to split the cache across)")
+    attn_tp = 1 if dp_attention else tp
+    b = costs.element_bytes(kv_cache_dtype, model_dtype)
+    mb = costs.element_bytes("auto", model_dtype)
+    wdt = weights_dtype or deployment.PUBLISHED_WEIGHTS_DTYPE.get(dims.name, "bfloat16")
+    shape = deployment.model_shape(dims, config)
+    weights = deployment.weight_bytes_per_rank(dims, shape, weights_dtype=wdt, tp=tp, dp_attention=dp_attention)
+    rows = costs.workspace_rows(dims.max_position_embeddings, 256, 16)
+    workspace = (costs.workspace_latent_bytes(dims, rows, mb)
+                 + costs.workspace_upprojected_bytes(dims, rows, mb, tp=attn_tp, include_values=True))
+    usable = int(gpu_memory_bytes * gpu_memory_utilization)
+    left = usable - weights - workspace
+    where = f"{gpu_name or 'the GPU'} ({gpu_memory_bytes / 1e9:,.1f} GB x {gpu_memory_utilization:g})"
+    if left <= 0:
+        raise ValueError(f"--tp: got {tp}; {dims.name}'s weights ({weights / 1e9:,.1f} GB per rank, {wdt}) and "
+                         f"the prefill workspace ({workspace / 1e9:,.2f} GB) do not fit {where}; supported a "
+                         "larger --tp, a smaller --weights-dtype or a larger GPU")
+    cell = costs.cache_bytes_per_token(dims, b)  # a rank stores 1/dcp of each token: rows, not tokens
+    per_rank = left // cell
+    dp_groups = tp if dp_attention else 1
+    rep: dict[str, Any] = {
+        "model": dims.name, "gpu": gpu_name, "gpu_memory_bytes": gpu_memory_bytes,
+        "gpu_memory_utilization": gpu_memory_utilization, "tp": tp, "dcp": dcp, "dp_attention": dp_attention,
+        "kv_cache_dtype": resolve_kv_cache_dtype(kv_cache_dtype, parse_model_dtype(model_dtype)),
+        "weights_dtype": wdt, "weights_rule": deployment.WEIGHTS_RULE, "weights_bytes_per_rank": weights,
+        "workspace_rows": rows, "workspace_bytes": workspace, "cache_bytes_per_rank": left,
+        "cache_bytes_per_token": cell, "tokens_per_rank": per_rank,
+        "tokens_per_dcp_group": per_rank * dcp, "data_parallel_groups": dp_groups,
+        "cluster_tokens": per_rank * dcp * dp_groups,
+        "max_position_embeddings": dims.max_position_embeddings,
+        "dcp_comm_bytes_per_token_per_layer": deployment.dcp_comm_bytes_per_token(
+            dims, tp=attn_tp, dcp=dcp, dtype_bytes=mb, cache_bytes=b),
+        "warnings": [],
+    }
+    if context_len is not None:
+        s = require_int("context_len", context_len, minimum=1)
+        rep["context_len"] = s
+        rep["sequences_per_dcp_group"] = per_rank * dcp // s
+        if s > dims.max_position_embeddings:
+            rep["warnings"].append(f"context {s:,} is past max_position_embeddings "
+                                   f"{dims.max_position_embeddings:,}: the model was not trained that long")
+    return rep

@@ -59,7 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--quick",
         action="store_true",
         help=f"a small grid (Q {csv_text(tuning.QUICK_QUERY_LENS)} over S "
-             f"{csv_text(tuning.QUICK_CONTEXTS)}; one repeat)",
+             f"{csv_text(tuning.QUICK_CONTEXTS)}; {tuning.QUICK_REPEATS} repeats after a warm-up; the table is "
+             "marked not for use)",
     )
     p.add_argument("--repeats", type=int, default=None,
                    help=f"passes over the grid; each point keeps its best time (default {tuning.DEFAULT_REPEATS})")
@@ -115,7 +116,7 @@ def run_tune(args: argparse.Namespace) -> int:
         )
     qs = args.query_lens or (tuning.QUICK_QUERY_LENS if args.quick else tuning.DEFAULT_QUERY_LENS)
     ss = args.contexts or (tuning.QUICK_CONTEXTS if args.quick else tuning.DEFAULT_CONTEXTS)
-    repeats = args.repeats or (1 if args.quick else tuning.DEFAULT_REPEATS)
+    repeats = args.repeats or (tuning.QUICK_REPEATS if args.quick else tuning.DEFAULT_REPEATS)
     progress = not args.no_progress and not args.json
     table = tuning.tune(
         dims,
@@ -127,6 +128,7 @@ def run_tune(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         repeats=repeats,
         progress=progress,
+        quick=bool(args.quick),
     )
     if args.output:
         table.save(args.output)
@@ -148,6 +150,8 @@ def _print_text(data: dict[str, Any], output: str | None) -> None:
         f"  modelled asymptotic threshold (FLOPs, S -> inf): "
         f"{data['modelled_asymptotic_query_threshold']:.1f}"
     )
+    if data.get("quick"):
+        print(f"  NOTE: {data['note']}")
     for name, res in data["backends"].items():
         print(
             f"  {name} (page {res['block_size']}; constant decode threshold "

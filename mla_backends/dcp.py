@@ -1,0 +1,208 @@
+"""Decode context parallelism (DCP): the latent cache of a tensor-parallel group split across its ranks.
+
+Under tensor parallelism alone every rank holds the whole latent cache. With DCP of size ``D`` (dividing
+``tp_size`` ``T``) the ``D`` consecutive TP ranks ``g*D .. g*D + D - 1`` form a DCP group and split every
+sequence between them, interleaved: the token at global position ``p`` lives on DCP rank ``p % D`` at local
+index ``p // D`` (:func:`mla_backends.metadata.dcp_local_len` counts a rank's rows). Each rank still holds only
+its own ``H = heads / T`` heads of the projections.
+
+The collectives (all over the DCP group, the engine's ``torch.distributed`` ``ProcessGroup``):
+
+- **absorbed path** (query length 1): the absorbed queries ``[n, H, R + P]`` are all-gathered into
+  ``[n, D * H, R + P]`` (the group's heads, in DCP-rank order); each rank runs ``forward_mqa`` over its local
+  rows for all of them; the LSEs ``[n, D * H]`` are all-gathered, each rank weighs its partial output by
+  :func:`~mla_backends.attention_math.lse_merge_weights`, and a reduce-scatter over the head axis sums the
+  weighted partials and hands every rank its own heads' merged ``[n, H, R]``. A rank holding no row of a
+  request contributes LSE ``-inf`` and output 0.
+- **expanded path** (prefill): every context chunk's latent rows are all-gathered (:func:`context_rows`) and
+  up-projected with the rank's own heads; the new tokens attend each other causally as without DCP.
+
+Every decision that shapes a collective (the runs, the requests, the chunks) is made from the global lengths
+in :class:`~mla_backends.metadata.BatchMetadata`, identical on every rank of the group, so all ranks issue the
+same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .attention_math import lse_merge_weights
+from .backend import Capabilities, MLABackend, QueryLenSupport
+from .cache import LatentKVCache, position_slots
+from .dtypes import accumulate_dtype
+from .metadata import BatchMetadata, dcp_local_len
+from .prefill import ContextRows
+from .reasons import Reason, ReasonKind
+from .validation import require_int
+
+__all__ = ["DCPGroup", "dcp_group_for", "dispatch_capabilities", "check_dcp_metadata", "absorbed_attention",
+           "context_rows", "LSE_REASON"]
+
+#: why a backend that returns no LSE cannot run under DCP
+LSE_REASON = Reason(ReasonKind.LSE, "LSE", text="decode context parallelism needs the softmax LSE")
+
+
+@dataclass(frozen=True)
+class DCPGroup:
+    """This rank's place in its DCP group: ``size`` ranks, this one ``rank``, ``group`` the ProcessGroup."""
+
+    size: int
+    rank: int
+    group: Any
+
+
+def dcp_group_for(tp_rank: int, tp_size: int, dcp_size: int, dcp_group: Any, *,
+                  sparse: bool = False) -> DCPGroup | None:
+    """Check the layer's DCP arguments; None when ``dcp_size`` is 1 (no DCP, today's behaviour).
+
+    Raises ValueError naming the argument: ``dcp_size`` not dividing ``tp_size``, a sparse (V3.2) layer, no
+    group, a group whose size is not ``dcp_size``, or a process whose rank in the group is not
+    ``tp_rank % dcp_size``.
+    """
+    require_int("dcp_size", dcp_size, minimum=1)
+    if tp_size % dcp_size:
+        raise ValueError(f"dcp_size: got {dcp_size}; supported a divisor of tp_size {tp_size}")
+    if dcp_size == 1:
+        return None
+    if sparse:
+        raise ValueError(f"dcp_size: got {dcp_size} for a DeepSeek-V3.2 sparse layer; supported 1 (sparse "
+                         "attention under decode context parallelism is not implemented)")
+    want = f"the ProcessGroup of TP ranks g*{dcp_size} .. g*{dcp_size} + {dcp_size - 1} (g = tp_rank // {dcp_size})"
+    if dcp_group is None:
+        raise ValueError(f"dcp_group: got None with dcp_size {dcp_size}; supported {want}")
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"dcp_group: got a group but torch.distributed is not initialised; supported {want} "
+                         "after init_process_group")
+    size = dist.get_world_size(dcp_group)
+    if size != dcp_size:
+        raise ValueError(f"dcp_group: got a group of {size} ranks; supported dcp_size {dcp_size} ranks ({want})")
+    rank = dist.get_rank(dcp_group)
+    if rank != tp_rank % dcp_size:
+        raise ValueError(f"dcp_group: this process is rank {rank} of the group; supported tp_rank % dcp_size = "
+                         f"{tp_rank % dcp_size} (tp_rank {tp_rank})")
+    return DCPGroup(dcp_size, rank, dcp_group)
+
+
+def dispatch_capabilities(capabilities: Capabilities, dcp: DCPGroup | None) -> Capabilities:
+    """The declarations dispatch works with: under DCP the absorbed path takes query length 1 only (a longer
+    query's causal limit is not "the last rows" in local index space), so longer queries run expanded."""
+    if dcp is None:
+        return capabilities
+    return replace(capabilities, query_len=QueryLenSupport.SINGLE,
+                   decode_threshold=min(1, capabilities.decode_threshold))
+
+
+def check_dcp_metadata(dcp: DCPGroup | None, meta: BatchMetadata) -> None:
+    """``meta`` must be built for this rank's DCP place (``dcp_rank``, ``dcp_size``)."""
+    size, rank = (1, 0) if dcp is None else (dcp.size, dcp.rank)
+    if (meta.dcp_size, meta.dcp_rank) != (size, rank):
+        raise ValueError(f"meta: got dcp_rank {meta.dcp_rank} of dcp_size {meta.dcp_size}; supported dcp_rank "
+                         f"{rank} of dcp_size {size} (this layer's; BatchMetadata.build(..., dcp_rank=tp_rank % "
+                         "dcp_size, dcp_size=dcp_size))")
+
+
+def _all_gather(x: torch.Tensor, dcp: DCPGroup) -> torch.Tensor:
+    """``x [...]`` of every rank of the group -> ``[D, ...]`` in DCP-rank order."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dcp.size)]
+    dist.all_gather(parts, x.contiguous(), group=dcp.group)
+    return torch.stack(parts)
+
+
+def _reduce_scatter(x: torch.Tensor, dcp: DCPGroup) -> torch.Tensor:
+    """``x [D, ...]`` summed over the group; this rank gets slice ``x[rank]``'s sum ``[...]``."""
+    import torch.distributed as dist
+
+    out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+    with warnings.catch_warnings():  # torch 2.13 renames it (reduce_scatter_single); older ones lack that name
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.reduce_scatter_tensor(out.view(-1), x.contiguous().view(-1), group=dcp.group)
+    return out
+
+
+def _local_decode(meta: BatchMetadata, dcp: DCPGroup) -> tuple[BatchMetadata | None, torch.Tensor]:
+    """The absorbed requests this rank holds rows of, as local metadata (query 1, context ``local - 1``), and
+    the processing-order token of each; kept in ``meta.step_plan.dcp``."""
+    key = ("absorbed", dcp.size, dcp.rank)
+    hit = meta.step_plan.dcp.get(key)
+    if hit is not None:
+        return hit  # type: ignore[return-value]
+    starts = meta.query_starts_list
+    rows, tokens, ctx = [], [], []
+    for b, (qn, s) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
+        if qn > 1:
+            raise ValueError(f"meta: request {b} has query length {qn} on the absorbed path under decode context "
+                             "parallelism; supported 1 (longer queries run forward_mha)")
+        held = dcp_local_len(s, dcp.rank, dcp.size)
+        if qn == 1 and held:
+            rows.append(b)
+            tokens.append(starts[b])
+            ctx.append(held - 1)
+    local = None
+    if rows:
+        local = BatchMetadata.build([1] * len(rows), ctx, meta.block_table[rows], meta.block_size,
+                                    num_blocks=meta.num_blocks, reorder=False, device=meta.device)
+    result = (local, torch.tensor(tokens, dtype=torch.long, device=meta.device))
+    meta.step_plan.dcp[key] = result
+    return result
+
+
+def absorbed_attention(dcp: DCPGroup, backend: MLABackend, q_latent: torch.Tensor, q_rope: torch.Tensor,
+                       cache: LatentKVCache, meta: BatchMetadata, *, scale: float) -> torch.Tensor:
+    """The absorbed kernel under DCP: ``q_latent [n, H, R]``, ``q_rope [n, H, P]`` of this rank's heads (query
+    length 1 per request, processing order of ``meta``) -> this rank's heads' merged output ``[n, H, R]``.
+
+    All-gather of the queries, ``backend.forward_mqa`` over the local rows for the group's ``D * H`` heads,
+    all-gather of the LSEs, LSE weighting and a reduce-scatter back to the heads' owners (module docstring).
+    """
+    n, H, R = q_latent.shape
+    D = dcp.size
+    q_all = _all_gather(torch.cat([q_latent, q_rope], dim=-1), dcp)  # [D, n, H, R + P]
+    q_all = q_all.permute(1, 0, 2, 3).reshape(n, D * H, -1)  # the group's heads in DCP-rank order
+    local, tokens = _local_decode(meta, dcp)
+    o = torch.zeros(n, D * H, R, dtype=q_latent.dtype, device=q_latent.device)
+    lse = torch.full((n, D * H), float("-inf"), dtype=accumulate_dtype(q_latent.dtype), device=q_latent.device)
+    if local is not None:
+        q_mine = q_all[tokens]
+        o_l, lse_l = backend.forward_mqa(q_mine[..., :R].contiguous(), q_mine[..., R:].contiguous(), cache, local,
+                                         scale=scale)
+        o[tokens] = o_l.to(o.dtype)
+        lse[tokens] = lse_l.to(lse.dtype)
+    weights, _ = lse_merge_weights(_all_gather(lse, dcp))  # [D, n, D * H]
+    part = o * weights[dcp.rank].unsqueeze(-1).to(o.dtype)  # [n, D * H, R]
+    return _reduce_scatter(part.view(n, D, H, R).transpose(0, 1), dcp)  # [n, H, R]
+
+
+def context_rows(dcp: DCPGroup, cache: LatentKVCache, meta: BatchMetadata) -> ContextRows:
+    """The ``forward_mha`` chunk reader under DCP: each rank reads its rows of the chunk's positions (local
+    index ``p // D`` through its own block table), the group all-gathers them (padded to the largest share)
+    and every rank reassembles ``[rows, R + P]`` in the chunk's position order."""
+    D, r = dcp.size, dcp.rank
+    bt = meta.block_table.long()
+
+    def read(chunk: list[tuple[int, int, int]], dtype: torch.dtype) -> torch.Tensor:
+        dev = cache.device
+        pos = torch.cat([torch.arange(a, z, device=dev) for _, a, z in chunk])
+        req = torch.cat([torch.full((z - a,), b, dtype=torch.long, device=dev) for b, a, z in chunk])
+        owner = pos % D
+        counts = [sum(dcp_local_len(z, j, D) - dcp_local_len(a, j, D) for _, a, z in chunk) for j in range(D)]
+        share = torch.zeros(max(counts), cache.row_width, dtype=dtype, device=dev)
+        mine = owner == r
+        if counts[r]:
+            slots = position_slots(bt, req[mine], pos[mine] // D, cache.block_size)
+            share[: counts[r]] = cache.read_slots(slots, dtype)
+        gathered = _all_gather(share, dcp)  # [D, max share, R + P]
+        rows = torch.empty(pos.numel(), cache.row_width, dtype=dtype, device=dev)
+        for j in range(D):
+            if counts[j]:
+                rows[owner == j] = gathered[j, : counts[j]]
+        return rows
+
+    return read

@@ -1,0 +1,82 @@
+"""Deployment sizing (``mla-backends kv-cache --gpu``): weights per rank, workspace, cache tokens, DCP."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mla_backends import costs, deployment
+from mla_backends.cli import main, reports
+from mla_backends.dims import MLADims
+from mla_backends.gpus import gpu_spec
+
+V3 = MLADims.deepseek_v3()
+
+
+def test_gpu_table_uses_vendor_gigabytes():
+    assert gpu_spec("H200").memory_bytes == 141 * 10**9
+    for name in ("a100", "h100", "h200", "b200"):
+        g = gpu_spec(name)
+        assert g.sms > 0 and g.bandwidth_bytes_per_s > 1e12 and g.compute_capability[0] >= 8
+    with pytest.raises(ValueError, match="gpu name: got 'tpu'"):
+        gpu_spec("tpu")
+
+
+@pytest.mark.parametrize(("text", "nbytes"), [("141GB", 141 * 10**9), ("80GiB", 80 * 2**30), ("80", 80 * 2**30),
+                                              ("512MiB", 512 * 2**20), ("1.5TB", 1_500 * 10**9)])
+def test_parse_memory(text, nbytes):
+    assert deployment.parse_memory(text) == nbytes
+
+
+@pytest.mark.parametrize("bad", ["0", "-3GB", "12XB", ""])
+def test_parse_memory_rejects(bad):
+    with pytest.raises(ValueError, match="--gpu-memory: got"):
+        deployment.parse_memory(bad)
+
+
+def test_v3_weights_as_published():
+    shape = deployment.model_shape(V3)
+    bf16 = deployment.weight_bytes_per_rank(V3, shape, weights_dtype="bfloat16")
+    assert 670e9 < bf16 / 2 < 672e9  # 671B parameters without the MTP module
+    fp8 = deployment.weight_bytes_per_rank(V3, shape, weights_dtype="fp8_e4m3", tp=8)
+    assert 84e9 < fp8 < 86e9  # one byte a parameter, block scales, bf16 embedding and head, split 8 ways
+    dp = deployment.weight_bytes_per_rank(V3, shape, weights_dtype="fp8_e4m3", tp=8, dp_attention=True)
+    assert dp > fp8  # whole attention on every rank
+
+
+def test_dcp_multiplies_cluster_tokens_and_costs_communication():
+    base = reports.deployment_report(V3, gpu_memory_bytes=141 * 10**9, tp=8, dcp=1)
+    for d in (2, 4, 8):
+        rep = reports.deployment_report(V3, gpu_memory_bytes=141 * 10**9, tp=8, dcp=d)
+        assert rep["tokens_per_rank"] == base["tokens_per_rank"]
+        assert rep["cluster_tokens"] == d * base["cluster_tokens"]
+        comm = rep["dcp_comm_bytes_per_token_per_layer"]
+        assert comm["decode_query_all_gather"] == (d - 1) * 16 * 576 * 2
+        assert comm["decode_output_reduce_scatter"] == (d - 1) * 16 * 512 * 2
+        assert comm["tp_all_reduce"] == base["dcp_comm_bytes_per_token_per_layer"]["tp_all_reduce"]
+    assert all(v == 0 for k, v in base["dcp_comm_bytes_per_token_per_layer"].items() if k != "tp_all_reduce")
+    left = int(141e9 * 0.9) - base["weights_bytes_per_rank"] - base["workspace_bytes"]
+    assert base["tokens_per_rank"] == left // costs.cache_bytes_per_token(V3, 2)
+
+
+def test_dp_attention_counts_every_rank_as_a_group():
+    rep = reports.deployment_report(V3, gpu_memory_bytes=141 * 10**9, tp=8, dp_attention=True)
+    assert rep["data_parallel_groups"] == 8 and rep["cluster_tokens"] == 8 * rep["tokens_per_rank"]
+    with pytest.raises(ValueError, match="--dcp: got 2 with --dp-attention"):
+        reports.deployment_report(V3, gpu_memory_bytes=141 * 10**9, tp=8, dcp=2, dp_attention=True)
+
+
+def test_cli_json_and_warning(capsys):
+    rc = main(["kv-cache", "--gpu", "h200", "--tp", "8", "--dcp", "4", "--kv-cache-dtype", "fp8_e4m3",
+               "--context", "200000", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["cluster_tokens"] == 4 * rep["tokens_per_rank"]
+    assert rep["weights_dtype"] == "fp8_e4m3" and "MTP module not counted" in rep["weights_rule"]
+    assert any("max_position_embeddings" in w for w in rep["warnings"])
+    rc = main(["kv-cache", "--gpu-memory", "141GB", "--tp", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "(fp8_e4m3)" in out and "141.0 GB" in out and "TP=8, DCP=1" in out
+    rc = main(["kv-cache", "--gpu-memory", "80GiB", "--tp", "8", "--weights-dtype", "bfloat16"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "(169.6 GB per rank, bfloat16)" in err and "85.9 GB x 0.9" in err
