@@ -128,21 +128,22 @@ def fa_spec_reasons(num_heads: int, max_query_len: int, uniform_query_len: bool,
 
 
 def fa_request_groups(query_lens: Sequence[int], num_heads: int, num_sm: int,
-                      capacity: int = FA_MAX_WORK_ITEMS) -> list[list[int]]:
+                      capacity: int | None = None) -> list[list[int]]:
     """Requests (indices into ``query_lens``, in order) cut into consecutive groups that each fit one plan.
 
     Zero-token requests are left out (they produce nothing; leaving them in could lower the batch's average
     and so its tile). A group grows while :func:`fa_work_items_bound` stays within ``capacity``; one request
     that alone does not fit gets a group of its own (the declarations refuse it before this is reached).
-    Most batches are one group.
+    Most batches are one group. ``capacity`` defaults to :data:`FA_MAX_WORK_ITEMS`.
     """
+    cap = FA_MAX_WORK_ITEMS if capacity is None else capacity
     groups: list[list[int]] = []
     current: list[int] = []
     lens: list[int] = []
     for b, q in enumerate(query_lens):
         if q <= 0:
             continue
-        if current and fa_work_items_bound(lens + [q], num_heads, num_sm) > capacity:
+        if current and fa_work_items_bound(lens + [q], num_heads, num_sm) > cap:
             groups.append(current)
             current, lens = [], []
         current.append(b)

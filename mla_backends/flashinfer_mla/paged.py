@@ -23,7 +23,6 @@ from ..dtypes import dtype_name
 from ..metadata import BatchMetadata
 from ..reasons import Reason, ReasonKind
 from . import api
-from .fa_limits import fa_request_groups, fa_spec_reasons
 from ._common import (
     FlashInferBackendBase,
     PlanSlot,
@@ -36,6 +35,7 @@ from ._common import (
     scale_ratio,
     workspace_for,
 )
+from .fa_limits import fa_request_groups, fa_spec_reasons
 
 __all__ = [
     "FlashInferMLABackend",
