@@ -204,3 +204,39 @@ def test_an_over_capacity_batch_is_planned_and_run_per_request_group(monkeypatch
     # the zero-token request (context 9) is in no plan; the others each in one
     assert sorted(planned) == sorted(s for s, n in zip(meta.seq_lens_list, meta.query_lens_list, strict=True)
                                      if n)
+
+
+# ---- the fp8 scale FlashInfer's fa kernels apply (rounded to bf16) ----------------------------------------
+def test_the_applied_fp8_scale_is_the_bf16_rounding_and_its_bias_is_bounded():
+    assert fa_limits.fa_applied_fp8_scale(0.37) == 0.369140625  # 0.37 is not a bf16 value
+    assert fa_limits.fa_applied_fp8_scale(0.5) == 0.5 and fa_limits.fa_applied_fp8_scale(3.0) == 3.0
+    bias = abs(fa_limits.fa_applied_fp8_scale(0.37) / 0.37 - 1)
+    assert 2 ** -9 < bias <= fa_limits.FA_FP8_SCALE_MAX_BIAS  # above 2**-9: the bound is half a bf16 ulp, 2**-8
+    worst = max(abs(fa_limits.fa_applied_fp8_scale(x) / x - 1) for x in torch.linspace(0.01, 8.0, 4001).tolist())
+    assert worst <= fa_limits.FA_FP8_SCALE_MAX_BIAS
+
+
+def test_the_declared_fp8_tolerance_covers_the_scale_rounding_on_the_conformance_cases():
+    """The conformance reference dequantises with the exact scale: the bias of the bf16-rounded scale alone
+    (the reference recomputed with the applied scale) must fit the room the fp8 tolerance adds over bf16's."""
+    from mla_backends.backend import DEFAULT_TOLERANCES, Tolerance
+    from mla_backends.testing.checks import tolerance_for
+    from mla_backends.testing.inputs import expected, prepare
+    from mla_backends.testing.matrix import build_plan
+
+    key, declared = tolerance_for(FlashInferMLABackend, torch.bfloat16, "fp8_e4m3")
+    base = DEFAULT_TOLERANCES["bfloat16"]
+    assert key == "bfloat16/fp8_e4m3"
+    room = Tolerance(declared.atol - base.atol, declared.rtol - base.rtol)
+    cases = [c for c in build_plan(FlashInferMLABackend).output if c.kv_cache_dtype == "fp8_e4m3"]
+    assert {c.fp8_scale for c in cases} >= {0.37}
+    for case in cases:
+        p = prepare(case, torch.device("cpu"))
+        exact_o, exact_lse = expected(p)
+        stored = float(p.cache.scale.item())  # the rows were dequantised with it
+        p.rows = [r * (fa_limits.fa_applied_fp8_scale(stored) / stored) for r in p.rows]
+        o, lse = expected(p)
+        assert not torch.equal(o, exact_o)  # the rounding does move the result
+        for got, ref, what in ((o, exact_o, "out"), (lse, exact_lse, "lse")):
+            excess = (got - ref).abs() - (room.atol + room.rtol * ref.abs())
+            assert float(excess.max()) <= 0, f"{case.name} {what}: the bias exceeds the fp8 room by {excess.max()}"

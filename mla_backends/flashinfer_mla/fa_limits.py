@@ -20,12 +20,19 @@ The selector sees only the largest query length, so :func:`fa_spec_reasons` refu
 length can hit. :func:`fa_request_groups` then cuts a batch the declarations accept into groups of requests
 that each fit one plan (and leaves zero-token requests out, which also keeps the tile what the declaration
 assumed), so :class:`~mla_backends.flashinfer_mla.FlashInferMLABackend` splits the call instead of failing.
-Imports no flashinfer.
+
+One more fact of the same kernels, not a refusal: they cast the per-tensor fp8 ``ckv_scale``/``kpe_scale``
+to the query dtype (bf16: fp8 caches take bf16 queries) before multiplying the dequantised rows
+(``static_cast<DTypeQ>(ckv_scale)`` in ``mla_hopper.cuh``), so every score and output carries the scale's
+bf16 rounding, a relative bias of up to :data:`FA_FP8_SCALE_MAX_BIAS` (2**-8; 2.3e-3 for a scale of 0.37).
+:func:`fa_applied_fp8_scale` is the scale the kernels really apply. Imports no flashinfer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import torch
 
 from ..reasons import Reason, ReasonKind
 
@@ -40,12 +47,20 @@ __all__ = [
     "fa_spec_reasons",
     "fa_work_items_bound",
     "fa_request_groups",
+    "FA_FP8_SCALE_DTYPE",
+    "FA_FP8_SCALE_MAX_BIAS",
+    "fa_applied_fp8_scale",
 ]
 
 #: most work items one fa2/fa3 MLA plan holds (FlashInfer's ``max_total_num_works``)
 FA_MAX_WORK_ITEMS = 16384
 #: packed query rows of one CTA's tile (a cluster of 2 CTAs makes 128-row tiles)
 FA_CTA_TILE_ROWS = 64
+#: the dtype the fa kernels cast an fp8 cache's scales to before use (the query dtype, bf16 for fp8 caches)
+FA_FP8_SCALE_DTYPE = torch.bfloat16
+#: largest relative error of that cast: bf16 keeps 8 significant bits, so rounding to nearest is off by at
+#: most half a unit in the 8th bit, 2**-8 of the value (0.37 becomes 0.369140625: -2.3e-3)
+FA_FP8_SCALE_MAX_BIAS = 2.0 ** -8
 #: SMs assumed when the device does not say (more than any GPU the backend declares: H100/H200 have 132)
 SM_COUNT_BOUND = 256
 
@@ -151,3 +166,8 @@ def fa_request_groups(query_lens: Sequence[int], num_heads: int, num_sm: int,
     if current:
         groups.append(current)
     return groups
+
+
+def fa_applied_fp8_scale(scale: float) -> float:
+    """The fp8 dequantisation scale FlashInfer's fa kernels apply for ``scale``: ``scale`` rounded to bf16."""
+    return float(torch.tensor(float(scale), dtype=torch.float32).to(FA_FP8_SCALE_DTYPE).float())

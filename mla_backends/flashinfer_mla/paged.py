@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import AttentionSpec, Capabilities, QueryLenSupport
+from ..backend import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance
 from ..cache import LatentKVCache
 from ..device import device_info_for
 from ..dtypes import dtype_name
@@ -170,6 +170,10 @@ class FlashInferMLABackend(FlashInferBackendBase):
         deterministic=True,
         requires=("flashinfer",),
         extra="flashinfer",
+        # fp8: the kernels apply the cache scale rounded to bf16 (fa_limits.FA_FP8_SCALE_MAX_BIAS, up to
+        # 2**-8 relative on every score and value); on the conformance fp8 cases (scales 0.37 and 3.1) that
+        # bias alone takes 0.24 of the bf16 budget 1.6e-2, so the budget grows by 6e-3 to cover it
+        tolerances={**DEFAULT_TOLERANCES, "bfloat16/fp8_e4m3": Tolerance(2.2e-2, 2.2e-2)},
     )
 
     @classmethod
