@@ -31,7 +31,7 @@ mkdir -p "$OUT"
 TEST_FILES=(tests/test_case_device.py tests/test_gpus.py tests/test_selector_device.py tests/test_triton_backend.py
             tests/test_triton_compile.py tests/test_triton_mla.py tests/test_conformance_ref.py
             tests/test_conformance_triton.py tests/test_sparse_layer.py tests/test_flashinfer_gpu.py
-            tests/test_conformance_flashinfer.py)
+            tests/test_conformance_flashinfer.py tests/test_prefill_gpu.py)
 TESTS_CAP_S=300   # the pytest step is killed after this
 BENCH_CAP_S=150   # the benchmark stops starting new points after this (and is killed at +60 s)
 BENCH_ARGS=(--batch 1,8,64,128 --context 1k,4k,16k --heads 16,128 --kv-dtypes bfloat16,fp8_e4m3

@@ -13,15 +13,13 @@ Every backend shares it; backends only supply the absorbed ``forward_mqa``. For 
 Scores are ``q_nope . k_nope + q_pe . k_pe``, the 192-wide dot product. Softmax and accumulation run in float32
 (float64 for float64 inputs). The attention itself is :func:`prefill_attention`: on the CPU in
 float32/bf16/fp16 it runs torch's blocked flash-attention kernel, which also returns the LSE (queries in blocks,
-keys in chunks, the rope key broadcast and the value padded to one head size); everywhere else, and in float64,
-plain matmuls with bounded memory that never materialise the broadcast rope key, so the path runs on any device
-torch supports.
+keys in chunks, the rope key broadcast and the value padded to one head size); on CUDA torch's flash or
+memory-efficient SDPA kernel (:mod:`mla_backends.prefill_kernels` chooses, by device, capability, dtype and head
+widths, and says why); everywhere else, and in float64, plain matmuls with bounded memory that never
+materialise the broadcast rope key, so the path runs on any device torch supports.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -29,6 +27,13 @@ from .attention_math import merge_attention_states, softmax_with_lse
 from .cache import LatentKVCache, position_slots
 from .dtypes import accumulate_dtype
 from .metadata import BatchMetadata
+from .prefill_kernels import (
+    KernelChoice,
+    PrefillKernel,
+    choose_prefill_kernel,
+    cuda_fused_attention,
+    fused_prefill_kernel,
+)
 from .validation import require_int, require_on_device, require_tensor
 
 #: ``(chunk [(request, start, stop), ...], dtype) -> rows [n, R + P]``: a chunk's cached context rows
@@ -45,6 +50,7 @@ __all__ = [
     "MAX_WORKSPACE_ROWS",
     "fused_prefill_kernel",
     "fused_applies",
+    "prefill_kernel_for",
     "softmax_with_lse",
 ]
 
@@ -55,15 +61,6 @@ SCORE_BUDGET = 1 << 24
 #: most bytes the fused CPU kernel spends on one materialised float32 pair: the ``[keys, heads, 192]`` key and
 #: padded value of a key chunk, or a query block and its output; longer ranges are split and merged by LSE
 FUSED_KV_BYTES = 256 << 20
-
-
-def fused_prefill_kernel() -> Callable[..., Any] | None:
-    """torch's blocked CPU flash attention returning ``(out, logsumexp)``
-    (``aten::_scaled_dot_product_flash_attention_for_cpu``, a private op), or None when this torch lacks it."""
-    try:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def default_workspace_rows(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
@@ -127,22 +124,34 @@ def prefill_attention(
             share.
         causal: query ``i`` sees keys ``0 .. i + (m - n)`` (new tokens of one request attending each other).
         budget: most score elements the plain path holds at once; queries are processed in slices.
-        fused: None (default) runs torch's fused CPU flash kernel where :func:`fused_applies` says it can,
-            the plain path elsewhere; True insists on the fused kernel (ValueError saying why it cannot);
-            False forces the plain path.
+        fused: None (default) runs the fused kernel :func:`prefill_kernel_for` picks (torch's flash kernel
+            on the CPU; flash or memory-efficient SDPA on CUDA), the plain path where none applies; True
+            insists on a fused kernel (ValueError saying why none can run); False forces the plain path.
 
     Returns:
         ``(o [n, H, V], lse [n, H])`` in float32 (float64 for float64 inputs).
     """
     if fused is not None and not isinstance(fused, bool):
         raise TypeError(f"fused: got {type(fused).__name__}; supported None, True or False")
-    n, m = q_nope.shape[0], k_nope.shape[0]
-    why = fused_applies(q_nope, n, m, causal) if fused is not False else "fused=False"
-    if fused and why:
-        raise ValueError(f"fused: got True; the fused prefill kernel cannot run here: {why}")
-    if not why:
+    if fused is False:
+        return _plain_attention(q_nope, q_pe, k_nope, k_pe, v, scale, causal, budget)
+    choice = prefill_kernel_for(q_nope, q_pe, v, k_nope.shape[0], causal)
+    if fused and not choice.fused:
+        raise ValueError(f"fused: got True; the fused prefill kernel cannot run here: {choice.reason}")
+    if not choice.fused:
+        return _plain_attention(q_nope, q_pe, k_nope, k_pe, v, scale, causal, budget)
+    if choice.kernel == PrefillKernel.CPU_FLASH:
         return _fused_attention(q_nope, q_pe, k_nope, k_pe, v, scale, causal)
-    return _plain_attention(q_nope, q_pe, k_nope, k_pe, v, scale, causal, budget)
+    return cuda_fused_attention(choice.kernel, q_nope, q_pe, k_nope, k_pe, v, scale, causal)
+
+
+def prefill_kernel_for(q_nope: torch.Tensor, q_pe: torch.Tensor, v: torch.Tensor, m: int,
+                       causal: bool) -> KernelChoice:
+    """The kernel :func:`prefill_attention` runs for queries ``q_nope [n, H, N]`` / ``q_pe [n, H, P]`` over
+    ``m`` keys with values ``v [m, H, V]``, and why
+    (:func:`~mla_backends.prefill_kernels.choose_prefill_kernel` on their device and dtype)."""
+    return choose_prefill_kernel(q_nope.device, q_nope.dtype, head_dim_qk=q_nope.shape[-1] + q_pe.shape[-1],
+                                 head_dim_v=v.shape[-1], n=q_nope.shape[0], m=m, causal=causal)
 
 
 def _fused_block_rows(heads: int, width: int) -> int:
@@ -151,19 +160,13 @@ def _fused_block_rows(heads: int, width: int) -> int:
     return max(1, FUSED_KV_BYTES // (2 * heads * width * 4))
 
 
-def fused_applies(q: torch.Tensor, n: int, m: int, causal: bool) -> str:
-    """Why the fused CPU kernel cannot run ``n`` queries ``q`` over ``m`` keys (empty string: it can)."""
-    if q.device.type != "cpu":
-        return f"device {q.device.type}; it runs on the CPU only"
-    if q.dtype == torch.float64:
-        return "dtype float64; it computes in float32 (float64 keeps the plain path)"
-    if m == 0 or n == 0:
-        return f"{n} queries over {m} keys; it needs both"
-    if causal and n != m:
-        return f"causal with {n} queries over {m} keys; it aligns the mask top-left, so it needs n == m"
-    if fused_prefill_kernel() is None:
-        return f"torch {torch.__version__} has no aten::_scaled_dot_product_flash_attention_for_cpu"
-    return ""
+def fused_applies(q: torch.Tensor, n: int, m: int, causal: bool, *, head_dim_qk: int = 192,
+                  head_dim_v: int = 128) -> str:
+    """Why no fused kernel can run ``n`` queries ``q`` (its device and dtype) over ``m`` keys (empty string:
+    one can; :func:`prefill_kernel_for` says which)."""
+    choice = choose_prefill_kernel(q.device, q.dtype, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, n=n, m=m,
+                                   causal=causal)
+    return "" if choice.fused else choice.reason
 
 
 def _fused_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,

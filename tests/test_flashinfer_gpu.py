@@ -20,6 +20,7 @@ from mla_backends.flashinfer_mla import (
     FlashInferMLABackend,
     FlashInferTrtllmMLABackend,
     FlashInferXqaMLABackend,
+    fa_limits,
     paged,
 )
 from mla_backends.metadata import BatchMetadata
@@ -71,10 +72,13 @@ def build(dev, *, q_lens, ctx, heads, block_size, dtype=torch.bfloat16, kv="auto
     return cache, meta, q_latent, q_rope
 
 
-def reference(q_latent, q_rope, cache, meta, scale):
-    """float64 absorbed MLA, one token at a time (processing order): ``(out [T, H, 512], lse [T, H])``."""
+def reference(q_latent, q_rope, cache, meta, scale, kv_scale=None):
+    """float64 absorbed MLA, one token at a time (processing order): ``(out [T, H, 512], lse [T, H])``.
+    ``kv_scale``: the fp8 dequantisation scale to use (default the cache's own)."""
     data = cache.data.to("cpu")
-    rows = data.to(torch.float64) * (float(cache.scale.item()) if cache.is_fp8 else 1.0)
+    if kv_scale is None:
+        kv_scale = float(cache.scale.item()) if cache.is_fp8 else 1.0
+    rows = data.to(torch.float64) * kv_scale
     table = meta.block_table.to("cpu").tolist()
     req = meta.token_request.to("cpu").tolist()
     pos = meta.token_positions.to("cpu").tolist()
@@ -148,6 +152,33 @@ def test_fa3_fp8_cache_on_sm90():
     ref_out, ref_lse = reference(q, qr, cache, meta, V3_SCALE)
     assert_close(out, ref_out, what="out", **FP8)
     assert_close(lse, ref_lse, atol=5e-2, rtol=1e-2, what="lse")
+
+
+def test_fa3_fp8_scale_that_bf16_cannot_represent():
+    """FlashInfer's fa3 applies the fp8 scale rounded to bf16 (0.37 -> 0.369140625, -2.3e-3 relative).
+
+    Against a reference dequantised with that applied scale the error is the kernel's own (the bf16
+    tolerance). Against the exact scale every score and value is also off by the rounding: the tolerance is
+    the backend's declared ``bfloat16/fp8_e4m3`` one, which adds room for that bias (its comment says how
+    much), and the LSE's grows by ``FA_FP8_SCALE_MAX_BIAS`` (2**-8) relative.
+    """
+    dev = _require(FlashInferMLABackend)
+    if torch.cuda.get_device_capability(dev) != (9, 0):
+        pytest.skip("FlashInfer reads fp8 MLA caches on SM90 only")
+    cache, meta, q, qr = build(dev, q_lens=(1, 2, 1), ctx=(33, 100, 5), heads=16, block_size=64,
+                               kv="fp8_e4m3", kv_scale=0.37)
+    stored = float(cache.scale.item())
+    applied = fa_limits.fa_applied_fp8_scale(stored)
+    assert applied != stored and abs(applied / stored - 1) <= fa_limits.FA_FP8_SCALE_MAX_BIAS
+    out, lse = FlashInferMLABackend().forward_mqa(q, qr, cache, meta, scale=V3_SCALE)
+    as_applied, lse_applied = reference(q, qr, cache, meta, V3_SCALE, kv_scale=applied)
+    assert_close(out, as_applied, what="out vs the applied-scale reference", **BF16)
+    assert_close(lse, lse_applied, atol=5e-2, rtol=1e-2, what="lse vs the applied-scale reference")
+    exact, exact_lse = reference(q, qr, cache, meta, V3_SCALE)
+    tol = FlashInferMLABackend.capabilities.tolerances["bfloat16/fp8_e4m3"]
+    assert_close(out, exact, atol=tol.atol, rtol=tol.rtol, what="out vs the exact-scale reference")
+    assert_close(lse, exact_lse, atol=5e-2, rtol=1e-2 + fa_limits.FA_FP8_SCALE_MAX_BIAS,
+                 what="lse vs the exact-scale reference")
 
 
 # ---- FLASHINFER_MLA_CUTLASS ----------------------------------------------------------------------
