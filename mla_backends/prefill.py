@@ -21,6 +21,8 @@ materialise the broadcast rope key, so the path runs on any device torch support
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .attention_math import merge_attention_states, softmax_with_lse
