@@ -30,7 +30,7 @@ from .capabilities import (
     env_switch_on,
 )
 from .device import DeviceInfo
-from .dtypes import FP8_CACHE_DTYPES, dtype_name
+from .dtypes import FP8_CACHE_DTYPES, dtype_name, lse_dtype
 from .mqa_inputs import check_declared_support, check_mqa_inputs
 from .reasons import Reason, ReasonKind, as_reason
 
@@ -233,12 +233,13 @@ class MLABackend:
             topk_indices: sparse attention only: ``[tokens, topk]`` positions in each token's sequence,
                 ``-1`` for padding.
             out / lse_out: optional preallocated ``[tokens, heads, kv_lora_rank]`` (query dtype) /
-                ``[tokens, heads]`` (float32) buffers; ``lse_out`` only for backends that return an LSE.
+                ``[tokens, heads]`` (float32; float64 for float64 queries) buffers; ``lse_out`` only for
+                backends that return an LSE.
 
         Returns:
             ``(out [tokens, heads, kv_lora_rank], lse [tokens, heads])``: the output in latent space, in the
-            query's dtype, and the natural-log LSE in float32 (None for backends declaring no LSE). These are
-            ``out`` / ``lse_out`` themselves when given.
+            query's dtype, and the natural-log LSE in float32 (float64 for float64 queries; None for backends
+            declaring no LSE). These are ``out`` / ``lse_out`` themselves when given.
 
         Raises:
             TypeError / ValueError: bad or unsupported inputs (naming the argument), before any kernel runs.
@@ -253,7 +254,7 @@ class MLABackend:
         if out is None:
             out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
         if lse_out is None and self.capabilities.returns_lse:
-            lse_out = torch.empty(T, H, dtype=torch.float32, device=q_latent.device)
+            lse_out = torch.empty(T, H, dtype=lse_dtype(q_latent.dtype), device=q_latent.device)
         if T == 0:
             return out, lse_out
         returned = self._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
@@ -274,7 +275,7 @@ class MLABackend:
         lse_out: torch.Tensor | None,
     ) -> None:
         """The backend's kernel: write the output into ``out [T, H, kv_lora_rank]`` (query dtype; possibly
-        non-contiguous) and the natural-log LSE into ``lse_out [T, H]`` (float32; None for backends that
+        non-contiguous) and the natural-log LSE into ``lse_out [T, H]`` (``dtypes.lse_dtype``; None for backends that
         return no LSE). Called by :meth:`forward_mqa` only with validated inputs and ``T >= 1``; layout checks
         the backend needs beyond the shared ones (strides, contiguity) go here. Returns None."""
         raise NotImplementedError(f"{type(self).__name__}: _forward_mqa_impl is not implemented")
@@ -288,9 +289,11 @@ class MLABackend:
         if tuple(out.shape) != shape or out.dtype != q_latent.dtype or out.device != q_latent.device:
             problems.append(f"out: got {list(out.shape)} {dtype_name(out.dtype)} on {out.device}; supported "
                             f"{list(shape)} {dtype_name(q_latent.dtype)} on {q_latent.device} (written in place)")
-        if lse_out is not None and (tuple(lse_out.shape) != shape[:2] or lse_out.dtype != torch.float32
+        want_lse = lse_dtype(q_latent.dtype)
+        if lse_out is not None and (tuple(lse_out.shape) != shape[:2] or lse_out.dtype != want_lse
                                     or lse_out.device != q_latent.device):
             problems.append(f"lse_out: got {list(lse_out.shape)} {dtype_name(lse_out.dtype)} on {lse_out.device}; "
-                            f"supported {list(shape[:2])} float32 on {q_latent.device} (written in place)")
+                            f"supported {list(shape[:2])} {dtype_name(want_lse)} on {q_latent.device} "
+                            "(written in place)")
         if problems:
             raise BackendContractError(f"{self.name} broke the forward_mqa contract: " + "; ".join(problems))

@@ -7,6 +7,7 @@ import torch
 __all__ = [
     "FP8_E4M3_MAX",
     "accumulate_dtype",
+    "lse_dtype",
     "KV_CACHE_DTYPES",
     "FP8_CACHE_DTYPES",
     "MODEL_DTYPES",
@@ -93,6 +94,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where softmax, norms and products of ``dtype`` inputs accumulate: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def lse_dtype(query_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the LSE ``forward_mqa`` returns for ``query_dtype`` queries: float64 for float64 queries
+    (so that merging partials by LSE, as decode context parallelism does, keeps float64 accuracy), else
+    float32."""
+    return accumulate_dtype(query_dtype)
 
 
 #: largest finite float8 e4m3fn value (448): the divisor of amax-based fp8 scales

@@ -7,7 +7,7 @@ import torch
 from .cache import LatentKVCache
 from .capabilities import AttentionSpec, QueryLenSupport
 from .device import device_info_for
-from .dtypes import MODEL_DTYPES
+from .dtypes import MODEL_DTYPES, lse_dtype
 from .metadata import BatchMetadata
 from .reasons import Reason, ReasonKind, all_of_kinds, without_kinds
 from .validation import require_on_device, require_tensor
@@ -52,7 +52,7 @@ def check_mqa_inputs(
     if out is not None:
         require_tensor("out", out, shape=(T, H, cache.kv_lora_rank), dtypes=(q_latent.dtype,))
     if lse_out is not None:
-        require_tensor("lse_out", lse_out, shape=(T, H), dtypes=(torch.float32,))
+        require_tensor("lse_out", lse_out, shape=(T, H), dtypes=(lse_dtype(q_latent.dtype),))
     optional = {"topk_indices": topk_indices, "out": out, "lse_out": lse_out}
     require_on_device(cache.device, q_latent=q_latent, q_rope=q_rope, **{"meta.block_table": meta.block_table},
                       **{k: v for k, v in optional.items() if v is not None})

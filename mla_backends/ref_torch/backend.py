@@ -208,7 +208,7 @@ class RefTorchBackend(MLABackend):
                 m = m_new
         # every row sees position 0, so l_sum > 0 and m is a real score
         out.copy_((acc / l_sum[..., None]).view(b * n, H, r).to(out.dtype))
-        lse_out.copy_((m + torch.log(l_sum)).view(b * n, H).to(torch.float32))
+        lse_out.copy_((m + torch.log(l_sum)).view(b * n, H).to(lse_out.dtype))
 
     def _dense(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
                out: torch.Tensor, lse_out: torch.Tensor) -> None:
@@ -244,12 +244,12 @@ class RefTorchBackend(MLABackend):
             o, lse = o.view(b * Q, H, r), lse.view(b * Q, H)
             if tok_idx is None:
                 out[tok0: tok0 + b * Q] = o.to(out.dtype)
-                lse_out[tok0: tok0 + b * Q] = lse.to(torch.float32)
+                lse_out[tok0: tok0 + b * Q] = lse.to(lse_out.dtype)
             else:
                 flat = tok_idx.reshape(-1)
                 keep = flat >= 0
                 out[flat[keep]] = o[keep].to(out.dtype)
-                lse_out[flat[keep]] = lse[keep].to(torch.float32)
+                lse_out[flat[keep]] = lse[keep].to(lse_out.dtype)
 
     # ---- sparse ----------------------------------------------------------------------------------------
     def _sparse(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, topk: torch.Tensor,
@@ -271,4 +271,4 @@ class RefTorchBackend(MLABackend):
             scores.masked_fill_(~valid[:, None, :], float("-inf"))
             o, lse = softmax_with_lse(scores, kv[..., :r])
             out[t0:t1] = o.to(out.dtype)
-            lse_out[t0:t1] = lse.to(torch.float32)
+            lse_out[t0:t1] = lse.to(lse_out.dtype)

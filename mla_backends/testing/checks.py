@@ -14,7 +14,7 @@ import torch
 
 from ..backend import DEFAULT_TOLERANCES, MLABackend, Tolerance
 from ..device import device_info_for
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, lse_dtype
 from ..metadata import BatchMetadata
 from ..reasons import Reason, ReasonKind, as_reason
 from .cases import Case, UnsupportedProbe, declared_reasons
@@ -96,10 +96,11 @@ def tolerance_for(cls: type[MLABackend], dtype: torch.dtype, kv_cache_dtype: str
     )
 
 
-def lse_tolerance(tol: Tolerance) -> Tolerance:
-    """The LSE is float32 by contract: its tolerance is the declared one, but never tighter than float32's."""
-    f32 = DEFAULT_TOLERANCES["float32"]
-    return Tolerance(max(tol.atol, f32.atol), max(tol.rtol, f32.rtol))
+def lse_tolerance(tol: Tolerance, dtype: torch.dtype = torch.float32) -> Tolerance:
+    """The LSE of ``dtype`` queries is ``dtypes.lse_dtype(dtype)`` by contract (float32, float64 for float64):
+    its tolerance is the declared one, but never tighter than that dtype's."""
+    floor = DEFAULT_TOLERANCES[dtype_name(lse_dtype(dtype))]
+    return Tolerance(max(tol.atol, floor.atol), max(tol.rtol, floor.rtol))
 
 
 def assert_close(
@@ -165,12 +166,12 @@ def _check_result(cls: type[MLABackend], p: Prepared, out: torch.Tensor, lse: to
         return
     if lse is None:
         raise AssertionError(f"LSE: got None, but capabilities.returns_lse is True [{where}]")
-    if tuple(lse.shape) != (T, case.num_heads) or lse.dtype != torch.float32:
+    if tuple(lse.shape) != (T, case.num_heads) or lse.dtype != lse_dtype(case.dtype):
         raise AssertionError(
             f"LSE: got shape {list(lse.shape)} dtype {lse.dtype}; expected "
-            f"[{T}, {case.num_heads}] torch.float32 [{where}]"
+            f"[{T}, {case.num_heads}] {lse_dtype(case.dtype)} [{where}]"
         )
-    assert_close("LSE (natural log)", lse, ref_lse, lse_tolerance(tol), key, where, p.meta)
+    assert_close("LSE (natural log)", lse, ref_lse, lse_tolerance(tol, case.dtype), key, where, p.meta)
 
 
 # ---- the checks ------------------------------------------------------------------------------------------
