@@ -13,6 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from mla_backends.aliases import BACKEND_ALIASES, NAME_CLASHES, NOT_PROVIDED
 from mla_backends.registry import BackendName
 
 from .explain import capability_summary
@@ -102,12 +103,41 @@ def _matrix() -> list[str]:
     return out
 
 
+def _aliases() -> list[str]:
+    def names(values: tuple[str, ...]) -> str:
+        return ", ".join(f"`{v}`" for v in values) or "-"
+
+    out = ["## Names in vLLM and SGLang", "",
+           "Wherever a backend name is taken (`backend=`, `MLA_BACKEND`, `--backend`, `get_backend`, "
+           "`mla-backends conformance`), vLLM's and SGLang's names for the same kernel are accepted too "
+           "(case-insensitive). A registered backend's own name always wins over an alias. From "
+           "`mla_backends/aliases.py`:", "",
+           "| ours | vLLM | SGLang | what both names run |", "|---|---|---|---|"]
+    for a in BACKEND_ALIASES:
+        vllm = names(a.vllm)
+        clash = [c for c in NAME_CLASHES if c.theirs == a.ours and c.project == "vLLM"]
+        if clash:
+            parts = [vllm] if a.vllm else []
+            vllm = ", ".join(parts + [f"`{c.name}` (not an alias: see below)" for c in clash])
+        out.append(f"| `{a.ours}` | {vllm} | {names(a.sglang)} | {a.note} |")
+    out.append("")
+    for c in NAME_CLASHES:
+        out.append(f"**`{c.name}` differs in {c.project}:** {c.text}. Ours wins; "
+                   f"forcing `{c.name}` on SM{'/'.join(f'{m}x' for m in c.compute_capability_majors)} "
+                   f"adds this hint to the explanation.")
+        out.append("")
+    out.append("No counterpart here (the name is refused with this explanation): "
+               + "; ".join(f"`{n}` ({what})" for n, what in NOT_PROVIDED.items()) + ".")
+    out.append("")
+    return out
+
+
 _ENV = """\
 ## Environment variables
 
 | variable | effect |
 |---|---|
-| `MLA_BACKEND` | force a backend by name (case-insensitive); `auto`/unset: the ladder. `backend=` beats it. |
+| `MLA_BACKEND` | force a backend: a name (any case), an alias or `package.module:Class`; `auto`/unset: none. |
 | `MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD=1` | skip `mla_backends` entry-point plugins (built-ins still load). |
 | `TRITON_INTERPRET=1` | `TRITON_MLA` runs on a CPU through Triton's interpreter (testing only; force it). |
 | `CUDA_VISIBLE_DEVICES` | honoured when probing a device by index through NVML. |
@@ -119,7 +149,7 @@ to see the verdicts for any device.
 
 def render_selection_doc() -> str:
     """The full markdown text of ``docs/selection.md``."""
-    return "\n".join([_INTRO, *_ladders(), *_matrix(), _ENV])
+    return "\n".join([_INTRO, *_ladders(), *_matrix(), *_aliases(), _ENV])
 
 
 def main(argv: list[str] | None = None) -> int:

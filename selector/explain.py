@@ -78,6 +78,7 @@ def format_selection(sel: Selection) -> str:
                else "forced by the backend argument; ")
     lines.append(f"Chosen: {sel.name}, block_size {sel.block_size} ({how}{why})")
     lines += _page_notes(sel.verdicts, asked)
+    lines += [f"Note: {n}" for n in sel.notes]
     lines += format_problems(sel.plugin_problems)
     return "\n".join(lines)
 
@@ -120,18 +121,19 @@ def _request_dict(spec: AttentionSpec) -> dict[str, Any]:
 
 def selection_dict(sel: Selection) -> dict[str, Any]:
     """``{"backend", "block_size", "device", "candidates", ...}`` (the ``--json`` format)."""
-    return {"backend": sel.name, "block_size": sel.block_size, "device": device_dict(sel.device),
-            "candidates": _candidates(sel.verdicts), "ladder": sel.ladder, "forced_by": sel.forced_by,
-            "request": _request_dict(sel.spec),
+    return {"backend": sel.name, "source": next((v.source for v in sel.verdicts if v.selected), None),
+            "block_size": sel.block_size, "requested_block_size": sel.requested_block_size,
+            "device": device_dict(sel.device), "candidates": _candidates(sel.verdicts), "ladder": sel.ladder,
+            "forced_by": sel.forced_by, "request": _request_dict(sel.spec), "notes": list(sel.notes),
             "plugin_problems": [p.describe() for p in sel.plugin_problems]}
 
 
 def failure_dict(err: SelectionError) -> dict[str, Any]:
     """The ``--json`` document when nothing fits: ``backend`` and ``block_size`` are null."""
-    return {"backend": None, "block_size": None, "device": device_dict(err.device),
-            "candidates": _candidates(err.verdicts), "ladder": err.ladder,
+    return {"backend": None, "source": None, "block_size": None, "requested_block_size": err.spec.block_size,
+            "device": device_dict(err.device), "candidates": _candidates(err.verdicts), "ladder": err.ladder,
             "forced_by": getattr(err, "forced_by", None), "request": _request_dict(err.spec),
-            "error": str(err).splitlines()[0], "hint": getattr(err, "hint", None),
+            "error": str(err).splitlines()[0], "hint": getattr(err, "hint", None), "notes": list(err.notes),
             "plugin_problems": [p.describe() for p in err.plugin_problems]}
 
 
