@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", default="bfloat16", help="model dtype that 'auto' follows (default bfloat16)")
     p.add_argument(
-        "--context", type=int, default=None, metavar="N", help="tokens per sequence, for per-sequence sizes"
+        "--context", type=int_list, default=None, metavar="S[,S...]",
+        help="tokens per sequence, one or a list, for per-sequence sizes (and how many fit in --gpu-memory)",
     )
     p.add_argument(
         "--gpu-memory",
@@ -79,18 +80,15 @@ def run_kv_cache(args: argparse.Namespace) -> int:
     dims = load_model_dims(args.model)
     per_rank_dims(dims, args.tp)  # checks --tp; the cost functions take the whole model and tp
     tp = args.tp
-    if args.context is not None and args.context <= 0:
-        raise ValueError(f"--context: got {args.context}; supported a positive number of tokens")
     if args.gpu_memory is not None and args.gpu_memory <= 0:
         raise ValueError(f"--gpu-memory: got {args.gpu_memory}; supported a positive number of GiB")
-    rep = reports.kv_cache_report(
-        dims,
-        kv_cache_dtype=args.kv_cache_dtype,
-        model_dtype=args.dtype,
-        tp=tp,
-        context_len=args.context,
-        gpu_memory_gib=args.gpu_memory,
-    )
+    contexts = args.context or [None]
+    reps = [reports.kv_cache_report(dims, kv_cache_dtype=args.kv_cache_dtype, model_dtype=args.dtype, tp=tp,
+                                    context_len=s, gpu_memory_gib=args.gpu_memory) for s in contexts]
+    rep = reps[0]  # the first --context's per-sequence figures stay at the top level
+    if args.context:
+        rep["sequences"] = [{k: r[k] for k in ("context_len", "bytes_per_sequence", "sequences_that_fit")
+                             if k in r} for r in reps]
     if args.json:
         print(json.dumps(rep, indent=2))
         return 0
@@ -123,16 +121,16 @@ def run_kv_cache(args: argparse.Namespace) -> int:
         f"  decode arithmetic intensity {rep['decode_arithmetic_intensity']:.0f} FLOP/B per rank "
         f"(GQA: {rep['gqa_decode_arithmetic_intensity']:.0f})"
     )
-    if "bytes_per_sequence" in rep:
-        print(f"  one {rep['context_len']:,}-token sequence: {rep['bytes_per_sequence'] / 2**20:,.1f} MiB")
+    for seq in rep.get("sequences", []):
+        print(f"  one {seq['context_len']:,}-token sequence: {seq['bytes_per_sequence'] / 2**20:,.1f} MiB")
     if "tokens_that_fit" in rep:
         line = (
             f"  {args.gpu_memory:g} GiB holds {rep['tokens_that_fit']:,} tokens "
             f"(GQA: {rep['gqa_tokens_that_fit']:,})"
         )
-        if "sequences_that_fit" in rep:
-            line += f", {rep['sequences_that_fit']:,} sequences of {rep['context_len']:,}"
-        print(line)
+        fits = [f"{seq['sequences_that_fit']:,} sequences of {seq['context_len']:,}"
+                for seq in rep.get("sequences", []) if "sequences_that_fit" in seq]
+        print(", ".join([line, *fits]))
     return 0
 
 
