@@ -59,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int_list,
         default=None,
         metavar="S[,S...]",
-        help=f"context lengths, one or a list (default {csv_text(tuning.DEFAULT_CONTEXTS)})",
+        help=f"one or a list of context lengths (default {csv_text(tuning.DEFAULT_CONTEXTS)})",
     )
     # the old spelling, kept working but no longer shown
     p.add_argument("--contexts", dest="context", type=int_list, default=None, help=argparse.SUPPRESS)
