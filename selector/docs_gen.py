@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 from mla_backends.aliases import BACKEND_ALIASES, NAME_CLASHES, NOT_PROVIDED
@@ -34,11 +35,13 @@ _INTRO = """\
 backend for a request in three steps:
 
 1. **Override.** The `backend=` argument (the CLI's `--backend`), else the `MLA_BACKEND` environment variable
-   (`auto` or unset: no override). A forced backend that does not fit raises
-   `BackendNotSupportedError` with its reasons; there is no silent fallback.
-2. **Ladder.** The device (NVML through `pynvml`, or simulated: `"sm90"`, `(10, 0)`, `"cpu"`) picks an
-   architecture family below; the request picks one of its four orderings (dense or sparse, 16/32-bit or fp8
-   cache). Plugins may insert their backends before or after a built-in; built-ins never move.
+   (`auto` or unset: no override): a registered name, vLLM's or SGLang's name for it (below) or a
+   `package.module:Class` import path (an uninstalled backend, labelled with that source). A forced
+   backend that does not fit raises `BackendNotSupportedError` with its reasons; there is no silent fallback.
+2. **Ladder.** The device (NVML through `pynvml`, or simulated: `"sm90"`, `(10, 0)`, `"cpu"`, or a product
+   of the GPU table such as `"h200"` or `"b200"`, see `docs/gpus.md`) picks an architecture family below; the
+   request picks one of its four orderings (dense or sparse, 16/32-bit or fp8 cache). Plugins may insert
+   their backends before or after a built-in; built-ins never move.
 3. **Verdicts.** Each candidate's declared `Capabilities` are checked against the request; the first with
    no reason wins. With `block_size=None` the winner's preferred page size is used. Every rejection carries
    every reason, worded `"<what>: got X; supported Y"`. If a block size you gave was the *only* obstacle of a
@@ -107,11 +110,14 @@ def _aliases() -> list[str]:
     def names(values: tuple[str, ...]) -> str:
         return ", ".join(f"`{v}`" for v in values) or "-"
 
+    def para(text: str) -> str:
+        return textwrap.fill(text, width=110, break_on_hyphens=False, break_long_words=False)
+
     out = ["## Names in vLLM and SGLang", "",
-           "Wherever a backend name is taken (`backend=`, `MLA_BACKEND`, `--backend`, `get_backend`, "
-           "`mla-backends conformance`), vLLM's and SGLang's names for the same kernel are accepted too "
-           "(case-insensitive). A registered backend's own name always wins over an alias. From "
-           "`mla_backends/aliases.py`:", "",
+           para("Wherever a backend name is taken (`backend=`, `MLA_BACKEND`, `--backend`, `get_backend`, "
+                "`mla-backends conformance`), vLLM's and SGLang's names for the same kernel are accepted too "
+                "(case-insensitive). A registered backend's own name always wins over an alias. From "
+                "`mla_backends/aliases.py`:"), "",
            "| ours | vLLM | SGLang | what both names run |", "|---|---|---|---|"]
     for a in BACKEND_ALIASES:
         vllm = names(a.vllm)
@@ -122,12 +128,12 @@ def _aliases() -> list[str]:
         out.append(f"| `{a.ours}` | {vllm} | {names(a.sglang)} | {a.note} |")
     out.append("")
     for c in NAME_CLASHES:
-        out.append(f"**`{c.name}` differs in {c.project}:** {c.text}. Ours wins; "
-                   f"forcing `{c.name}` on SM{'/'.join(f'{m}x' for m in c.compute_capability_majors)} "
-                   f"adds this hint to the explanation.")
+        out.append(para(f"**`{c.name}` differs in {c.project}:** {c.text}. Ours wins; forcing `{c.name}` "
+                        f"on SM{'/'.join(f'{m}x' for m in c.compute_capability_majors)} adds this hint to the "
+                        "explanation."))
         out.append("")
-    out.append("No counterpart here (the name is refused with this explanation): "
-               + "; ".join(f"`{n}` ({what})" for n, what in NOT_PROVIDED.items()) + ".")
+    out.append(para("No counterpart here (the name is refused with this explanation): "
+                    + "; ".join(f"`{n}` ({what})" for n, what in NOT_PROVIDED.items()) + "."))
     out.append("")
     return out
 
