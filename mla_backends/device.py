@@ -1,8 +1,9 @@
 """The description of a device that backends, the layer and the selector share: :class:`DeviceInfo`.
 
 Built from a torch device (:func:`device_info_for`), from NVML (``selector.detect.detect_device``, the
-selector's probe) or given for simulation (``"sm90"``, ``(10, 0)``, ``"cpu"``; :func:`parse_device_spec`).
-A bottom module of ``mla_backends``: it imports only the standard library (torch only when
+selector's probe) or given for simulation (``"sm90"``, ``(10, 0)``, ``"cpu"``, or a product name from the
+GPU table such as ``"h200"`` or ``"rtx-pro-6000"``; :func:`parse_device_spec`). A bottom module of
+``mla_backends``: it imports only the standard library and :mod:`mla_backends.gpus` (torch only when
 :func:`cuda_device_index` / :func:`device_info_for` run). ``selector.device`` re-exports it.
 """
 
@@ -11,11 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .gpus import gpu_spec, known_gpu_names
+
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DeviceInfo", "CPU_DEVICE", "SIMULATED_NAMES", "simulated_device", "parse_device_spec",
-           "cuda_device_index", "device_info_for"]
+__all__ = ["DeviceInfo", "CPU_DEVICE", "SIMULATED_NAMES", "simulated_device", "simulated_gpu",
+           "parse_device_spec", "cuda_device_index", "device_info_for"]
 
 
 @dataclass(frozen=True)
@@ -107,8 +110,8 @@ SIMULATED_NAMES: dict[tuple[int, int], str] = {
     (12, 1): "NVIDIA DGX Spark GB10",
 }
 
-_SUPPORTED_FORMS = ("'auto', 'cpu', 'cuda[:N]', an int index, 'sm90'/'sm_100a', a (major, minor) tuple "
-                    "or a DeviceInfo")
+_SUPPORTED_FORMS = ("'auto', 'cpu', 'cuda[:N]', an int index, 'sm90'/'sm_100a', a GPU product name ("
+                    + ", ".join(known_gpu_names()) + "), a (major, minor) tuple or a DeviceInfo")
 
 
 def simulated_device(major: int, minor: int) -> DeviceInfo:
@@ -123,10 +126,22 @@ def simulated_device(major: int, minor: int) -> DeviceInfo:
     return DeviceInfo(kind="cuda", name=name, compute_capability=(major, minor), simulated=True)
 
 
+def simulated_gpu(product: str) -> DeviceInfo:
+    """A simulated CUDA device for a product of the GPU table (``"h200"``, ``"B200"``, ``"rtx-pro-6000"``):
+    its marketing name, compute capability, memory (bytes) and SM count from :mod:`mla_backends.gpus`.
+
+    Raises TypeError for a non-string and ValueError naming the known products for an unknown name.
+    """
+    row = gpu_spec(product)
+    return DeviceInfo(kind="cuda", name=row.name, compute_capability=row.compute_capability,
+                      total_memory=row.memory_bytes, sm_count=row.sms, simulated=True)
+
+
 def parse_device_spec(device: object) -> DeviceInfo | int | None:
     """Turn a user's device argument into a :class:`DeviceInfo`, or into a CUDA index to probe.
 
-    Returns a DeviceInfo for simulated devices (``"sm90"``, ``(9, 0)``, ``"cpu"``) and for DeviceInfo input;
+    Returns a DeviceInfo for simulated devices (``"sm90"``, ``(9, 0)``, ``"cpu"``, a product name of the GPU
+    table: ``"h100"``, ``"b200"``, ``"rtx5090"``, see :func:`simulated_gpu`) and for DeviceInfo input;
     an int (the CUDA device index) for ``"cuda"``, ``"cuda:N"`` or ``N``; None for ``None``/``"auto"``
     (probe device 0). Raises ValueError/TypeError naming the argument for anything else.
     """
@@ -156,4 +171,7 @@ def parse_device_spec(device: object) -> DeviceInfo | int | None:
     sm = text.removeprefix("sm").removeprefix("_").rstrip("af")
     if text.startswith("sm") and sm.isdigit() and len(sm) in (2, 3):
         return simulated_device(int(sm[:-1]), int(sm[-1]))
-    raise ValueError(f"device: got {device!r}; supported {_SUPPORTED_FORMS}")
+    try:
+        return simulated_gpu(text)
+    except ValueError:
+        raise ValueError(f"device: got {device!r}; supported {_SUPPORTED_FORMS}") from None

@@ -238,11 +238,19 @@ class MLAAttention(torch.nn.Module):
         self._loaded = True
 
     # ---- cache, workspace, dispatch ----------------------------------------------------------------------
-    def allocate_cache(self, num_blocks: int, block_size: int, kv_cache_dtype: str | torch.dtype = "auto", *,
-                       scale: float = 1.0) -> LatentKVCache:
+    @property
+    def preferred_block_size(self) -> int:
+        """The page size (tokens) the selection gives this layer's backend when none is asked for: its
+        ``capabilities.preferred_page_size``, what ``select_backend(...).block_size`` returns for it."""
+        return self.backend_cls.capabilities.preferred_page_size
+
+    def allocate_cache(self, num_blocks: int, block_size: int | None = None,
+                       kv_cache_dtype: str | torch.dtype = "auto", *, scale: float = 1.0) -> LatentKVCache:
         """A zeroed :class:`LatentKVCache` for this layer (model dtype, device), after checking that the
-        backend takes ``block_size`` and ``kv_cache_dtype``. Under DCP it holds this rank's pages only."""
+        backend takes ``block_size`` (None: :attr:`preferred_block_size`) and ``kv_cache_dtype``. Under DCP it
+        holds this rank's pages only."""
         require_int("num_blocks", num_blocks, minimum=1)
+        block_size = self.preferred_block_size if block_size is None else block_size
         require_int("block_size", block_size, minimum=1)
         reasons = _blocking_reasons(self.backend_cls, self._spec(
             kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype), block_size))

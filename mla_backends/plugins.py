@@ -202,7 +202,9 @@ def registered_backends() -> dict[str, type[MLABackend]]:
 
 
 def get_backend(name: str | BackendName | type[MLABackend]) -> type[MLABackend]:
-    """Resolve a backend by (case-insensitive) name, enum member or class."""
+    """Resolve a backend by (case-insensitive) name, enum member, class, ``"package.module:Class"`` import
+    path or another project's name for the same kernel (``"CUTLASS_MLA"``, ``"trtllm_mla"``; see
+    :mod:`mla_backends.aliases`; a registered name wins over an alias)."""
     return get_registry().get(name)
 
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import difflib
 import enum
+import importlib
 import re
 import threading
 from dataclasses import dataclass
 
+from .aliases import alias_names, alias_target, not_provided_note
 from .backend import Capabilities, MLABackend
 
 __all__ = [
@@ -31,7 +33,9 @@ __all__ = [
 
 
 class BackendName(enum.StrEnum):
-    """Built-in backend names (case-insensitive on input: ``BackendName("triton_mla")`` works)."""
+    """Built-in backend names (case-insensitive on input: ``BackendName("triton_mla")`` works, and so do
+    vLLM's and SGLang's names for the same kernel: ``BackendName("cutlass_mla")``, see
+    :mod:`mla_backends.aliases`)."""
 
     REF_TORCH = "REF_TORCH"
     TRITON_MLA = "TRITON_MLA"
@@ -44,8 +48,9 @@ class BackendName(enum.StrEnum):
     def _missing_(cls, value: object) -> BackendName | None:
         if isinstance(value, str):
             key = value.strip().upper()
+            target = alias_target(value)
             for member in cls:
-                if member.value == key:
+                if member.value in (key, target):
                     return member
         return None
 
@@ -226,29 +231,69 @@ class Registry:
         return tuple(self._entries)
 
     def get(self, name: str | BackendName | type[MLABackend]) -> type[MLABackend]:
-        """Resolve a (case-insensitive) name, enum member or class; unknown names raise with a suggestion.
+        """The backend class for a name, enum member, class or import path (see :meth:`resolve`)."""
+        return self.resolve(name).cls
 
-        A class need not be registered, but it is checked as :meth:`add` would (``ValueError`` listing every
-        problem: the abstract base, a missing ``_forward_mqa_impl``, malformed capabilities ...).
+    def resolve(self, name: str | BackendName | type[MLABackend]) -> RegisteredBackend:
+        """Resolve what a user gave as a backend to its entry, with the source it came from.
+
+        In this order: a class (checked as :meth:`add` would; its entry when registered, else source
+        ``"api"``); a ``"package.module:Class"`` import path (imported now; a class that is not registered
+        gets the source ``"import path package.module:Class"``, so an uninstalled backend can be selected
+        and tested before it has an entry point); a registered name (case-insensitive); an alias from
+        :mod:`mla_backends.aliases` (vLLM's ``CUTLASS_MLA``, SGLang's ``trtllm_mla``...). A registered
+        name always wins over an alias. Unknown names raise :class:`UnknownBackendError` with a suggestion.
         """
         if isinstance(name, type) and issubclass(name, MLABackend):
             problems = validate_backend_class(name)
             if problems:
                 raise ValueError(f"backend {name.__qualname__}: " + "; ".join(problems))
-            return name
+            return self._entry_of(name) or RegisteredBackend(name=name.name.strip().upper(), cls=name,
+                                                             source="api")
         if isinstance(name, BackendName):
             name = name.value
         if not isinstance(name, str):
             raise TypeError(f"backend: got {type(name).__name__}; supported a backend name or "
                             "MLABackend subclass")
+        if ":" in name:
+            return self._import_path(name.strip())
         key = name.strip().upper()
         found = self._entries.get(key)
         if found is not None:
-            return found.cls
+            return found
+        target = alias_target(name)
+        if target is not None and target in self._entries:
+            return self._entries[target]
         known = sorted(self._entries)
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        close = difflib.get_close_matches(key, [*known, *alias_names()], n=1, cutoff=0.5)
+        hint = f" (did you mean {alias_target(close[0]) or close[0]}?)" if close else ""
         missing = ""
-        if key in BackendName.__members__:
-            missing = f"; the built-in {key} is not registered in this installation"
+        builtin = target or key
+        if builtin in BackendName.__members__:
+            alias = "" if target is None else f"{name.strip()!r} is an alias of {target}; "
+            missing = f"; {alias}the built-in {builtin} is not registered in this installation"
+        elif (note := not_provided_note(name)) is not None:
+            missing, hint = f"; {note}", ""
         raise UnknownBackendError(f"backend: got {name!r}; supported {', '.join(known)}{hint}{missing}")
+
+    def _entry_of(self, cls: type[MLABackend]) -> RegisteredBackend | None:
+        return next((e for e in self._entries.values() if e.cls is cls), None)
+
+    def _import_path(self, text: str) -> RegisteredBackend:
+        """``"package.module:Class"`` -> its entry (registered) or an unregistered one labelled by the path."""
+        mod_name, _, attr = text.partition(":")
+        supported = "'package.module:Class' naming an MLABackend subclass"
+        if not mod_name or not attr:
+            raise ValueError(f"backend: got {text!r}; supported {supported}")
+        try:
+            obj = getattr(importlib.import_module(mod_name), attr)
+        except Exception as exc:  # ImportError, AttributeError, or whatever the module raises on import
+            raise ValueError(f"backend: got {text!r}, which cannot be imported ({type(exc).__name__}: {exc}); "
+                             f"supported {supported}") from exc
+        if not (isinstance(obj, type) and issubclass(obj, MLABackend)):
+            raise TypeError(f"backend: got {text!r} -> {obj!r}; supported an MLABackend subclass")
+        problems = validate_backend_class(obj)
+        if problems:
+            raise ValueError(f"backend {text}: " + "; ".join(problems))
+        return self._entry_of(obj) or RegisteredBackend(name=obj.name.strip().upper(), cls=obj,
+                                                        source=f"import path {text}")

@@ -14,7 +14,7 @@ from typing import Any
 
 from mla_backends.device import CPU_DEVICE, DeviceInfo, parse_device_spec
 
-__all__ = ["detect_device", "resolve_device", "clear_device_cache"]
+__all__ = ["detect_device", "detect_devices", "resolve_device", "clear_device_cache"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,36 @@ def detect_device(index: int = 0) -> DeviceInfo:
         with _LOCK:
             _CACHE[key] = found
     return found
+
+
+def detect_devices() -> tuple[DeviceInfo, ...]:
+    """Every CUDA device this process can see (logical indices 0, 1, ...; ``CUDA_VISIBLE_DEVICES``
+    honoured), read through NVML; empty on a machine without a GPU, a driver or ``pynvml``. Never raises."""
+    try:
+        import pynvml as nvml
+    except ImportError:
+        return ()
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:
+        log.debug("device list: NVML unavailable (%s: %s)", type(exc).__name__, exc)
+        return ()
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+    except Exception:
+        count = 0
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+    found = []
+    for index in range(count):
+        dev = detect_device(index)
+        if not dev.is_cuda:  # not visible under CUDA_VISIBLE_DEVICES, or unreadable: the list ends
+            break
+        found.append(dev)
+    return tuple(found)
 
 
 def resolve_device(device: object = None) -> DeviceInfo:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
+from mla_backends.aliases import BACKEND_ALIASES, NAME_CLASHES, NOT_PROVIDED
 from mla_backends.registry import BackendName
 
 from .explain import capability_summary
@@ -33,11 +35,13 @@ _INTRO = """\
 backend for a request in three steps:
 
 1. **Override.** The `backend=` argument (the CLI's `--backend`), else the `MLA_BACKEND` environment variable
-   (`auto` or unset: no override). A forced backend that does not fit raises
-   `BackendNotSupportedError` with its reasons; there is no silent fallback.
-2. **Ladder.** The device (NVML through `pynvml`, or simulated: `"sm90"`, `(10, 0)`, `"cpu"`) picks an
-   architecture family below; the request picks one of its four orderings (dense or sparse, 16/32-bit or fp8
-   cache). Plugins may insert their backends before or after a built-in; built-ins never move.
+   (`auto` or unset: no override): a registered name, vLLM's or SGLang's name for it (below) or a
+   `package.module:Class` import path (an uninstalled backend, labelled with that source). A forced
+   backend that does not fit raises `BackendNotSupportedError` with its reasons; there is no silent fallback.
+2. **Ladder.** The device (NVML through `pynvml`, or simulated: `"sm90"`, `(10, 0)`, `"cpu"`, or a product
+   of the GPU table such as `"h200"` or `"b200"`, see `docs/gpus.md`) picks an architecture family below; the
+   request picks one of its four orderings (dense or sparse, 16/32-bit or fp8 cache). Plugins may insert
+   their backends before or after a built-in; built-ins never move.
 3. **Verdicts.** Each candidate's declared `Capabilities` are checked against the request; the first with
    no reason wins. With `block_size=None` the winner's preferred page size is used. Every rejection carries
    every reason, worded `"<what>: got X; supported Y"`. If a block size you gave was the *only* obstacle of a
@@ -102,12 +106,44 @@ def _matrix() -> list[str]:
     return out
 
 
+def _aliases() -> list[str]:
+    def names(values: tuple[str, ...]) -> str:
+        return ", ".join(f"`{v}`" for v in values) or "-"
+
+    def para(text: str) -> str:
+        return textwrap.fill(text, width=110, break_on_hyphens=False, break_long_words=False)
+
+    out = ["## Names in vLLM and SGLang", "",
+           para("Wherever a backend name is taken (`backend=`, `MLA_BACKEND`, `--backend`, `get_backend`, "
+                "`mla-backends conformance`), vLLM's and SGLang's names for the same kernel are accepted too "
+                "(case-insensitive). A registered backend's own name always wins over an alias. From "
+                "`mla_backends/aliases.py`:"), "",
+           "| ours | vLLM | SGLang | what both names run |", "|---|---|---|---|"]
+    for a in BACKEND_ALIASES:
+        vllm = names(a.vllm)
+        clash = [c for c in NAME_CLASHES if c.theirs == a.ours and c.project == "vLLM"]
+        if clash:
+            parts = [vllm] if a.vllm else []
+            vllm = ", ".join(parts + [f"`{c.name}` (not an alias: see below)" for c in clash])
+        out.append(f"| `{a.ours}` | {vllm} | {names(a.sglang)} | {a.note} |")
+    out.append("")
+    for c in NAME_CLASHES:
+        out.append(para(f"**`{c.name}` differs in {c.project}:** {c.text}. Ours wins; forcing `{c.name}` "
+                        f"on SM{'/'.join(f'{m}x' for m in c.compute_capability_majors)} adds this hint to the "
+                        "explanation."))
+        out.append("")
+    out.append(para("No counterpart here (the name is refused with this explanation): "
+                    + "; ".join(f"`{n}` ({what})" for n, what in NOT_PROVIDED.items()) + "."))
+    out.append("")
+    return out
+
+
 _ENV = """\
 ## Environment variables
 
 | variable | effect |
 |---|---|
-| `MLA_BACKEND` | force a backend by name (case-insensitive); `auto`/unset: the ladder. `backend=` beats it. |
+| `MLA_BACKEND` | force a backend: a name (any case), an alias or `package.module:Class`; `auto`/unset: none. |
 | `MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD=1` | skip `mla_backends` entry-point plugins (built-ins still load). |
 | `TRITON_INTERPRET=1` | `TRITON_MLA` runs on a CPU through Triton's interpreter (testing only; force it). |
 | `CUDA_VISIBLE_DEVICES` | honoured when probing a device by index through NVML. |
@@ -119,7 +155,7 @@ to see the verdicts for any device.
 
 def render_selection_doc() -> str:
     """The full markdown text of ``docs/selection.md``."""
-    return "\n".join([_INTRO, *_ladders(), *_matrix(), _ENV])
+    return "\n".join([_INTRO, *_ladders(), *_matrix(), *_aliases(), _ENV])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from .select import Selection, SelectionError, Verdict
 
 __all__ = ["format_selection", "format_failure", "selection_dict", "failure_dict", "device_dict",
-           "format_problems", "capability_summary"]
+           "format_problems", "capability_summary", "capability_data"]
 
 
 def _request_line(spec: AttentionSpec) -> str:
@@ -78,6 +78,7 @@ def format_selection(sel: Selection) -> str:
                else "forced by the backend argument; ")
     lines.append(f"Chosen: {sel.name}, block_size {sel.block_size} ({how}{why})")
     lines += _page_notes(sel.verdicts, asked)
+    lines += [f"Note: {n}" for n in sel.notes]
     lines += format_problems(sel.plugin_problems)
     return "\n".join(lines)
 
@@ -115,23 +116,25 @@ def _request_dict(spec: AttentionSpec) -> dict[str, Any]:
             "qk_rope_head_dim": spec.qk_rope_head_dim, "dtype": dtype_name(spec.dtype),
             "kv_cache_dtype": spec.resolved_kv_cache_dtype, "block_size": spec.block_size,
             "sparse": spec.sparse,
-            "max_query_len": spec.max_query_len, "need_lse": spec.need_lse}
+            "max_query_len": spec.max_query_len, "uniform_query_len": spec.uniform_query_len,
+            "need_lse": spec.need_lse}
 
 
 def selection_dict(sel: Selection) -> dict[str, Any]:
     """``{"backend", "block_size", "device", "candidates", ...}`` (the ``--json`` format)."""
-    return {"backend": sel.name, "block_size": sel.block_size, "device": device_dict(sel.device),
-            "candidates": _candidates(sel.verdicts), "ladder": sel.ladder, "forced_by": sel.forced_by,
-            "request": _request_dict(sel.spec),
+    return {"backend": sel.name, "source": next((v.source for v in sel.verdicts if v.selected), None),
+            "block_size": sel.block_size, "requested_block_size": sel.requested_block_size,
+            "device": device_dict(sel.device), "candidates": _candidates(sel.verdicts), "ladder": sel.ladder,
+            "forced_by": sel.forced_by, "request": _request_dict(sel.spec), "notes": list(sel.notes),
             "plugin_problems": [p.describe() for p in sel.plugin_problems]}
 
 
 def failure_dict(err: SelectionError) -> dict[str, Any]:
     """The ``--json`` document when nothing fits: ``backend`` and ``block_size`` are null."""
-    return {"backend": None, "block_size": None, "device": device_dict(err.device),
-            "candidates": _candidates(err.verdicts), "ladder": err.ladder,
+    return {"backend": None, "source": None, "block_size": None, "requested_block_size": err.spec.block_size,
+            "device": device_dict(err.device), "candidates": _candidates(err.verdicts), "ladder": err.ladder,
             "forced_by": getattr(err, "forced_by", None), "request": _request_dict(err.spec),
-            "error": str(err).splitlines()[0], "hint": getattr(err, "hint", None),
+            "error": str(err).splitlines()[0], "hint": getattr(err, "hint", None), "notes": list(err.notes),
             "plugin_problems": [p.describe() for p in err.plugin_problems]}
 
 
@@ -156,6 +159,45 @@ def capability_summary(cls: type) -> dict[str, Any]:
         "decode_threshold": caps.decode_threshold,
         "attention": "/".join(k for k, on in (("dense", caps.dense), ("sparse", caps.sparse)) if on),
         "returns_lse": caps.returns_lse,
+        "requires": list(caps.requires),
+        "extra": caps.extra,
+    }
+
+
+def _pairs(values: object) -> list[list[int]] | None:
+    return None if values is None else [list(v) for v in sorted(values)]  # type: ignore[call-overload]
+
+
+def capability_data(cls: type) -> dict[str, Any]:
+    """The declarations of one backend as data (lists, ints, bools, None): ``mla-backends list --json``.
+
+    Compute capabilities are ``[major, minor]`` pairs; ``page_sizes`` / ``num_heads`` / ``dims`` are None
+    when any value is accepted (``page_size_multiple`` / ``max_num_heads`` then may bound them).
+    """
+    caps = cls.capabilities
+    cc_bound = [None if c is None else list(c) for c in
+                (caps.min_compute_capability, caps.max_compute_capability, caps.fp8_min_compute_capability)]
+    return {
+        "cpu": caps.cpu,
+        "cpu_env_switch": caps.cpu_env_switch,
+        "compute_capabilities": _pairs(caps.compute_capabilities),
+        "min_compute_capability": cc_bound[0],
+        "max_compute_capability": cc_bound[1],
+        "fp8_min_compute_capability": cc_bound[2],
+        "dtypes": sorted(dtype_name(d) for d in caps.dtypes),
+        "kv_cache_dtypes": sorted(caps.kv_cache_dtypes),
+        "page_sizes": None if caps.page_sizes is None else list(caps.page_sizes),
+        "page_size_multiple": caps.page_size_multiple,
+        "preferred_page_size": caps.preferred_page_size,
+        "dims": _pairs(caps.dims),
+        "num_heads": None if caps.num_heads is None else sorted(caps.num_heads),
+        "max_num_heads": caps.max_num_heads,
+        "query_len": caps.query_len.name.lower(),
+        "decode_threshold": caps.decode_threshold,
+        "dense": caps.dense,
+        "sparse": caps.sparse,
+        "returns_lse": caps.returns_lse,
+        "deterministic": caps.deterministic,
         "requires": list(caps.requires),
         "extra": caps.extra,
     }

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mla_backends.aliases import alias_note, name_clash_note
 from mla_backends.backend import AttentionSpec, MLABackend
 from mla_backends.device import DeviceInfo
 from mla_backends.dims import MLADims
@@ -94,6 +95,8 @@ class Selection:
         ladder: ``"<family>/<variant>"`` walked, or ``"forced"``.
         forced_by: None, ``"argument"`` or ``"MLA_BACKEND"``.
         plugin_problems: plugin failures recorded while loading the registry.
+        requested_block_size: the page size the caller asked for (None: the backend's preferred one).
+        notes: hints about the request, such as a forced name that means another kernel elsewhere.
     """
 
     backend: type[MLABackend]
@@ -105,6 +108,7 @@ class Selection:
     forced_by: str | None = None
     plugin_problems: tuple[PluginProblem, ...] = ()
     requested_block_size: int | None = None
+    notes: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -128,13 +132,14 @@ class SelectionError(RuntimeError):
 
     def __init__(self, message: str, *, device: DeviceInfo, spec: AttentionSpec,
                  verdicts: tuple[Verdict, ...], ladder: str,
-                 plugin_problems: tuple[PluginProblem, ...] = ()) -> None:
+                 plugin_problems: tuple[PluginProblem, ...] = (), notes: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.device = device
         self.spec = spec
         self.verdicts = verdicts
         self.ladder = ladder
         self.plugin_problems = plugin_problems
+        self.notes = notes
 
     def to_dict(self) -> dict[str, Any]:
         from .explain import failure_dict
@@ -283,7 +288,9 @@ def select_backend(
             number of query tokens per request sent to ``forward_mqa`` and whether all requests send as many.
         device: None/``"auto"`` (probe CUDA device 0 through NVML), ``"cuda:N"``, an index, a simulated
             ``"sm90"``/``(10, 0)``/``"cpu"``, or a :class:`DeviceInfo`.
-        backend: force a backend by name or class (beats ``MLA_BACKEND``); None or ``"auto"`` lets it choose.
+        backend: force a backend (beats ``MLA_BACKEND``): a registered name, vLLM's or SGLang's name for
+            the same kernel (``"CUTLASS_MLA"``, ``"trtllm_mla"``), a ``"package.module:Class"`` import path
+            (an uninstalled plugin) or a class; None or ``"auto"`` lets it choose.
         need_lse: the caller needs the log-sum-exp (e.g. to merge partial results).
 
     Raises:
@@ -358,17 +365,23 @@ def _select(registry: Registry, dims: object, dtype: object, kv_cache_dtype: obj
 
 def _forced(registry: Registry, spec: AttentionSpec, backend: object, forced_by: str, *,
             problems: tuple[PluginProblem, ...]) -> Selection:
+    """One verdict for a forced backend: a registered name, an alias, an import path or a class."""
     try:
-        cls = registry.get(backend)  # type: ignore[arg-type]
-    except UnknownBackendError as exc:
+        entry = registry.resolve(backend)  # type: ignore[arg-type]
+    except (UnknownBackendError, ValueError, TypeError) as exc:
         if forced_by == MLA_BACKEND_ENV:
-            raise UnknownBackendError(f"{MLA_BACKEND_ENV} environment variable: {exc}") from None
+            raise type(exc)(f"{MLA_BACKEND_ENV} environment variable: {exc}") from None
         raise
-    entry = registry.entry(cls.name)
-    source = entry.source if entry is not None and entry.cls is cls else "api"
+    cls = entry.cls
+    notes: tuple[str, ...] = ()
+    if isinstance(backend, str):
+        found = [name_clash_note(backend, spec.device.compute_capability)]
+        if registry.entry(backend) is None:  # reached through an alias, not a registered name
+            found.append(alias_note(backend))
+        notes = tuple(f"{n}." for n in found if n is not None)
     reasons = evaluate(cls, spec)
     bs = spec.block_size if spec.block_size is not None else cls.capabilities.preferred_page_size
-    verdict = Verdict(name=cls.name.upper(), source=source, reasons=reasons, selected=not reasons,
+    verdict = Verdict(name=cls.name.upper(), source=entry.source, reasons=reasons, selected=not reasons,
                       block_size=bs)
     if reasons:
         from .explain import format_failure
@@ -377,12 +390,13 @@ def _forced(registry: Registry, spec: AttentionSpec, backend: object, forced_by:
                 else "pass backend=None or 'auto'")
         who = ("the MLA_BACKEND environment variable" if forced_by == MLA_BACKEND_ENV
                else "the backend argument")
+        footer = (f"{verdict.name} was forced by {who} and does not fit (no silent fallback); "
+                  f"{undo} to let the selector choose.")
         msg = format_failure(spec.device, spec, (verdict,), "forced", problems,
-                             f"{verdict.name} was forced by {who} and does not fit (no silent fallback); "
-                             f"{undo} to let the selector choose.")
+                             "\n".join([*(f"Note: {n}" for n in notes), footer]))
         raise BackendNotSupportedError(msg, backend=verdict.name, reasons=reasons, forced_by=forced_by,
                                        device=spec.device, spec=spec, verdicts=(verdict,), ladder="forced",
-                                       plugin_problems=problems)
+                                       plugin_problems=problems, notes=notes)
     return Selection(backend=cls, block_size=bs, device=spec.device, spec=replace(spec, block_size=bs),
                      verdicts=(verdict,), ladder="forced", forced_by=forced_by, plugin_problems=problems,
-                     requested_block_size=spec.block_size)
+                     requested_block_size=spec.block_size, notes=notes)

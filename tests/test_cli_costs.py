@@ -152,7 +152,6 @@ def test_cost_model_doc_examples_match_the_commands(capsys):
         (["kv-cache", "--gpu", "h200"], "--tp: got 1; deepseek-v3's weights"),
         (["kv-cache", "--gpu", "h200", "--tp", "8", "--dcp", "3"], "--dcp: got 3"),
         (["kv-cache", "--gpu", "x9"], "gpu name: got 'x9'"),
-        (["kv-cache", "--context", "-5"], "--context: got -5"),
         (["crossover", "--tp", "0"], "--tp: got 0"),
     ],
 )
@@ -170,7 +169,21 @@ def test_help_shows_the_default_grid(capsys):
     assert f"(default {','.join(map(str, reports.DEFAULT_QUERY_LENS))})" in out
 
 
-def test_bad_list_is_an_argparse_error(capsys):
+@pytest.mark.parametrize("argv", [["crossover", "--context", "4096,abc"], ["kv-cache", "--context", "-5"]])
+def test_bad_list_is_an_argparse_error(capsys, argv):
     with pytest.raises(SystemExit):
-        main(["crossover", "--context", "4096,abc"])
+        main(argv)
     assert "comma-separated positive ints" in capsys.readouterr().err
+
+
+def test_kv_cache_takes_one_context_or_a_list(capsys):
+    """--context means the same in kv-cache, crossover and tune: one length or a comma-separated list."""
+    rc, out, _ = _run(capsys, "kv-cache", "--context", "4096,32768", "--cache-memory", "40", "--json")
+    rep = json.loads(out)
+    assert rc == 0 and [s["context_len"] for s in rep["sequences"]] == [4096, 32768]
+    cell = rep["total_bytes_per_token"]
+    assert [s["bytes_per_sequence"] for s in rep["sequences"]] == [4096 * cell, 32768 * cell]
+    assert rep["sequences"][1]["sequences_that_fit"] == 40 * 2**30 // (32768 * cell)
+    assert rep["context_len"] == 4096  # the first one also at the top level, as with a single value
+    rc, out, _ = _run(capsys, "kv-cache", "--context", "4096,32768", "--cache-memory", "40")
+    assert "one 32,768-token sequence" in out and f"{40 * 2**30 // (32768 * cell):,} sequences of 32,768" in out

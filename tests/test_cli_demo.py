@@ -11,7 +11,8 @@ from mla_backends.cli import main
     "argv, message",
     [
         (["--requests", "0"], "argument --requests: got '0'; supported an int >= 1"),
-        (["--context", "-1"], "argument --context: got '-1'; supported an int >= 0"),
+        (["--context", "-1"], "argument --context: got '-1'; supported an int >= 0 or a comma-separated list"),
+        (["--context", "300,-1"], "argument --context: got '300,-1'; supported an int >= 0"),
         (["--block-size", "0"], "argument --block-size: got '0'; supported an int >= 1"),
         (["--decode-steps", "-2"], "argument --decode-steps: got '-2'; supported an int >= 0"),
         (["--requests", "two"], "argument --requests: got 'two'; supported an int >= 1"),
@@ -29,7 +30,8 @@ def test_prompts_are_parsed_to_ints():
     from mla_backends.cli import build_parser
 
     args = build_parser().parse_args(["demo", "--prompts", "5,3", "--context", "0"])
-    assert args.prompts == [5, 3] and args.context == 0
+    assert args.prompts == [5, 3] and args.context == [0]
+    assert build_parser().parse_args(["demo", "--context", "300,40"]).context == [300, 40]
     assert build_parser().parse_args(["demo"]).prompts == [96, 64, 80, 32]
 
 

@@ -91,14 +91,42 @@ def test_select_reads_a_config_json(fakes, capsys, tmp_path: Path):
 
 
 def test_list_shows_backends_and_json(fakes, capsys):
-    code, out = run_cli(capsys, "list")
+    code, out = run_cli(capsys, "list", "--device", "sm100")
     assert code == 0
-    assert "FLASHINFER_MLA_TRTLLM  [builtin]  available" in out
+    assert "FLASHINFER_MLA_TRTLLM  [builtin]  importable, runs here" in out
     assert "pages: 32, 64 (preferred 64)" in out
-    code, out = run_cli(capsys, "list", "--json")
+    code, out = run_cli(capsys, "list", "--json", "--device", "sm100")
     doc = json.loads(out)
     assert [b["name"] for b in doc["backends"]][:2] == ["REF_TORCH", "TRITON_MLA"]
-    assert doc["backends"][0]["capabilities"]["devices"] == "CPU; CUDA SM70+"
+    assert doc["device"]["compute_capability"] == [10, 0]
+
+
+def test_list_says_importable_and_runs_here_separately(fakes, capsys):
+    """A backend whose packages are present but whose device is absent is importable and does not run here."""
+    code, out = run_cli(capsys, "list", "--device", "cpu")
+    assert code == 0
+    assert "REF_TORCH  [builtin]  importable, runs here" in out
+    assert ("FLASHINFER_MLA_TRTLLM  [builtin]  importable; does not run here: device: got CPU; supported a CUDA "
+            "device (SM100, SM103)") in out
+    rows = {b["name"]: b for b in json.loads(run_cli(capsys, "list", "--json", "--device", "cpu")[1])["backends"]}
+    assert rows["FLASHINFER_MLA"]["importable"] is True and rows["FLASHINFER_MLA"]["runs_here"] is False
+    assert rows["FLASHINFER_MLA"]["device_reasons"] == [
+        "device: got CPU; supported a CUDA device (SM80, SM86, SM89, SM90)"]
+    assert rows["REF_TORCH"]["runs_here"] is True and rows["REF_TORCH"]["device_reasons"] == []
+
+
+def test_list_json_gives_capabilities_as_data(fakes, capsys):
+    rows = {b["name"]: b["capabilities"] for b in json.loads(run_cli(capsys, "list", "--json")[1])["backends"]}
+    ref, trt, fi = rows["REF_TORCH"], rows["FLASHINFER_MLA_TRTLLM"], rows["FLASHINFER_MLA"]
+    assert ref["cpu"] is True and ref["min_compute_capability"] == [7, 0] and ref["page_sizes"] is None
+    assert trt["compute_capabilities"] == [[10, 0], [10, 3]] and trt["page_sizes"] == [32, 64]
+    assert trt["preferred_page_size"] == 64 and trt["dims"] == [[512, 64]]
+    assert fi["compute_capabilities"] == [[8, 0], [8, 6], [8, 9], [9, 0]] and fi["num_heads"] is None
+    assert rows["TRITON_MLA"]["cpu_env_switch"] == "TRITON_INTERPRET"
+    assert rows["TRITON_MLA"]["fp8_min_compute_capability"] == [8, 9]
+    for caps in rows.values():  # nothing is a display string but the names
+        assert isinstance(caps["dtypes"], list) and isinstance(caps["decode_threshold"], int)
+        assert isinstance(caps["dense"], bool) and isinstance(caps["returns_lse"], bool)
 
 
 def test_list_and_select_with_the_real_entry_points(capsys, monkeypatch):
@@ -114,7 +142,7 @@ def test_list_and_select_with_the_real_entry_points(capsys, monkeypatch):
         pytest.skip("test plugin packages not installed (make install installs them)")
     code, out = run_cli(capsys, "list")
     assert code == 0
-    assert "EXAMPLE_MLA  [example]  available" in out and "ladder: before REF_TORCH on sm100" in out
+    assert "EXAMPLE_MLA  [example]  importable" in out and "ladder: before REF_TORCH on sm100" in out
     assert "plugin 'broken' (import): RuntimeError" in out
     code, out = run_cli(capsys, "select", "--backend", "example_mla", "--device", "cpu", "--json")
     assert code == 0 and json.loads(out)["backend"] == "EXAMPLE_MLA"

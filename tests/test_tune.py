@@ -199,7 +199,7 @@ def test_progress_bar_draws_and_finishes():
 def _quick_tune_args(backend: str, *, query_lens: str, contexts: str) -> list[str]:
     """``tune --quick`` of one backend on DeepSeek-V2-Lite at TP 8 (2 heads) over a tiny grid."""
     return ["tune", "--model", "deepseek-v2-lite", "--tp", "8", "--backend", backend, "--quick",
-            "--query-lens", query_lens, "--contexts", contexts]
+            "--query-lens", query_lens, "--context", contexts]
 
 
 def test_tune_cli_writes_a_loadable_table(tmp_path, capsys):
@@ -268,7 +268,7 @@ def test_tune_help_shows_the_default_grid(capsys):
         main(["tune", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert f"query lengths (default {','.join(map(str, tuning.DEFAULT_QUERY_LENS))})" in out
-    assert f"context lengths (default {','.join(map(str, tuning.DEFAULT_CONTEXTS))})" in out
+    assert f"list of context lengths (default {','.join(map(str, tuning.DEFAULT_CONTEXTS))})" in out
     assert f"(default {tuning.DEFAULT_REPEATS})" in out and "--tp N" in out and "(default 8)" in out
 
 

@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "version_text"]
 
 #: sub-command modules, in the order ``--help`` lists them
 COMMAND_MODULES = (
@@ -22,7 +22,23 @@ COMMAND_MODULES = (
     "conformance_cmd",
     "costs_cmd",
     "tune_cmd",
+    "env_cmd",
 )
+
+
+def version_text() -> str:
+    """``mla-backends 0.1.0 (Python 3.12.3)``: the installed distribution's version (``importlib.metadata``),
+    else the source tree's ``__version__``."""
+    import importlib.metadata
+    import platform
+
+    from .. import __version__
+
+    try:
+        version = importlib.metadata.version("mla-backends")
+    except importlib.metadata.PackageNotFoundError:
+        version = f"{__version__} (not installed: source tree)"
+    return f"mla-backends {version} (Python {platform.python_version()})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run, select, explain and size DeepSeek-style MLA attention backends.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print the version and exit (`mla-backends env` for every version)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(sub)

@@ -11,7 +11,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["load_model_dims", "per_rank_dims", "int_list", "int_at_least", "add_model_args", "csv_text"]
+__all__ = ["load_model_dims", "per_rank_dims", "int_list", "int_list_at_least", "int_at_least", "add_model_args",
+           "csv_text"]
 
 
 def load_model_dims(spec: str) -> Any:
@@ -47,6 +48,22 @@ def int_list(text: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"got {text!r}; supported comma-separated positive ints")
     return values
+
+
+def int_list_at_least(minimum: int) -> Callable[[str], list[int]]:
+    """An argparse ``type``: one int or a comma-separated list, each ``>= minimum`` (``"0,300"`` -> ``[0, 300]``)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        if not values or any(v < minimum for v in values):
+            raise argparse.ArgumentTypeError(f"got {text!r}; supported an int >= {minimum} or a "
+                                             "comma-separated list of them")
+        return values
+
+    return parse
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:

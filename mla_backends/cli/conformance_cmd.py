@@ -26,7 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples: mla-backends conformance REF_TORCH;  mla-backends conformance TRITON_MLA --quick "
         "-- -x -k output",
     )
-    p.add_argument("backend", metavar="NAME", help="registered backend name or package.module:Class")
+    p.add_argument("backend", metavar="NAME",
+                   help="registered backend name, vLLM's or SGLang's name for it (CUTLASS_MLA, trtllm_mla, "
+                        "...) or package.module:Class (need not be installed as a plugin)")
     p.add_argument(
         "--quick", action="store_true", help="reduced case matrix (interpreted Triton, quick checks)"
     )
@@ -67,9 +69,10 @@ def run(args: argparse.Namespace) -> int:
     import pytest
     import torch
 
-    from ..testing.suite import resolve_backend
+    from ..plugins import get_registry
 
-    cls = resolve_backend(args.backend)  # ValueError/TypeError -> exit 2 with the message
+    entry = get_registry().resolve(args.backend)  # ValueError/TypeError -> exit 2 with the message
+    cls = entry.cls
     if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
         # Triton kernels can only run interpreted without CUDA; the flag must be set before they are imported
         os.environ["TRITON_INTERPRET"] = "1"
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     matrix = "quick" if args.quick else "full"
     print(
         f"mla-backends conformance: {cls.name} ({cls.__module__}.{cls.__qualname__}, source "
-        f"{getattr(cls, 'source', 'builtin')}), {matrix} matrix, device {args.device}",
+        f"{entry.source}), {matrix} matrix, device {args.device}",
         flush=True,
     )
     code = int(

@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kv-cache", help="bytes per token, tokens that fit, expanded and GQA comparisons",
                        description="Size the latent KV cache of a model: bytes per token (per layer and over all "
                                    "layers, plus the V3.2 indexer cache), against expanded K/V and Llama-3-70B's "
-                                   "GQA cache, and how many tokens fit in --gpu-memory. See docs/cost-model.md.")
+                                   "GQA cache, and how many tokens fit in --cache-memory (or on --gpu). "
+                                   "See docs/cost-model.md.")
     add_model_args(p)
     p.add_argument(
         "--kv-cache-dtype",
@@ -31,7 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", default="bfloat16", help="model dtype that 'auto' follows (default bfloat16)")
     p.add_argument(
-        "--context", type=int, default=None, metavar="N", help="tokens per sequence, for per-sequence sizes"
+        "--context", type=int_list, default=None, metavar="S[,S...]",
+        help="tokens per sequence, one or a list, for per-sequence sizes (and how many fit in --cache-memory; "
+        "with --gpu the first length)",
     )
     p.add_argument("--cache-memory", type=float, default=None, metavar="GiB",
                    help="memory one rank gives to the KV cache alone, in GiB (no weights counted)")
@@ -86,20 +89,17 @@ def run_kv_cache(args: argparse.Namespace) -> int:
     dims = load_model_dims(args.model)
     per_rank_dims(dims, args.tp)  # checks --tp; the cost functions take the whole model and tp
     tp = args.tp
-    if args.context is not None and args.context <= 0:
-        raise ValueError(f"--context: got {args.context}; supported a positive number of tokens")
     if args.cache_memory is not None and args.cache_memory <= 0:
         raise ValueError(f"--cache-memory: got {args.cache_memory}; supported a positive number of GiB")
     if args.gpu is not None or args.gpu_memory is not None:
         return _run_deployment(args, dims)
-    rep = reports.kv_cache_report(
-        dims,
-        kv_cache_dtype=args.kv_cache_dtype,
-        model_dtype=args.dtype,
-        tp=tp,
-        context_len=args.context,
-        gpu_memory_gib=args.cache_memory,
-    )
+    contexts = args.context or [None]
+    reps = [reports.kv_cache_report(dims, kv_cache_dtype=args.kv_cache_dtype, model_dtype=args.dtype, tp=tp,
+                                    context_len=s, gpu_memory_gib=args.cache_memory) for s in contexts]
+    rep = reps[0]  # the first --context's per-sequence figures stay at the top level
+    if args.context:
+        rep["sequences"] = [{k: r[k] for k in ("context_len", "bytes_per_sequence", "sequences_that_fit")
+                             if k in r} for r in reps]
     if args.json:
         print(json.dumps(rep, indent=2))
         return 0
@@ -132,16 +132,16 @@ def run_kv_cache(args: argparse.Namespace) -> int:
         f"  decode arithmetic intensity {rep['decode_arithmetic_intensity']:.0f} FLOP/B per rank "
         f"(GQA: {rep['gqa_decode_arithmetic_intensity']:.0f})"
     )
-    if "bytes_per_sequence" in rep:
-        print(f"  one {rep['context_len']:,}-token sequence: {rep['bytes_per_sequence'] / 2**20:,.1f} MiB")
+    for seq in rep.get("sequences", []):
+        print(f"  one {seq['context_len']:,}-token sequence: {seq['bytes_per_sequence'] / 2**20:,.1f} MiB")
     if "tokens_that_fit" in rep:
         line = (
             f"  {args.cache_memory:g} GiB holds {rep['tokens_that_fit']:,} tokens "
             f"(GQA: {rep['gqa_tokens_that_fit']:,})"
         )
-        if "sequences_that_fit" in rep:
-            line += f", {rep['sequences_that_fit']:,} sequences of {rep['context_len']:,}"
-        print(line)
+        fits = [f"{seq['sequences_that_fit']:,} sequences of {seq['context_len']:,}"
+                for seq in rep.get("sequences", []) if "sequences_that_fit" in seq]
+        print(", ".join([line, *fits]))
     return 0
 
 
@@ -200,7 +200,8 @@ def _run_deployment(args: argparse.Namespace, dims: Any) -> int:
         dims, gpu_memory_bytes=mem, gpu_name=gpu.name if gpu else None,
         gpu_memory_utilization=args.gpu_memory_utilization, tp=args.tp, dcp=args.dcp,
         dp_attention=args.dp_attention, kv_cache_dtype=args.kv_cache_dtype, model_dtype=args.dtype,
-        weights_dtype=args.weights_dtype, config=config, context_len=args.context)
+        weights_dtype=args.weights_dtype, config=config,
+        context_len=args.context[0] if args.context else None)  # the first --context
     if args.json:
         print(json.dumps(rep, indent=2))
         return 0

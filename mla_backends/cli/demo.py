@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .args import csv_text, int_at_least, int_list
+from .args import csv_text, int_at_least, int_list, int_list_at_least
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,8 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "then run an MLAAttention layer with random weights through prefill, decode and mixed steps.",
     )
     p.add_argument("--requests", type=int_at_least(1), default=4, help="decode requests in the batch (default 4)")
-    p.add_argument("--context", type=int_at_least(0), default=3000,
-                   help="cached tokens per request (default 3000)")
+    p.add_argument("--context", type=int_list_at_least(0), default=[3000], metavar="S[,S...]",
+                   help="cached tokens per request, one or a list cycled over the requests (default 3000)")
     p.add_argument("--block-size", type=int_at_least(1), default=64, help="page size in tokens (default 64)")
     p.add_argument("--seed", type=int, default=0, help="random seed for inputs and weights (default 0)")
     prompts = [96, 64, 80, 32]
@@ -61,13 +61,14 @@ def decode_comparison(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     dims = MLADims.deepseek_v3().tensor_parallel(8)
     H, r, P, R, V = dims.num_heads, dims.kv_lora_rank, dims.qk_nope_head_dim, dims.qk_rope_head_dim, dims.v_head_dim
-    B, ctx, bs = args.requests, args.context, args.block_size
-    pages = -(-(ctx + 1) // bs)
+    B, bs = args.requests, args.block_size
+    contexts = [args.context[b % len(args.context)] for b in range(B)]
+    pages = -(-(max(contexts) + 1) // bs)
     num_blocks = B * pages + 8
     cache = LatentKVCache.allocate(dims, num_blocks, bs, "auto", model_dtype=torch.float32)
     block_table = torch.randperm(num_blocks)[: B * pages].view(B, pages).to(torch.int32)
-    meta = BatchMetadata.build([1] * B, [ctx] * B, block_table, bs, num_blocks=num_blocks)
-    for b in range(B):  # fill every request's context and its new token
+    meta = BatchMetadata.build([1] * B, contexts, block_table, bs, num_blocks=num_blocks)
+    for b, ctx in enumerate(contexts):  # fill every request's context and its new token
         slots = block_table_slots(block_table[b], ctx + 1, bs)
         cache.write(torch.randn(ctx + 1, r) * 0.5, torch.randn(ctx + 1, R) * 0.5, slots)
     w_uk = torch.randn(H, P, r) * r**-0.5
@@ -88,8 +89,9 @@ def decode_comparison(args: argparse.Namespace) -> int:
     out_n, t_n = _timed(naive)
     err = (out_a - out_n).abs().max().item()
     ok = torch.allclose(out_a, out_n, atol=1e-4, rtol=1e-4)
+    ctx_text = f"{contexts[0]}" if len(set(contexts)) == 1 else "/".join(map(str, contexts))
     print(f"Absorbed decode, DeepSeek-V3 shapes at TP=8 ({H} heads, {r}+{R} cache row), {B} requests x "
-          f"{ctx} cached tokens, page {bs}, fp32, backend {backend_cls.name}")
+          f"{ctx_text} cached tokens, page {bs}, fp32, backend {backend_cls.name}")
     print(f"  absorbed (forward_mqa + folds): {t_a * 1e3:8.2f} ms")
     print(f"  naive expanded (up-project):    {t_n * 1e3:8.2f} ms")
     print(f"  speed-up: {t_n / t_a:.1f}x   max |difference|: {err:.2e}   {'MATCH' if ok else 'MISMATCH'}")

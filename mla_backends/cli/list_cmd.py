@@ -1,41 +1,71 @@
-"""``mla-backends list``: every registered backend, its declared capabilities, availability and plugin."""
+"""``mla-backends list``: every registered backend, its declared capabilities, whether it is importable and
+whether it runs on this (or a simulated) device, and its plugin.
+
+"Importable" means the packages it needs are installed (``importlib.util.find_spec``; nothing is imported);
+"runs here" adds the device: a FlashInfer backend is importable on a machine without a GPU but does not run
+there. ``--json`` gives the capabilities as data (lists, ints, bools), not display strings.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("list", help="list registered backends: capabilities, availability, source plugin",
+    p = sub.add_parser("list", help="list registered backends: capabilities, importable / runs here, plugin",
                        description="List every registered backend (built-ins and plugins) with its declared "
-                                   "capabilities, whether it can run here, and any plugin that failed to load.")
+                                   "capabilities, whether its packages are importable, whether it runs on this "
+                                   "device (or --device), and any plugin that failed to load.")
+    p.add_argument("--device", default="auto",
+                   help="the device 'runs here' refers to: auto (GPU 0 via NVML, else the CPU; the default), "
+                        "cuda:N, cpu, smXY or a GPU product name (h100, b200, ...)")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     p.set_defaults(func=run)
 
 
+def _row(entry: Any, device: Any) -> dict[str, Any]:
+    from selector.explain import capability_data
+
+    cls = entry.cls
+    missing = cls.missing_requirements()
+    device_reasons = [str(r) for r in cls.device_reasons(device)]
+    return {"name": entry.name, "source": entry.source, "class": f"{cls.__module__}.{cls.__qualname__}",
+            "importable": not missing, "missing": missing, "runs_here": not missing and not device_reasons,
+            "device_reasons": device_reasons,
+            "ladder_placement": None if entry.placement is None else entry.placement.describe(),
+            "description": cls.description, "capabilities": capability_data(cls)}
+
+
+def _status(r: dict[str, Any], extra: str | None) -> str:
+    if not r["importable"]:
+        how = f" (pip install 'mla-backends[{extra}]')" if extra else ""
+        return f"not importable: {', '.join(r['missing'])} missing{how}"
+    if r["runs_here"]:
+        return "importable, runs here"
+    return "importable; does not run here: " + "; ".join(r["device_reasons"])
+
+
 def run(args: argparse.Namespace) -> int:
-    from selector.explain import capability_summary
+    from selector.detect import resolve_device
+    from selector.explain import capability_summary, device_dict
 
     from ..plugins import get_registry
 
+    device = resolve_device(args.device)
     reg = get_registry()
-    rows = []
-    for e in reg.entries():
-        missing = e.cls.missing_requirements()
-        rows.append({"name": e.name, "source": e.source, "class": f"{e.cls.__module__}.{e.cls.__qualname__}",
-                     "available": not missing, "missing": missing,
-                     "ladder_placement": None if e.placement is None else e.placement.describe(),
-                     "description": e.cls.description, "capabilities": capability_summary(e.cls)})
+    entries = reg.entries()
+    rows = [_row(e, device) for e in entries]
     problems = [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in reg.problems]
     if args.json:
-        print(json.dumps({"backends": rows, "plugin_problems": problems}, indent=2, default=str))
+        print(json.dumps({"device": device_dict(device), "backends": rows, "plugin_problems": problems},
+                         indent=2, default=str))
         return 0
-    for r in rows:
-        c = r["capabilities"]
-        avail = "available" if r["available"] else (
-            f"not available: {', '.join(r['missing'])} missing (pip install 'mla-backends[{c['extra']}]')")
-        print(f"{r['name']}  [{r['source']}]  {avail}")
+    print(f"Device: {device.describe()} ('runs here' refers to it; --device to ask about another)")
+    for e, r in zip(entries, rows, strict=True):
+        c = capability_summary(e.cls)
+        print(f"{r['name']}  [{r['source']}]  {_status(r, c['extra'])}")
         if r["description"]:
             print(f"    {r['description']}")
         print(f"    devices: {c['devices']}   dtypes: {', '.join(c['dtypes'])}")

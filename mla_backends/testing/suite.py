@@ -13,7 +13,6 @@ plugin; the opt-in plugin (``-p mla_backends.testing.plugin``) only adds command
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, ClassVar
 
 import pytest
@@ -28,21 +27,11 @@ __all__ = ["BackendConformance", "resolve_backend"]
 
 
 def resolve_backend(backend: Any) -> type[MLABackend]:
-    """A backend class from a registered name, an ``"module:Class"`` import path, or the class itself."""
+    """A backend class from a registered name (or vLLM's / SGLang's name for it), a ``"module:Class"``
+    import path (registered or not), or the class itself; name resolution is
+    :meth:`mla_backends.registry.Registry.resolve`."""
     if isinstance(backend, type) and issubclass(backend, MLABackend):
         return backend
-    if isinstance(backend, str) and ":" in backend:
-        module_name, _, attr = backend.partition(":")
-        try:
-            obj = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise ValueError(
-                f"backend: got {backend!r}, which cannot be imported ({exc}); supported "
-                "'package.module:Class' naming an MLABackend subclass"
-            ) from exc
-        if not (isinstance(obj, type) and issubclass(obj, MLABackend)):
-            raise TypeError(f"backend: got {backend!r} -> {obj!r}; supported an MLABackend subclass")
-        return obj
     if backend is None:
         raise ValueError(
             "backend: got None; supported a registered backend name, 'module:Class' or an "

@@ -1,0 +1,152 @@
+"""``mla-backends env``: what this installation and machine are, for bug reports (``--json`` for tools).
+
+Versions of Python, torch (and the CUDA it was built with), Triton, FlashInfer, pynvml and this package,
+read from the package metadata (``importlib.metadata``): triton and flashinfer are never imported. The GPUs
+come from NVML through :func:`selector.detect.detect_devices` (no CUDA context is created); then the
+plugins that loaded, the problems they had, and the environment variables that change what the package does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+from typing import Any
+
+__all__ = ["register", "run", "environment_report", "package_version", "PACKAGES", "ENV_PREFIXES"]
+
+#: (label, distribution names tried in order, module it provides)
+PACKAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("mla-backends", ("mla-backends",), "mla_backends"),
+    ("torch", ("torch",), "torch"),
+    ("triton", ("triton", "pytorch-triton"), "triton"),
+    ("flashinfer", ("flashinfer-python", "flashinfer"), "flashinfer"),
+    ("pynvml", ("nvidia-ml-py", "pynvml"), "pynvml"),
+)
+#: set variables with these prefixes are shown too (FlashInfer's and Triton's own switches, for example)
+ENV_PREFIXES = ("MLA_BACKEND", "FLASHINFER_", "TRITON_")
+
+
+def package_version(distributions: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """``(version, distribution)`` of the first installed distribution, ``(None, None)`` when none is."""
+    for dist in distributions:
+        try:
+            return importlib.metadata.version(dist), dist
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None, None
+
+
+def _known_env() -> dict[str, str]:
+    """Variable -> what it does, for every variable this package reads."""
+    from selector.select import MLA_BACKEND_ENV
+
+    from ..dispatch import THRESHOLD_TABLE_ENV
+    from ..plugins import DISABLE_AUTOLOAD_ENV
+    from ..triton_mla.interpreter import INTERPRET_ENV
+
+    return {MLA_BACKEND_ENV: "forces a backend (auto/unset: the ladder)",
+            DISABLE_AUTOLOAD_ENV: "1 skips entry-point plugins",
+            THRESHOLD_TABLE_ENV: "threshold table every new layer loads",
+            INTERPRET_ENV: "1 runs Triton kernels interpreted on the CPU",
+            "CUDA_VISIBLE_DEVICES": "which GPUs this process sees"}
+
+
+def environment_report() -> dict[str, Any]:
+    """Everything ``mla-backends env`` prints, as a JSON-ready dict."""
+    import importlib.util
+
+    import torch
+
+    from selector.detect import detect_devices
+
+    from .. import __version__
+    from ..gpus import gpu_spec_for_device_name
+    from ..plugins import get_registry
+
+    packages: dict[str, Any] = {}
+    for label, dists, module in PACKAGES:
+        version, dist = package_version(dists)
+        try:
+            importable = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a module already imported without a spec (a test's stand-in)
+            importable = module in sys.modules
+        packages[label] = {"version": version, "distribution": dist, "importable": importable}
+    if packages["mla-backends"]["version"] is None:  # run from a source tree without installing
+        packages["mla-backends"]["version"] = __version__
+    gpus = []
+    for dev in detect_devices():
+        row = gpu_spec_for_device_name(dev.name)
+        gpus.append({"index": dev.index, "name": dev.name, "compute_capability": list(dev.compute_capability or ()),
+                     "arch": dev.arch_label, "total_memory": dev.total_memory, "sm_count": dev.sm_count,
+                     "gpu_table_key": None if row is None else row.key})
+    reg = get_registry()
+    by_source: dict[str, list[str]] = {}
+    for e in reg.entries():
+        by_source.setdefault(e.source, []).append(e.name)
+    known = _known_env()
+    env = {k: {"value": os.environ.get(k), "effect": effect} for k, effect in known.items()}
+    env.update({k: {"value": v, "effect": None} for k, v in sorted(os.environ.items())
+                if k not in known and k.startswith(ENV_PREFIXES)})
+    return {
+        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
+                   "executable": sys.executable},
+        "platform": platform.platform(),
+        "packages": packages,
+        "torch_cuda": {"built_with": torch.version.cuda, "available": torch.cuda.is_available()},
+        "gpus": gpus,
+        "plugins": [{"plugin": p, "backends": by_source.get(p, [])} for p in reg.plugins],
+        "plugin_problems": [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in reg.problems],
+        "environment": env,
+    }
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("env", help="versions, GPUs, plugins and environment variables (for bug reports)",
+                       description="Print the versions of Python, torch (and its CUDA), Triton, FlashInfer, "
+                                   "pynvml and mla-backends, the GPUs NVML sees with their compute capability "
+                                   "and memory, the plugins and their problems, and the environment variables "
+                                   "in effect. Nothing imports triton or flashinfer.")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run)
+
+
+def _print_text(rep: dict[str, Any]) -> None:
+    py = rep["python"]
+    print(f"python        {py['version']} ({py['implementation']}, {py['executable']})")
+    print(f"platform      {rep['platform']}")
+    for label, info in rep["packages"].items():
+        text = info["version"] or "not installed"
+        if info["version"] and not info["importable"]:
+            text += " (metadata only: the module is not importable)"
+        print(f"{label:<13} {text}")
+    cuda = rep["torch_cuda"]
+    print(f"torch CUDA    {cuda['built_with'] or 'none (CPU build)'}; "
+          f"{'a CUDA device is available' if cuda['available'] else 'no CUDA device available'}")
+    print("GPUs (NVML):" if rep["gpus"] else "GPUs (NVML):  none found (the selector uses the CPU)")
+    for g in rep["gpus"]:
+        major, minor = g["compute_capability"]
+        table = f", GPU table row {g['gpu_table_key']}" if g["gpu_table_key"] else ", not in the GPU table"
+        print(f"  cuda:{g['index']}  {g['name']}  SM{major}{minor}  {g['total_memory'] / 2**30:.1f} GiB  "
+              f"{g['sm_count']} SMs{table}")
+    print("plugins:")
+    for p in rep["plugins"]:
+        print(f"  {p['plugin']}: {', '.join(p['backends']) or '(no backend)'}")
+    for prob in rep["plugin_problems"]:
+        print(f"  problem: plugin {prob['plugin']!r} ({prob['stage']}): {prob['error']}")
+    print("environment:")
+    for k, v in rep["environment"].items():
+        effect = f"  ({v['effect']})" if v["effect"] else ""
+        print(f"  {k}={v['value'] if v['value'] is not None else '(unset)'}{effect}")
+
+
+def run(args: argparse.Namespace) -> int:
+    rep = environment_report()
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        _print_text(rep)
+    return 0
