@@ -53,6 +53,7 @@ from .sparse.layer_support import SparseKVCache, build_indexer
 from .step_plan import Run
 from .threshold_table import ThresholdTable
 from .validation import require_int, require_tensor
+from .workspace import shared_workspace
 
 __all__ = ["MLAAttention"]
 
@@ -109,8 +110,12 @@ class MLAAttention(torch.nn.Module):
         layer_idx: int = 0,
         threshold_table: ThresholdTable | str | os.PathLike[str] | None = None,
         weight_block_size: tuple[int, int] = DEFAULT_WEIGHT_BLOCK_SIZE,
+        workspace: PrefillWorkspace | None = None,
     ) -> None:
         super().__init__()
+        if workspace is not None and not isinstance(workspace, PrefillWorkspace):
+            raise TypeError(f"workspace: got {type(workspace).__name__}; supported PrefillWorkspace or None "
+                            "(None: the shared workspace of the device, mla_backends.workspace)")
         if not isinstance(dims, MLADims):
             raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims")
         require_int("tp_rank", tp_rank, minimum=0)
@@ -131,7 +136,8 @@ class MLAAttention(torch.nn.Module):
         self.tp_rank = tp_rank
         self.attention_bias = bool(attention_bias)
         self._workspace_rows = workspace_rows
-        self._workspace: PrefillWorkspace | None = None
+        self._own_workspace = workspace  # explicit: used for every call; None: the device's shared one
+        self._workspace: PrefillWorkspace | None = workspace
         self.layer_idx = require_int("layer_idx", layer_idx, minimum=0)
         self.indexer = build_indexer(dims, layer_idx, dtype=self.dtype, device=self.device)  # V3.2 only
         self.last_topk_indices: torch.Tensor | None = None
@@ -244,7 +250,16 @@ class MLAAttention(torch.nn.Module):
 
     @property
     def workspace(self) -> PrefillWorkspace | None:
-        """The reused prefill workspace (None until the first prefill over cached context)."""
+        """The prefill workspace in use: the one given as ``workspace=``, else the shared workspace of this
+        layer's device, dtype and stream (:func:`mla_backends.workspace.shared_workspace`; the same object for
+        every layer sharing it) from the last expanded call. None before the first one."""
+        return self._workspace
+
+    def workspace_for(self, block_size: int) -> PrefillWorkspace:
+        """The workspace an expanded call over pages of ``block_size`` uses now (see :attr:`workspace`)."""
+        if self._own_workspace is not None:
+            return self._own_workspace
+        self._workspace = shared_workspace(self.weight_device, self.dtype, self.workspace_rows(block_size))
         return self._workspace
 
     @property
@@ -283,9 +298,7 @@ class MLAAttention(torch.nn.Module):
         if (cache.kv_lora_rank, cache.qk_rope_head_dim) != (d.kv_lora_rank, d.qk_rope_head_dim):
             raise ValueError(f"cache: got rows of {cache.kv_lora_rank}+{cache.qk_rope_head_dim}; supported "
                              f"{self.dims.kv_lora_rank}+{self.dims.qk_rope_head_dim} (this layer's dims)")
-        if meta.block_size != cache.block_size:
-            raise ValueError(f"meta.block_size: got {meta.block_size}; "
-                             f"supported the cache's {cache.block_size}")
+        meta.check_cache(cache)  # the whole step against this cache, before anything is written (host only)
         for name, dev in (("hidden_states", hidden_states.device), ("cache", cache.device),
                           ("meta", meta.device)):
             if dev != self.weight_device:
@@ -327,11 +340,8 @@ class MLAAttention(torch.nn.Module):
         with the new tokens' ``latent [n, R]`` and roped ``k_pe [n, rope]`` (already in ``cache``) ->
         ``[n, H, v_head_dim]`` (into ``out`` when given), using this layer's ``kv_b_proj`` and workspace."""
         self._check_query(q, meta)
-        rows = self.workspace_rows(cache.block_size)
-        if self._workspace is None or self._workspace.rows != rows:
-            self._workspace = PrefillWorkspace(rows)
         return forward_mha(q, latent, k_pe, cache, meta, self.kv_b_proj.weight, scale=self.scale,
-                           workspace=self._workspace, out=out)
+                           workspace=self.workspace_for(cache.block_size), out=out)
 
     def forward(
         self,
@@ -374,7 +384,7 @@ class MLAAttention(torch.nn.Module):
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         q = torch.cat([q[..., :N], self.rotary.apply(q[..., N:], cos, sin)], dim=-1)
         k_pe = self.rotary.apply(kv[:, R:], cos, sin)
-        cache.write(latent, k_pe, meta.slot_mapping)
+        cache.write(latent, k_pe, meta)  # trusts build's validation: no device read
         if self.indexer is not None:  # DeepSeek-V3.2: the indexer caches its keys and picks the rows
             if topk_indices is None:
                 topk_indices = self.indexer(x, q_resid, cache, meta, positions=pos)
