@@ -152,6 +152,7 @@ class MLAAttention(torch.nn.Module):
                              + "; ".join(map(str, reasons)))
         self.backend_cls = backend_cls
         self.backend = backend_cls()
+        self.backend.configure(self._spec(), self.scale)  # what prepare(meta) may plan for
         # the policy named by `dispatch`, or a measured threshold table's (argument or the environment)
         self.dispatch: DispatchPolicy = layer_policy(dispatch, threshold_table, backend_cls.name)
 
@@ -239,8 +240,10 @@ class MLAAttention(torch.nn.Module):
                              + "; ".join(map(str, reasons)))
         cache_cls = LatentKVCache if self.dims.indexer is None else SparseKVCache  # V3.2: + indexer keys
         extra = {} if self.dims.indexer is None else {"layer_idx": self.layer_idx}
-        return cache_cls.allocate(self.dims, num_blocks, block_size, kv_cache_dtype, model_dtype=self.dtype,
-                                  device=self.device, scale=scale, **extra)
+        cache = cache_cls.allocate(self.dims, num_blocks, block_size, kv_cache_dtype, model_dtype=self.dtype,
+                                   device=self.device, scale=scale, **extra)
+        self.backend.configure(self._spec(cache.kv_cache_dtype, block_size), self.scale)  # now fully known
+        return cache
 
     def workspace_rows(self, block_size: int) -> int:
         """Context rows per ``forward_mha`` chunk for caches with pages of ``block_size``."""

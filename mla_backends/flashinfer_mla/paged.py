@@ -18,12 +18,13 @@ import torch
 
 from ..backend import AttentionSpec, Capabilities, QueryLenSupport
 from ..cache import LatentKVCache
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, kv_cache_torch_dtype
 from ..metadata import BatchMetadata
 from ..reasons import Reason, ReasonKind
 from . import api
 from ._common import (
     FlashInferBackendBase,
+    FlashInferStep,
     PlanSlot,
     deliver_outputs,
     dense_block_table,
@@ -173,16 +174,39 @@ class FlashInferMLABackend(FlashInferBackendBase):
         result, lse = output_buffers(q_latent, out, lse_out)
         if T:
             fi_backend = fi_backend or fa_backend_for(dev)
-            slot = wrapper_slot(dev, fi_backend)
-            key = (self.name, fi_backend, H, q_latent.dtype, cache.data.dtype, cache.block_size, r,
-                   cache.qk_rope_head_dim, float(scale))
-            self.step_state(meta).ensure_planned(key, slot, lambda: plan_fa(
-                slot.wrapper, meta, num_heads=H, kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim,
-                page_size=cache.block_size, scale=scale, q_dtype=q_latent.dtype, kv_dtype=cache.data.dtype))
-            fp8_scale = cache.scale_value if cache.is_fp8 else None  # host sync for fp8 caches only
+            slot = self._plan_step(self.step_state(meta), meta, fi_backend=fi_backend, num_heads=H,
+                                   kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim, page_size=cache.block_size,
+                                   scale=scale, q_dtype=q_latent.dtype, kv_dtype=cache.data.dtype)
+            fp8_scale = cache.scale_value if cache.is_fp8 else None  # the host copy set_scale keeps: no sync
             slot.wrapper.run(**api.fa_run_kwargs(q_latent.contiguous(), q_rope.contiguous(), cache.latent,
                                                  cache.rope, out=result, lse=lse, fp8_scale=fp8_scale))
         return deliver_outputs(result, lse, out, lse_out)
+
+    def _plan_step(self, state: FlashInferStep, meta: BatchMetadata, *, fi_backend: str, num_heads: int,
+                   kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, q_dtype: torch.dtype,
+                   kv_dtype: torch.dtype) -> PlanSlot:
+        """The wrapper slot of ``fi_backend`` on the batch's device, planned for this step (once)."""
+        slot = wrapper_slot(meta.device, fi_backend)
+        key = (self.name, fi_backend, num_heads, q_dtype, kv_dtype, page_size, kv_lora_rank, rope_dim,
+               float(scale))
+        state.ensure_planned(key, slot, lambda: plan_fa(
+            slot.wrapper, meta, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+            page_size=page_size, scale=scale, q_dtype=q_dtype, kv_dtype=kv_dtype))
+        return slot
+
+    def prepare(self, meta: BatchMetadata) -> FlashInferStep:
+        """This step's state; when the layer configured this instance (:meth:`configure`, with its cache's
+        page size and dtype), ``plan()`` runs here, once per step and outside any capture, so ``forward_mqa``
+        only runs the wrapper."""
+        state = FlashInferStep()
+        spec, scale = self.layer_spec, self.layer_scale
+        if spec is None or scale is None or spec.block_size != meta.block_size or not meta.num_tokens:
+            return state
+        kv_name = spec.resolved_kv_cache_dtype
+        self._plan_step(state, meta, fi_backend=fa_backend_for(meta.device), num_heads=spec.num_heads,
+                        kv_lora_rank=spec.kv_lora_rank, rope_dim=spec.qk_rope_head_dim, page_size=meta.block_size,
+                        scale=scale, q_dtype=spec.dtype, kv_dtype=kv_cache_torch_dtype(kv_name, spec.dtype))
+        return state
 
 
 class FlashInferCutlassMLABackend(FlashInferBackendBase):
