@@ -202,3 +202,17 @@ def test_guard_passes_clean_code_and_counts_and_pauses():
         X[0].item()
     assert rec.count == 2 and rec.ops == ["Tensor.tolist", "Tensor.item"]
     assert torch.Tensor.tolist is not None and X.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # restored
+
+
+def test_kv_cache_report_shows_the_shared_workspace(capsys):
+    import json
+
+    from mla_backends.cli import main
+
+    assert main(["kv-cache", "--model", "deepseek-v3", "--tp", "8", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    per_row = (512 + 64 + 16 * (128 + 128)) * 2  # latent row + this rank's 16 heads of K-nope and V, bf16
+    assert rep["prefill_workspace_bytes"] == 65536 * per_row  # 584 MiB, once per device
+    assert rep["prefill_workspace_bytes_if_per_layer"] == 61 * 65536 * per_row
+    assert main(["kv-cache", "--model", "deepseek-v3", "--tp", "8"]) == 0
+    assert "prefill workspace" in capsys.readouterr().out
