@@ -157,7 +157,7 @@ class BatchMetadata:
                     bad = int(used[(used < 0) | (used >= (num_blocks or 2**62))][0])
                     limit = f"[0, {num_blocks - 1}]" if num_blocks is not None else ">= 0"
                     raise ValueError(f"block_table: request {b} uses block id {bad}; supported {limit}")
-            maxima.append(int(bt_host[b, :need].max()) if need else -1)
+            maxima.append(hi if need else -1)
 
         # decode requests first (stable), prefills after
         B = len(q)
