@@ -10,6 +10,11 @@
    ``--prefill-context``), same dims: torch's fused CPU flash kernel (the default) against the plain matmul
    kernel (``fused=False``), and both against the roofline of their FLOPs. No target; reported.
 
+4. The hot path: the time of ``BatchMetadata.build`` for the decode batch and of one layer's decode step
+   (``--hot-path-only`` prints just these). ``--compare-with PATH`` times the same two figures of another
+   checkout (e.g. the code before a change: ``git worktree add /tmp/before HEAD~1``) in the same run,
+   alternating subprocesses round by round, and prints the ratios (after / before).
+
 Usage: ``python benchmarks/bench_layer_cpu.py [--context 4096] [--batch 8] [--repeat 3] [--json out.json]``
 """
 
@@ -17,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -51,6 +59,59 @@ def best_rates(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: max(a[k], b[k]) for k in a}
 
 
+def hot_path_figures(context: int, batch: int, block_size: int, repeat: int) -> dict[str, float]:
+    """Best times of ``BatchMetadata.build`` (a decode batch over ``context`` cached tokens) and of one
+    ``MLAAttention`` decode step (REF_TORCH, DeepSeek-V2-Lite attention, fp32), in seconds. Uses only public
+    API that older checkouts share, so ``--compare-with`` can time them too."""
+    from mla_backends.dims import MLADims
+    from mla_backends.hf_loading import random_hf_state_dict
+    from mla_backends.layer import MLAAttention
+    from mla_backends.metadata import BatchMetadata
+
+    torch.manual_seed(0)
+    dims = MLADims.deepseek_v2_lite()
+    layer = MLAAttention(dims, backend="REF_TORCH", dtype=torch.float32)
+    layer.load_hf_state_dict(random_hf_state_dict(dims, dtype=torch.float32))
+    pages = -(-(context + 1) // block_size)
+    cache = layer.allocate_cache(batch * pages + 1, block_size)
+    table = torch.randperm(batch * pages + 1)[: batch * pages].view(batch, pages).int()
+    cache.data.normal_()
+    x = torch.randn(batch, dims.hidden_size) * 0.5
+
+    def build():
+        return BatchMetadata.build([1] * batch, [context] * batch, table, block_size)
+
+    meta = build()
+    with torch.inference_mode():
+        t_build = best_time(build, repeat * 10)
+        t_step = best_time(lambda: layer(x, None, cache, meta), repeat)
+    return {"build_s": t_build, "decode_step_s": t_step}
+
+
+def compare_hot_path(other: str, args: argparse.Namespace) -> dict[str, float]:
+    """Time :func:`hot_path_figures` for this checkout and ``other`` in alternating subprocesses (the best
+    of ``args.rounds`` each) and return both and the ratios (this / other)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(args.rounds):
+        for label, root in (("before", other), ("after", here)):
+            with tempfile.NamedTemporaryFile("r", suffix=".json") as fh:
+                cmd = [sys.executable, os.path.abspath(__file__), "--hot-path-only", "--json", fh.name,
+                       "--context", str(args.context), "--batch", str(args.batch), "--block-size",
+                       str(args.block_size), "--repeat", str(args.repeat), "--rounds", "1"]
+                if args.threads is not None:
+                    cmd += ["--threads", str(args.threads)]
+                env = dict(os.environ, PYTHONPATH=root)
+                subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+                got = json.load(fh)
+            prev = best.setdefault(label, got)
+            best[label] = {k: min(prev[k], got[k]) for k in got}
+    b, a = best["before"], best["after"]
+    return {"before_build_s": b["build_s"], "after_build_s": a["build_s"],
+            "before_decode_step_s": b["decode_step_s"], "after_decode_step_s": a["decode_step_s"],
+            "build_ratio": a["build_s"] / b["build_s"], "decode_step_ratio": a["decode_step_s"] / b["decode_step_s"]}
+
+
 def hf_config(dims):
     from transformers import DeepseekV3Config
 
@@ -81,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-context", type=int, default=3072,
                     help="cached tokens under the prefill figure's new tokens (default 3072; 0 for none)")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--hot-path-only", action="store_true",
+                    help="only the hot-path figures: BatchMetadata.build and one layer's decode step")
+    ap.add_argument("--compare-with", metavar="PATH",
+                    help="also time the hot-path figures of the checkout at PATH (before/after ratios)")
     args = ap.parse_args(argv)
     if args.prefill_context < 0:
         ap.error(f"--prefill-context: got {args.prefill_context}; supported >= 0")
@@ -89,6 +154,24 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')}: got {getattr(args, name)}; supported >= 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.hot_path_only or args.compare_with:
+        hot: dict[str, float] = {}
+        for _ in range(args.rounds):
+            got = hot_path_figures(args.context, args.batch, args.block_size, args.repeat)
+            hot = {k: min(hot.get(k, float("inf")), v) for k, v in got.items()}
+        print(f"BatchMetadata.build (decode batch {args.batch}, context {args.context}): "
+              f"{hot['build_s'] * 1e6:.0f} us; one-layer decode step: {hot['decode_step_s'] * 1e3:.2f} ms")
+        if args.compare_with:
+            cmp = compare_hot_path(args.compare_with, args)
+            hot.update(cmp)
+            print(f"vs {args.compare_with} (same run, alternating): build {cmp['before_build_s'] * 1e6:.0f} -> "
+                  f"{cmp['after_build_s'] * 1e6:.0f} us ({cmp['build_ratio']:.2f}x), decode step "
+                  f"{cmp['before_decode_step_s'] * 1e3:.2f} -> {cmp['after_decode_step_s'] * 1e3:.2f} ms "
+                  f"({cmp['decode_step_ratio']:.2f}x; <= 1 is no slower)")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(hot, fh, indent=2)
+        return 0
 
     from mla_backends import costs
     from mla_backends.dims import MLADims

@@ -193,13 +193,37 @@ class MLABackend:
         return not cls.missing_requirements()
 
     # ---- per-step preparation ------------------------------------------------------------------------------
+    #: what the layer running this instance asks for (:meth:`configure`); None until configured
+    layer_spec: AttentionSpec | None = None
+    #: the layer's softmax scale (:meth:`configure`); None until configured
+    layer_scale: float | None = None
+
+    def configure(self, spec: AttentionSpec, scale: float) -> None:
+        """Tell this instance what its layer runs: ``spec`` (heads, dims, dtypes, page size once the cache
+        is allocated) and the softmax ``scale``. ``MLAAttention`` calls it when it builds the backend and
+        again in ``allocate_cache``. Lets :meth:`prepare` do work that needs more than the metadata
+        (FlashInfer's ``plan()`` needs heads, dtypes and the scale) once per step, outside any capture."""
+        if not isinstance(spec, AttentionSpec):
+            raise TypeError(f"spec: got {type(spec).__name__}; supported AttentionSpec")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+            raise ValueError(f"scale: got {scale!r}; supported a positive float (the unabsorbed softmax scale)")
+        self.layer_spec, self.layer_scale = spec, float(scale)
+
+    def prepare_key(self) -> object:
+        """Which instances share one prepared state per step: its class, plus its configuration when
+        configured (layers asking for the same thing share; a layer configured otherwise prepares its own)."""
+        if self.layer_spec is None:
+            return type(self)
+        return (type(self), self.layer_spec, self.layer_scale)
+
     def prepare(self, meta: BatchMetadata) -> object | None:
         """Work this backend does once per step, before any layer runs it; returns its per-step state.
 
         Called through the step plan, never directly: ``meta.prepare(backend)`` (what an engine calls before
         the first layer, outside any CUDA-graph capture) or on the backend's first ``forward_mqa`` of the step.
-        It runs once per backend class and step (every layer's instance of a class shares the result), so it
-        must depend only on ``meta`` and be free of side effects a second step could trip over. ``forward_mqa``
+        It runs once per :meth:`prepare_key` and step (every layer's instance of a class, configured alike,
+        shares the result), so it must depend only on ``meta`` and the configuration, be idempotent and be
+        free of side effects a second step could trip over. ``forward_mqa``
         reads the state back with ``meta.prepare(self)``. Default: nothing to prepare (None). FlashInfer's
         backends keep their dense block tables and ``plan()`` tokens here.
 

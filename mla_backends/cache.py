@@ -8,6 +8,7 @@ back as ``stored * scale`` (one per-tensor scale, float32).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -21,7 +22,26 @@ from .dtypes import (
 )
 from .validation import require_int, require_on_device, require_tensor
 
-__all__ = ["LatentKVCache", "PagedRows", "check_slot_mapping", "block_table_slots", "position_slots"]
+__all__ = ["LatentKVCache", "PagedRows", "check_slot_mapping", "block_table_slots", "position_slots",
+           "duplicate_slot"]
+
+
+def duplicate_slot(slots: torch.Tensor) -> tuple[int, int] | None:
+    """``(first, second)`` indices of two entries of a host ``slots [T]`` tensor naming the same slot (``-1``
+    entries, skipped tokens, never clash), or None when every slot is written once. Host tensors only."""
+    if slots.numel() < 2:
+        return None
+    if slots.numel() <= 1 << 16:  # a Python set is the fastest way to say "all distinct" at decode sizes
+        values = slots.tolist()
+        kept = [v for v in values if v >= 0]
+        if len(set(kept)) == len(kept):
+            return None
+    ordered, idx = torch.sort(slots, stable=True)
+    same = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    if not bool(same.any()):
+        return None
+    k = int(same.to(torch.uint8).argmax())
+    return int(idx[k]), int(idx[k + 1])
 
 
 def check_slot_mapping(slot_mapping: torch.Tensor, num_blocks: int, block_size: int) -> None:
@@ -89,11 +109,38 @@ class PagedRows:
         """Bytes one token takes in this layer: ``row_width * element size`` (1,152 for the V3 bf16 latent)."""
         return self.row_width * self.data.element_size()
 
-    def _write_rows(self, values: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def rows_with_sink(self) -> torch.Tensor | None:
+        """``[num_slots + 1, row_width]``: every slot's row, then one *sink* row that skipped tokens (slot
+        ``-1``) are written to, so a write keeps static shapes (no mask, no sync). None when this store was
+        allocated without a sink, or its ``data`` was replaced by a tensor that is not a view of it."""
+        store = getattr(self, "_sink_store", None)
+        if (store is None or self.data.data_ptr() != store.data_ptr() or not self.data.is_contiguous()
+                or self.data.numel() != self.num_slots * self.row_width):
+            return None
+        return store
+
+    def _allocate_with_sink(self, width: int, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+        """Zeroed ``data [num_blocks, block_size, width]``, the leading view of a store one row longer."""
+        self._sink_store = torch.zeros(self.num_blocks * self.block_size + 1, width, dtype=dtype, device=device)
+        return self._sink_store[:-1].view(self.num_blocks, self.block_size, width)
+
+    def _write_rows(self, values: torch.Tensor, slot_mapping: torch.Tensor, *, trusted: bool = False) -> None:
         """Store ``quantize(values [T, ...])`` at ``slot_mapping [T]`` (``-1`` skips); callers validated shapes
-        and devices; the slots are range-checked here (a host sync on GPU tensors)."""
-        check_slot_mapping(slot_mapping, self.num_blocks, self.block_size)
-        keep = slot_mapping >= 0
+        and devices. ``trusted``: the slots come from metadata ``BatchMetadata.build`` validated (no check
+        here); otherwise they are range-checked (a host sync on GPU tensors). With a sink row
+        (:meth:`rows_with_sink`) the write is one ``index_copy_`` of every row, skipped ones into the sink."""
+        if not trusted:
+            check_slot_mapping(slot_mapping, self.num_blocks, self.block_size)
+        store = self.rows_with_sink()
+        if store is not None:
+            slots = slot_mapping.long()
+            target = torch.where(slots >= 0, slots, torch.full_like(slots, self.num_slots))
+            rows = self.quantize(values)
+            if rows.element_size() == 1:  # fp8: copy the bytes (index_copy_ has no fp8 kernel on every device)
+                store, rows = store.view(torch.uint8), rows.view(torch.uint8)
+            store.index_copy_(0, target, rows)
+            return
+        keep = slot_mapping >= 0  # no sink (a replaced data tensor): mask the skipped rows (a sync)
         self.data.view(-1, self.row_width)[slot_mapping[keep].long()] = self.quantize(values[keep])
 
     def read_slots(self, slots: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -140,9 +187,9 @@ class LatentKVCache(PagedRows):
         self.qk_rope_head_dim = qk_rope_head_dim
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.data = torch.zeros(num_blocks, block_size, kv_lora_rank + qk_rope_head_dim, dtype=storage,
-                                device=device)
+        self.data = self._allocate_with_sink(kv_lora_rank + qk_rope_head_dim, storage, device)
         self.scale = torch.ones(1, dtype=torch.float32, device=self.data.device)
+        self._scale_host = 1.0
         self.set_scale(scale)
 
     @classmethod
@@ -180,11 +227,14 @@ class LatentKVCache(PagedRows):
 
     @property
     def scale_value(self) -> float:
-        """The fp8 scale as a Python float (host sync on GPU caches)."""
-        return float(self.scale.item())
+        """The fp8 scale as a Python float: the host copy :meth:`set_scale` keeps (no device read)."""
+        return self._scale_host
 
     def set_scale(self, scale: float | torch.Tensor) -> None:
-        """Set the per-tensor fp8 scale (in place: the ``scale`` tensor keeps its address)."""
+        """Set the per-tensor fp8 scale, checked here once (in place: the ``scale`` tensor keeps its address,
+        so kernels and captured CUDA graphs read the new value). Set it only through this method: the host
+        copy (:attr:`scale_value`) and the device tensor stay equal, and no write or forward re-checks it. A
+        tensor ``scale`` is read once (one sync, at set time)."""
         value = float(scale.item()) if isinstance(scale, torch.Tensor) else scale
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"scale: got {scale!r}; supported a positive finite float")
@@ -192,6 +242,7 @@ class LatentKVCache(PagedRows):
             raise ValueError(
                 f"scale: got {value} for a {self.kv_cache_dtype} cache; supported 1.0 (scales are fp8-only)")
         self.scale.fill_(float(value))
+        self._scale_host = float(value)
 
     def __repr__(self) -> str:
         return (f"LatentKVCache(blocks={self.num_blocks}, block_size={self.block_size}, "
@@ -199,12 +250,25 @@ class LatentKVCache(PagedRows):
                 f"model_dtype={dtype_name(self.model_dtype)}, device={self.device})")
 
     # ---- write / read ----------------------------------------------------------------------------------
-    def write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store rows. ``kv_c [T, kv_lora_rank]``, ``k_pe [T, qk_rope_head_dim]`` (or ``[T, 1, rope]``),
-        ``slot_mapping [T]`` int (slot = block * block_size + offset; ``-1`` skips the token).
+    def write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: Any) -> None:
+        """Store rows. ``kv_c [T, kv_lora_rank]``, ``k_pe [T, qk_rope_head_dim]`` (or ``[T, 1, rope]``).
 
-        fp8 caches store ``value / scale``, saturated to the format's finite range.
+        ``slot_mapping`` is either
+
+        - the step's :class:`~mla_backends.metadata.BatchMetadata` (the hot path): its ``slot_mapping`` is
+          trusted, since ``build`` validated it (slots in range, no two new tokens on one slot); only the
+          host-side :meth:`~mla_backends.metadata.BatchMetadata.check_cache` verdict against this cache's size
+          is taken (computed once per step). No device read, static shapes: CUDA-graph safe.
+        - a raw ``[T]`` int tensor (slot = block * block_size + offset; ``-1`` skips the token): its values are
+          range-checked here, which reads them (one sync on a GPU).
+
+        Slots of ``-1`` go to the sink row (:meth:`rows_with_sink`). fp8 caches store ``value / scale``,
+        saturated to the format's finite range.
         """
+        trusted = not isinstance(slot_mapping, torch.Tensor) and hasattr(slot_mapping, "check_cache")
+        if trusted:
+            slot_mapping.check_cache(self)
+            slot_mapping = slot_mapping.slot_mapping
         require_tensor("kv_c", kv_c, shape=(None, self.kv_lora_rank))
         if isinstance(k_pe, torch.Tensor) and k_pe.dim() == 3 and k_pe.shape[1] == 1:
             k_pe = k_pe.squeeze(1)
@@ -214,7 +278,7 @@ class LatentKVCache(PagedRows):
         if not kv_c.is_floating_point() or not k_pe.is_floating_point():
             raise TypeError(f"kv_c/k_pe: got dtypes {kv_c.dtype}/{k_pe.dtype}; supported floating point")
         require_on_device(self.device, kv_c=kv_c, k_pe=k_pe, slot_mapping=slot_mapping)
-        self._write_rows(torch.cat([kv_c, k_pe], dim=-1), slot_mapping)
+        self._write_rows(torch.cat([kv_c, k_pe], dim=-1), slot_mapping, trusted=trusted)
 
     def quantize(self, rows: torch.Tensor) -> torch.Tensor:
         """Convert model-dtype rows to the storage dtype (``rows / scale``, saturated, for fp8)."""

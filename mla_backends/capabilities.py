@@ -74,6 +74,11 @@ class Capabilities:
     ``num_heads`` lists the exact head counts, or ``max_num_heads`` bounds them (None: any).
     ``fp8_min_compute_capability`` is an extra lower bound that applies only to fp8 caches.
     ``requires`` names importable modules; ``extra`` is the pip extra that provides them.
+    ``host_sync_free``: once ``BatchMetadata.build`` ran (and ``meta.prepare(backend)``), a dense
+    ``forward_mqa`` makes no device-to-host sync (the conformance suite runs it under
+    :func:`mla_backends.host_sync.no_host_sync`). ``cuda_graphs``: it also replays correctly under a captured
+    CUDA graph with static shapes whose metadata tensors are updated in place (it reads lengths and block
+    ids from device tensors, never from the host lists); implies ``host_sync_free``.
     """
 
     dtypes: frozenset[torch.dtype]
@@ -99,6 +104,8 @@ class Capabilities:
     deterministic: bool = True
     requires: tuple[str, ...] = ()
     extra: str | None = None
+    host_sync_free: bool = False
+    cuda_graphs: bool = False
     tolerances: dict[str, Tolerance] = field(default_factory=lambda: dict(DEFAULT_TOLERANCES), hash=False)
 
     def __post_init__(self) -> None:
@@ -137,6 +144,9 @@ class Capabilities:
             out.append("dense/sparse: got neither; supported at least one")
         if self.decode_threshold < 1:
             out.append(f"decode_threshold: got {self.decode_threshold}; supported >= 1")
+        if self.cuda_graphs and not self.host_sync_free:
+            out.append("cuda_graphs: got True with host_sync_free False; supported a sync-free backend "
+                       "(a captured graph cannot sync)")
         if self.query_len == QueryLenSupport.SINGLE and self.decode_threshold != 1:
             out.append(f"decode_threshold: got {self.decode_threshold} with single-token queries; supported 1")
         return out

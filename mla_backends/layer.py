@@ -55,6 +55,7 @@ from .sparse.layer_support import SparseKVCache, build_indexer
 from .step_plan import Run
 from .threshold_table import ThresholdTable
 from .validation import require_int, require_tensor
+from .workspace import shared_workspace
 
 __all__ = ["MLAAttention"]
 
@@ -118,8 +119,12 @@ class MLAAttention(torch.nn.Module):
         weight_block_size: tuple[int, int] = DEFAULT_WEIGHT_BLOCK_SIZE,
         dcp_size: int = 1,
         dcp_group: Any = None,
+        workspace: PrefillWorkspace | None = None,
     ) -> None:
         super().__init__()
+        if workspace is not None and not isinstance(workspace, PrefillWorkspace):
+            raise TypeError(f"workspace: got {type(workspace).__name__}; supported PrefillWorkspace or None "
+                            "(None: the shared workspace of the device, mla_backends.workspace)")
         if not isinstance(dims, MLADims):
             raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims")
         require_int("tp_rank", tp_rank, minimum=0)
@@ -142,7 +147,8 @@ class MLAAttention(torch.nn.Module):
         self.tp_rank = tp_rank
         self.attention_bias = bool(attention_bias)
         self._workspace_rows = workspace_rows
-        self._workspace: PrefillWorkspace | None = None
+        self._own_workspace = workspace  # explicit: used for every call; None: the device's shared one
+        self._workspace: PrefillWorkspace | None = workspace
         self.layer_idx = require_int("layer_idx", layer_idx, minimum=0)
         self.indexer = build_indexer(dims, layer_idx, dtype=self.dtype, device=self.device)  # V3.2 only
         self.last_topk_indices: torch.Tensor | None = None
@@ -157,6 +163,7 @@ class MLAAttention(torch.nn.Module):
                              + "; ".join(map(str, reasons)))
         self.backend_cls = backend_cls
         self.backend = backend_cls()
+        self.backend.configure(self._spec(), self.scale)  # what prepare(meta) may plan for
         # the policy named by `dispatch`, or a measured threshold table's (argument or the environment)
         self.dispatch: DispatchPolicy = layer_policy(dispatch, threshold_table, backend_cls.name)
 
@@ -181,6 +188,7 @@ class MLAAttention(torch.nn.Module):
         threshold_table: ThresholdTable | str | os.PathLike[str] | None = None,
         dcp_size: int = 1,
         dcp_group: Any = None,
+        workspace: PrefillWorkspace | None = None,
     ) -> MLAAttention:
         """Build the layer for a transformers config, a dict, a ``config.json`` path or an :class:`MLADims`.
 
@@ -198,6 +206,7 @@ class MLAAttention(torch.nn.Module):
             workspace_rows: ``forward_mha`` context chunk; default ``min(max(8 * max_model_len,
                 4 * max_num_seqs * block_size), 65536)`` with ``max_model_len`` defaulting to the config's
                 ``max_position_embeddings``.
+            workspace: an explicit prefill workspace (default: the device's shared one, see :attr:`workspace`).
 
         The block of fp8 checkpoint scales is the config's ``quantization_config.weight_block_size``
         (``(128, 128)`` when absent); :meth:`load_hf_state_dict` uses it.
@@ -209,7 +218,7 @@ class MLAAttention(torch.nn.Module):
                    attention_bias=hf_attention_bias(config), dispatch=dispatch, workspace_rows=workspace_rows,
                    max_model_len=max_model_len, max_num_seqs=max_num_seqs, layer_idx=layer_idx,
                    threshold_table=threshold_table, weight_block_size=weight_block_size_from_config(config),
-                   dcp_size=dcp_size, dcp_group=dcp_group)
+                   dcp_size=dcp_size, dcp_group=dcp_group, workspace=workspace)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, layer_idx: int, *, dtype: str | torch.dtype | None = None,
@@ -259,8 +268,10 @@ class MLAAttention(torch.nn.Module):
                              + "; ".join(map(str, reasons)))
         cache_cls = LatentKVCache if self.dims.indexer is None else SparseKVCache  # V3.2: + indexer keys
         extra = {} if self.dims.indexer is None else {"layer_idx": self.layer_idx}
-        return cache_cls.allocate(self.dims, num_blocks, block_size, kv_cache_dtype, model_dtype=self.dtype,
-                                  device=self.device, scale=scale, **extra)
+        cache = cache_cls.allocate(self.dims, num_blocks, block_size, kv_cache_dtype, model_dtype=self.dtype,
+                                   device=self.device, scale=scale, **extra)
+        self.backend.configure(self._spec(cache.kv_cache_dtype, block_size), self.scale)  # now fully known
+        return cache
 
     def workspace_rows(self, block_size: int) -> int:
         """Context rows per ``forward_mha`` chunk for caches with pages of ``block_size``."""
@@ -270,7 +281,16 @@ class MLAAttention(torch.nn.Module):
 
     @property
     def workspace(self) -> PrefillWorkspace | None:
-        """The reused prefill workspace (None until the first prefill over cached context)."""
+        """The prefill workspace in use: the one given as ``workspace=``, else the shared workspace of this
+        layer's device, dtype and stream (:func:`mla_backends.workspace.shared_workspace`; the same object for
+        every layer sharing it) from the last expanded call. None before the first one."""
+        return self._workspace
+
+    def workspace_for(self, block_size: int) -> PrefillWorkspace:
+        """The workspace an expanded call over pages of ``block_size`` uses now (see :attr:`workspace`)."""
+        if self._own_workspace is not None:
+            return self._own_workspace
+        self._workspace = shared_workspace(self.weight_device, self.dtype, self.workspace_rows(block_size))
         return self._workspace
 
     @property
@@ -293,6 +313,7 @@ class MLAAttention(torch.nn.Module):
         check_step_inputs(self.dims, self.dtype, self.weight_device, hidden_states, positions, cache, meta,
                           topk_indices, reuses_topk=self.indexer is None, layer_idx=self.layer_idx)
         check_dcp_metadata(self.dcp, meta)
+        meta.check_cache(cache)  # the whole step against this cache, before anything is written (host only)
 
     @property
     def weight_device(self) -> torch.device:
@@ -333,12 +354,9 @@ class MLAAttention(torch.nn.Module):
         with the new tokens' ``latent [n, R]`` and roped ``k_pe [n, rope]`` (already in ``cache``) ->
         ``[n, H, v_head_dim]`` (into ``out`` when given), using this layer's ``kv_b_proj`` and workspace."""
         self._check_query(q, meta)
-        rows = self.workspace_rows(cache.block_size)
-        if self._workspace is None or self._workspace.rows != rows:
-            self._workspace = PrefillWorkspace(rows)
         reader = None if self.dcp is None else context_rows(self.dcp, cache, meta)  # DCP: rows all-gathered
         return forward_mha(q, latent, k_pe, cache, meta, self.kv_b_proj.weight, scale=self.scale,
-                           workspace=self._workspace, out=out, context_rows=reader)
+                           workspace=self.workspace_for(cache.block_size), out=out, context_rows=reader)
 
     def forward(
         self,
@@ -381,7 +399,7 @@ class MLAAttention(torch.nn.Module):
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         q = torch.cat([q[..., :N], self.rotary.apply(q[..., N:], cos, sin)], dim=-1)
         k_pe = self.rotary.apply(kv[:, R:], cos, sin)
-        cache.write(latent, k_pe, meta.slot_mapping)
+        cache.write(latent, k_pe, meta)  # trusts build's validation: no device read
         if self.indexer is not None:  # DeepSeek-V3.2: the indexer caches its keys and picks the rows
             if topk_indices is None:
                 topk_indices = self.indexer(x, q_resid, cache, meta, positions=pos)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .cache import position_slots
+from .cache import PagedRows, duplicate_slot, position_slots
 from .step_plan import StepPlan
 from .validation import require_int
 
@@ -73,6 +73,11 @@ class BatchMetadata:
         dcp_rank, dcp_size: this rank in its decode-context-parallel group and the group's size (0 and 1:
             no DCP). With ``dcp_size > 1`` the lengths and positions are global, ``block_table`` and
             ``slot_mapping`` local (module docstring).
+        max_block_ids: ``[B]`` host ints, processing order: the largest block id of each request's live pages
+            (``-1`` for a request holding no tokens). :meth:`build` fills it from host data (one device read
+            when the table is on a GPU); :meth:`check_cache` compares it with a cache's ``num_blocks``, so no
+            layer reads the table again. None on metadata made by hand: then the first check reads the table
+            once (one sync) and the verdict is kept for the step.
         step_plan: the :class:`~mla_backends.step_plan.StepPlan` of this step: runs, block-id verdicts,
             sub-batches and each backend's prepared state, worked out once and reused by every layer; never
             copied (``dataclasses.replace`` starts a new one).
@@ -94,6 +99,7 @@ class BatchMetadata:
     num_blocks: int | None = None
     dcp_rank: int = 0
     dcp_size: int = 1
+    max_block_ids: tuple[int, ...] | None = None
     step_plan: StepPlan = field(default_factory=StepPlan, init=False, repr=False)
 
     # ---- construction ----------------------------------------------------------------------------------
@@ -161,6 +167,7 @@ class BatchMetadata:
         dev = torch.device(device) if device is not None else bt.device
         bt_host = bt.detach().to("cpu", torch.int64)
         seq = [cq + cc for cq, cc in zip(q, c, strict=True)]
+        maxima: list[int] = []
         for b, s in enumerate(seq):
             held = dcp_local_len(s, dcp_rank, dcp_size)
             need = -(-held // block_size)
@@ -177,6 +184,7 @@ class BatchMetadata:
                     bad = int(used[(used < 0) | (used >= (num_blocks or 2**62))][0])
                     limit = f"[0, {num_blocks - 1}]" if num_blocks is not None else ">= 0"
                     raise ValueError(f"block_table: request {b} uses block id {bad}; supported {limit}")
+            maxima.append(hi if need else -1)
 
         # decode requests first (stable), prefills after
         B = len(q)
@@ -203,6 +211,14 @@ class BatchMetadata:
             slots = position_slots(bt_proc, req, pos, block_size)
         else:
             slots = torch.zeros(0, dtype=torch.int64)
+        clash = duplicate_slot(slots)
+        if clash is not None:
+            first, second = clash
+            raise ValueError(
+                f"block_table: caller requests {order[token_request[first]]} and {order[token_request[second]]} "
+                f"both write slot {int(slots[first])} (positions {token_positions[first]} and "
+                f"{token_positions[second]}) in this step; supported one writer per slot (pages shared by "
+                "several requests may hold only their cached prefix)")
 
         def i32(vals: Sequence[int]) -> torch.Tensor:
             return torch.tensor(list(vals), dtype=torch.int32, device=dev)
@@ -227,7 +243,47 @@ class BatchMetadata:
             num_blocks=num_blocks,
             dcp_rank=dcp_rank,
             dcp_size=dcp_size,
+            max_block_ids=tuple(maxima[b] for b in order),
         )
+
+    # ---- validation against a cache (host only) ---------------------------------------------------------
+    def check_cache(self, cache: PagedRows) -> None:
+        """Raise ValueError unless every block id of every request's whole sequence lies inside ``cache``.
+
+        The step is checked whole, before any layer writes: the host maxima from :meth:`build` are compared
+        with ``cache.num_blocks`` (no device read); slots then lie in range too, since each is ``block *
+        block_size + offset`` with ``offset < block_size``. The verdict is kept in ``step_plan`` per cache
+        size, so the layers of a step check once. Metadata without ``max_block_ids`` (made by hand) is read
+        from the device once (one sync).
+        """
+        if self.block_size != cache.block_size:
+            raise ValueError(f"meta.block_size: got {self.block_size}; supported the cache's {cache.block_size}")
+        n = cache.num_blocks
+        if n in self.step_plan.block_ids_checked or not self.num_requests:
+            return
+        if self.num_blocks is not None and self.num_blocks > n:
+            raise ValueError(f"meta.num_blocks: got {self.num_blocks}; supported <= the cache's {n}")
+        if self.num_blocks is None:
+            hi = max(self.max_block_ids) if self.max_block_ids is not None else self._device_max_block_id()
+            if hi >= n:
+                raise ValueError(f"meta.block_table: got block id {hi}; supported [0, {n - 1}] for this cache "
+                                 f"({n} blocks)")
+        self.step_plan.block_ids_checked.add(n)
+
+    def _device_max_block_id(self) -> int:
+        """Largest live block id read from ``block_table`` (one sync; hand-made metadata only)."""
+        used = [-(-s // self.block_size) for s in self.seq_lens_list]
+        width = max(used, default=0)
+        if not width:
+            return -1
+        bt = self.block_table[:, :width]
+        live = torch.arange(width, device=bt.device)[None, :] < torch.tensor(used, device=bt.device)[:, None]
+        ids = torch.where(live, bt.long(), torch.full_like(bt, -1, dtype=torch.long))
+        lo = torch.where(live, bt.long(), torch.zeros_like(ids)).min()
+        lo_v, hi_v = torch.stack([lo, ids.max()]).tolist()  # the one sync
+        if lo_v < 0:
+            raise ValueError(f"meta.block_table: got block id {lo_v}; supported >= 0")
+        return hi_v
 
     # ---- derived sizes ---------------------------------------------------------------------------------
     @property
@@ -324,6 +380,7 @@ class BatchMetadata:
             num_blocks=self.num_blocks,
             dcp_rank=self.dcp_rank,
             dcp_size=self.dcp_size,
+            max_block_ids=None if self.max_block_ids is None else self.max_block_ids[start:stop],
         )
         self.step_plan.sub_batches[key] = sub
         return sub

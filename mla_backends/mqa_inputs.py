@@ -29,9 +29,10 @@ def check_mqa_inputs(
 ) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument when the inputs of ``forward_mqa`` disagree.
 
-    ``check_values=False`` skips the checks that read device tensors (block ids in range, top-k in window),
-    which synchronise; backends pass it while a CUDA graph is being captured. The block-id check runs at
-    most once per (metadata, cache size): every layer of a step shares one ``BatchMetadata``.
+    Block ids are checked on the host (:meth:`BatchMetadata.check_cache`: ``build``'s per-request maxima
+    against ``cache.num_blocks``, once per step and cache size), so dense calls read no device value. The one
+    check that reads device tensors is the sparse top-k window (a sync, sparse calls only);
+    ``check_values=False`` skips it, as ``forward_mqa`` does while a CUDA graph is being captured.
     """
     if not isinstance(cache, LatentKVCache):
         raise TypeError(f"cache: got {type(cache).__name__}; supported LatentKVCache")
@@ -56,12 +57,7 @@ def check_mqa_inputs(
     optional = {"topk_indices": topk_indices, "out": out, "lse_out": lse_out}
     require_on_device(cache.device, q_latent=q_latent, q_rope=q_rope, **{"meta.block_table": meta.block_table},
                       **{k: v for k, v in optional.items() if v is not None})
-    if meta.block_size != cache.block_size:
-        raise ValueError(f"meta.block_size: got {meta.block_size}; supported the cache's {cache.block_size}")
-    if meta.num_blocks is not None and meta.num_blocks > cache.num_blocks:
-        raise ValueError(f"meta.num_blocks: got {meta.num_blocks}; supported <= the cache's {cache.num_blocks}")
-    if check_values:
-        _check_block_ids(meta, cache)
+    meta.check_cache(cache)  # host-side verdict from build, once per step (no device read)
     if check_values and topk_indices is not None and topk_indices.numel():
         limit = meta.token_positions[:, None]  # on the cache's device, as topk_indices (checked above)
         bad = (topk_indices < -1) | (topk_indices > limit)
@@ -71,28 +67,6 @@ def check_mqa_inputs(
                 f"topk_indices: token {t} selects position(s) outside [0, {int(limit[t])}] (its causal "
                 f"window); supported -1 (padding) or a visible position"
             )
-
-
-def _check_block_ids(meta: BatchMetadata, cache: LatentKVCache) -> None:
-    """The block ids each sequence uses must lie inside ``cache``.
-
-    Free when ``BatchMetadata.build`` already checked them against ``num_blocks`` (host side); otherwise the
-    device check (one sync) runs once and its verdict is kept in ``meta.step_plan``, so later layers of the same
-    step skip it. ``meta.block_table`` must therefore not be edited in place after the step has started.
-    """
-    if meta.num_blocks is not None or not meta.num_requests or not meta.max_seq_len:
-        return  # num_blocks <= cache.num_blocks was checked above; build() checked the ids against it
-    if cache.num_blocks in meta.step_plan.block_ids_checked:
-        return
-    used_pages = [-(-s // meta.block_size) for s in meta.seq_lens_list]
-    width = max(used_pages)
-    bt = meta.block_table[:, :width]
-    mask = torch.arange(width, device=bt.device)[None, :] < torch.tensor(used_pages, device=bt.device)[:, None]
-    ids = bt[mask]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cache.num_blocks):
-        raise ValueError(f"meta.block_table: got block ids in [{int(ids.min())}, {int(ids.max())}]; "
-                         f"supported [0, {cache.num_blocks - 1}] for this cache")
-    meta.step_plan.block_ids_checked.add(cache.num_blocks)
 
 
 def check_declared_support(

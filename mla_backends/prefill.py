@@ -75,12 +75,15 @@ def default_workspace_rows(max_model_len: int, max_num_seqs: int, block_size: in
 
 
 class PrefillWorkspace:
-    """Buffers for one context chunk, allocated on first use and reused while shape, dtype and device stay.
+    """Buffers for one context chunk of at most ``rows`` cache rows, grown on demand and reused.
 
-    ``latent``: ``[rows, kv_lora_rank + qk_rope_head_dim]`` gathered cache rows (model dtype; used directly
-    when the cache stores the model dtype, else the dequantised read is used). ``kv``: ``[rows, heads *
+    ``rows`` is the bound (the chunk size ``forward_mha`` packs the cached context into); the buffers are
+    only as large as the largest chunk a step needed so far (never shrunk, never past the bound).
+    ``latent``: ``[rows_used, kv_lora_rank + qk_rope_head_dim]`` gathered cache rows (model dtype; used directly
+    when the cache stores the model dtype, else the dequantised read is used). ``kv``: ``[rows_used, heads *
     (qk_nope + v)]`` up-projected keys/values, the large buffer (``rows * heads * 256`` values for DeepSeek).
-    ``allocations`` counts (re)allocations.
+    ``allocations`` counts (re)allocations. One workspace may serve every layer of a device
+    (:mod:`mla_backends.workspace`); calls using it must be ordered on one stream.
     """
 
     def __init__(self, rows: int) -> None:
@@ -90,19 +93,25 @@ class PrefillWorkspace:
         self.kv: torch.Tensor | None = None
         self.allocations = 0
 
-    def buffers(self, row_width: int, kv_width: int, dtype: torch.dtype,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.kv
-        if (kv is None or self.latent is None or kv.shape != (self.rows, kv_width) or kv.dtype != dtype
-                or kv.device != device or self.latent.shape[1] != row_width):
-            self.latent = torch.empty(self.rows, row_width, dtype=dtype, device=device)
-            self.kv = torch.empty(self.rows, kv_width, dtype=dtype, device=device)
+    def buffers(self, row_width: int, kv_width: int, dtype: torch.dtype, device: torch.device,
+                rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(latent [n, row_width], kv [n, kv_width])`` with ``n >= rows`` (default: the bound ``self.rows``);
+        reallocated only when a buffer is too small or of another dtype/device."""
+        need = self.rows if rows is None else min(require_int("rows", rows, minimum=1), self.rows)
+        kv, lat = self.kv, self.latent
+        if (kv is None or lat is None or kv.shape[0] < need or kv.shape[1] != kv_width or kv.dtype != dtype
+                or kv.device != device or lat.shape[1] != row_width):
+            have = 0 if kv is None or kv.shape[1] != kv_width or kv.dtype != dtype or kv.device != device \
+                else kv.shape[0]
+            n = max(need, have)
+            self.latent = lat = torch.empty(n, row_width, dtype=dtype, device=device)
+            self.kv = kv = torch.empty(n, kv_width, dtype=dtype, device=device)
             self.allocations += 1
-        assert self.latent is not None and self.kv is not None
-        return self.latent, self.kv
+        return lat, kv
 
     @property
     def nbytes(self) -> int:
+        """Bytes the buffers hold now (0 before the first prefill over cached context)."""
         return sum(t.numel() * t.element_size() for t in (self.latent, self.kv) if t is not None)
 
 
@@ -372,7 +381,8 @@ def forward_mha(
     ctx = [c if n else 0 for c, n in zip(meta.context_lens_list, meta.query_lens_list, strict=True)]
     chunks = context_chunks(ctx, workspace.rows) if any(ctx) else []
     if chunks:
-        latent_buf, kv_buf = workspace.buffers(R + P, H * (N + V), q.dtype, q.device)
+        biggest = max(sum(z - a for _, a, z in chunk) for chunk in chunks)
+        latent_buf, kv_buf = workspace.buffers(R + P, H * (N + V), q.dtype, q.device, rows=biggest)
         bt = meta.block_table.long()
         bs = cache.block_size
         flat = cache.data.view(-1, cache.row_width)

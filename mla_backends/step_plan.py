@@ -20,10 +20,11 @@ its plan) must not be edited in place once the first layer ran.
 
 **The engine's call.** ``meta.prepare(backend)`` (equivalently ``meta.step_plan.prepare(backend, meta)``) runs
 the backend's ``prepare`` hook for this step, once, and returns its state; a second call returns the same
-object. An engine may call it before the first layer (outside any CUDA-graph capture); a backend that was not
-prepared is prepared on its first ``forward_mqa`` of the step. States are kept per backend class: the layer
-builds its backend with no arguments, so every layer's instance of one class prepares the same state, and a
-61-layer model prepares once per step, not 61 times.
+object. An engine calls it once per step before the first layer, outside any CUDA-graph capture (for a captured
+decode step: after ``DecodeGraphMetadata.update``, before ``graph.replay()``); a backend that was not prepared
+is prepared on its first ``forward_mqa`` of the step. States are kept per ``backend.prepare_key()``: the class,
+plus the layer's configuration (``backend.configure(spec, scale)``, which ``MLAAttention`` calls), so every
+layer configured alike shares one state, and a 61-layer model prepares once per step, not 61 times.
 """
 
 from __future__ import annotations
@@ -57,15 +58,16 @@ class StepPlan:
         sub_batches: ``(start, stop)`` -> the sub-batch metadata of those processing-order requests.
         accepted: keys of the ``(backend, dtype, heads, cache ...)`` combinations whose declarations accepted
             this step's inputs.
+        prepared: ``backend.prepare_key()`` (its class, plus its configuration when configured) -> what its
+            ``prepare(meta)`` returned for this step (None included).
         dcp: :mod:`mla_backends.dcp`'s per-step state, by key.
-        prepared: backend class -> what its ``prepare(meta)`` returned for this step (None included).
     """
 
     runs: dict[Hashable, tuple[Run, ...]] = field(default_factory=dict)
     block_ids_checked: set[int] = field(default_factory=set)
     sub_batches: dict[tuple[int, int], BatchMetadata] = field(default_factory=dict)
     accepted: set[Hashable] = field(default_factory=set)
-    prepared: dict[type, object | None] = field(default_factory=dict)
+    prepared: dict[object, object | None] = field(default_factory=dict)
     dcp: dict[Hashable, object] = field(default_factory=dict)
 
     def prepare(self, backend: MLABackend, meta: BatchMetadata) -> object | None:
@@ -82,11 +84,22 @@ class StepPlan:
         if not callable(prepare):
             raise TypeError(f"backend: got {type(backend).__name__}, which has no prepare(meta); supported an "
                             "MLABackend instance")
-        key = type(backend)
+        key_of = getattr(backend, "prepare_key", None)
+        key = key_of() if callable(key_of) else type(backend)
         if key not in self.prepared:
             self.prepared[key] = prepare(meta)
         return self.prepared[key]
 
+    def reset(self) -> None:
+        """Forget everything kept for the step (a persistent metadata whose tensors were rewritten in place
+        for a new step, :class:`~mla_backends.decode_graph.DecodeGraphMetadata`, starts over)."""
+        self.runs.clear()
+        self.block_ids_checked.clear()
+        self.sub_batches.clear()
+        self.accepted.clear()
+        self.prepared.clear()
+
     def is_prepared(self, backend: MLABackend) -> bool:
-        """Whether ``backend``'s class already prepared this step."""
-        return type(backend) in self.prepared
+        """Whether ``backend``'s class (and configuration, ``backend.prepare_key()``) already prepared this step."""
+        key_of = getattr(backend, "prepare_key", None)
+        return (key_of() if callable(key_of) else type(backend)) in self.prepared

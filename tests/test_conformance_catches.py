@@ -34,6 +34,7 @@ EXPECTED = {
         "declared or undeclared",
         "test_undeclared_combinations_rejected",
     ),
+    "TestHostSync": ("HostSyncBackend", "no_host_sync", "test_no_host_sync"),
 }
 
 

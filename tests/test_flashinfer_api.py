@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
+from mla_backends.backend import AttentionSpec
 from mla_backends.cache import LatentKVCache
-from mla_backends.device import simulated_device
+from mla_backends.device import device_info_for, simulated_device
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
     FlashInferMLABackend,
@@ -283,6 +284,23 @@ def test_fa_plans_once_per_batch_and_replans_when_another_batch_intervenes(recor
     assert torch.equal(lse, torch.full_like(lse, 1.5)) and out.dtype == q.dtype
 
 
+def test_configured_fa_backend_plans_in_prepare_and_forward_only_runs(recording):
+    # the layer configures its backend (heads, dtypes, page size, scale), so the engine's one per-step call
+    # meta.prepare(backend) runs plan() outside any capture, and forward_mqa only runs the wrapper
+    cache, meta, q, qr = make_batch(q_lens=(1, 4, 2), ctx=(20, 3, 40), heads=8)
+    backend = FlashInferMLABackend()
+    spec = AttentionSpec(num_heads=8, dtype=q.dtype, kv_cache_dtype=cache.kv_cache_dtype,
+                         block_size=cache.block_size, device=device_info_for(cache.device))
+    backend.configure(spec, 0.1)
+    meta.prepare(backend)
+    (wrapper,) = recording.instances
+    assert len(wrapper.plans) == 1 and not wrapper.runs
+    for _ in range(3):  # three layers
+        backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend=wrapper.backend)
+    assert len(wrapper.plans) == 1 and len(wrapper.runs) == 3
+    assert meta.step_plan.is_prepared(backend) and backend.prepare_key() != FlashInferMLABackend
+
+
 def test_fa_passes_zero_copy_cache_views_and_csr_metadata(recording):
     cache, meta, q, qr = make_batch(q_lens=(1, 4, 2), ctx=(20, 3, 40), heads=8)
     out = torch.empty_like(q)
@@ -467,9 +485,14 @@ def test_shared_input_checks_run_first(cls):
         cls().forward_mqa(q, qr[:, :8], cache, meta, scale=0.1)
 
 
-def test_xqa_scales_are_passed_as_python_floats():
+def test_xqa_scales_are_floats_or_device_tensors():
     x = torch.zeros(1)
-    kw = api.xqa_kwargs(x, x, x, kv_lora_rank=512, rope_dim=64, block_tables=x, seq_lens=x, max_seq_len=1,
-                        out=x, bmm1_scale=torch.tensor(0.25), bmm2_scale=torch.tensor(2.0))
-    assert type(kw["bmm1_scale"]) is float and kw["bmm1_scale"] == 0.25
-    assert type(kw["bmm2_scale"]) is float and kw["bmm2_scale"] == 2.0
+    common = dict(kv_lora_rank=512, rope_dim=64, block_tables=x, seq_lens=x, max_seq_len=1, out=x)
+    kw = api.xqa_kwargs(x, x, x, **common, bmm1_scale=0.25, bmm2_scale=2)
+    assert type(kw["bmm1_scale"]) is float and kw["bmm1_scale"] == 0.25 and type(kw["bmm2_scale"]) is float
+    kw = api.xqa_kwargs(x, x, x, **common, bmm1_scale=torch.tensor(0.25), bmm2_scale=torch.tensor([2.0]))
+    for name, value in (("bmm1_scale", 0.25), ("bmm2_scale", 2.0)):  # the fp8 path: no host read
+        t = kw[name]
+        assert isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == (1,) and t[0] == value
+    with pytest.raises(TypeError, match="bmm1_scale/bmm2_scale"):
+        api.xqa_kwargs(x, x, x, **common, bmm1_scale=torch.tensor(0.25), bmm2_scale=2.0)

@@ -132,6 +132,11 @@ def run_kv_cache(args: argparse.Namespace) -> int:
         f"  decode arithmetic intensity {rep['decode_arithmetic_intensity']:.0f} FLOP/B per rank "
         f"(GQA: {rep['gqa_decode_arithmetic_intensity']:.0f})"
     )
+    print(
+        f"  prefill workspace {rep['prefill_workspace_bytes'] / 2**20:>12,.0f} MiB per device "
+        f"({rep['prefill_workspace_rows']:,} rows, model dtype), shared by all {rep['num_layers']} layers "
+        f"(one per layer would be {rep['prefill_workspace_bytes_if_per_layer'] / 2**30:,.1f} GiB)"
+    )
     for seq in rep.get("sequences", []):
         print(f"  one {seq['context_len']:,}-token sequence: {seq['bytes_per_sequence'] / 2**20:,.1f} MiB")
     if "tokens_that_fit" in rep:

@@ -13,9 +13,11 @@ from typing import Any
 from .. import costs, deployment
 from ..dims import MLADims
 from ..dtypes import parse_model_dtype, resolve_kv_cache_dtype
+from ..prefill import MAX_WORKSPACE_ROWS
 from ..validation import require_int
 
-__all__ = ["kv_cache_report", "crossover_report", "deployment_report", "DEFAULT_QUERY_LENS", "DEFAULT_CONTEXTS"]
+__all__ = ["kv_cache_report", "crossover_report", "deployment_report", "prefill_workspace_figures",
+           "DEFAULT_QUERY_LENS", "DEFAULT_CONTEXTS"]
 
 
 def kv_cache_report(
@@ -61,6 +63,7 @@ def kv_cache_report(
         "tp_break_even": costs.tp_break_even(d, gqa, b),
         "decode_arithmetic_intensity": costs.decode_arithmetic_intensity(d, b, tp),
         "gqa_decode_arithmetic_intensity": costs.gqa_decode_arithmetic_intensity(gqa, b),
+        **prefill_workspace_figures(d, model_dtype, tp),
     }
     if context_len is not None:
         s = require_int("context_len", context_len, minimum=1)
@@ -80,6 +83,21 @@ def kv_cache_report(
         if context_len is not None:
             rep["sequences_that_fit"] = mem // rep["bytes_per_sequence"]
     return rep
+
+
+def prefill_workspace_figures(dims: MLADims, model_dtype: str = "bfloat16", tp: int = 1,
+                              rows: int = MAX_WORKSPACE_ROWS) -> dict[str, int]:
+    """The prefill workspace beside the cache: ``rows`` gathered latent rows plus their per-head K-nope and V
+    (model dtype, this rank's heads), the one buffer every layer of a device shares
+    (:mod:`mla_backends.workspace`), and what one per layer would take."""
+    mb = costs.element_bytes("auto", model_dtype)
+    heads = dims.total_num_heads // tp
+    per_row = (dims.kv_lora_rank + dims.qk_rope_head_dim + heads * (dims.qk_nope_head_dim + dims.v_head_dim)) * mb
+    return {
+        "prefill_workspace_rows": rows,
+        "prefill_workspace_bytes": rows * per_row,
+        "prefill_workspace_bytes_if_per_layer": rows * per_row * dims.num_layers,
+    }
 
 
 DEFAULT_QUERY_LENS: tuple[int, ...] = (1, 16, 64, 128, 171, 256, 1024)

@@ -193,13 +193,23 @@ def trtllm_kwargs(query: torch.Tensor, kv_cache: torch.Tensor, workspace: torch.
 
 def xqa_kwargs(query: torch.Tensor, kv_cache: torch.Tensor, workspace: torch.Tensor, *, kv_lora_rank: int,
                rope_dim: int, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-               out: torch.Tensor, bmm1_scale: float, bmm2_scale: float) -> dict[str, Any]:
-    """``xqa_batch_decode_with_kv_cache_mla`` keywords (float scales: the wrapper-safe form)."""
+               out: torch.Tensor, bmm1_scale: float | torch.Tensor,
+               bmm2_scale: float | torch.Tensor) -> dict[str, Any]:
+    """``xqa_batch_decode_with_kv_cache_mla`` keywords. Scales are Python floats, or both float32 ``[1]``
+    device tensors (the fp8 path: XQA then reads them on the device, no host sync); never mixed."""
+    tensors = [isinstance(x, torch.Tensor) for x in (bmm1_scale, bmm2_scale)]
+    if any(tensors) and not all(tensors):
+        raise TypeError("bmm1_scale/bmm2_scale: got one tensor and one float; supported both floats or both "
+                        "float32 tensors")
+
+    def as_scale(x: float | torch.Tensor) -> float | torch.Tensor:
+        return x.to(torch.float32).reshape(1) if isinstance(x, torch.Tensor) else float(x)
+
     return {
         **_decode_kwargs(query, kv_cache, workspace, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
                          block_tables=block_tables, seq_lens=seq_lens, max_seq_len=max_seq_len, out=out),
-        "bmm1_scale": float(bmm1_scale),
-        "bmm2_scale": float(bmm2_scale),
+        "bmm1_scale": as_scale(bmm1_scale),
+        "bmm2_scale": as_scale(bmm2_scale),
     }
 
 

@@ -19,12 +19,13 @@ import torch
 from ..backend import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance
 from ..cache import LatentKVCache
 from ..device import device_info_for
-from ..dtypes import dtype_name
+from ..dtypes import dtype_name, kv_cache_torch_dtype
 from ..metadata import BatchMetadata
 from ..reasons import Reason, ReasonKind
 from . import api
 from ._common import (
     FlashInferBackendBase,
+    FlashInferStep,
     PlanSlot,
     deliver_outputs,
     dense_block_table,
@@ -208,18 +209,13 @@ class FlashInferMLABackend(FlashInferBackendBase):
         result, lse = output_buffers(q_latent, out, lse_out)
         if T:
             fi_backend = fi_backend or fa_backend_for(dev)
-            fp8_scale = cache.scale_value if cache.is_fp8 else None  # host sync for fp8 caches only
+            fp8_scale = cache.scale_value if cache.is_fp8 else None  # the host copy set_scale keeps: no sync
             q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
             starts = meta.query_starts_list
-            groups = fa_request_groups(meta.query_lens_list, H, fa_sm_count(dev))
-            for g, requests in enumerate(groups):  # one plan/run per group: most batches are one group
-                slot = wrapper_slot(dev, fi_backend, g)
-                key = (self.name, fi_backend, g, H, q_latent.dtype, cache.data.dtype, cache.block_size, r,
-                       cache.qk_rope_head_dim, float(scale))
-                self.step_state(meta).ensure_planned(key, slot, lambda slot=slot, requests=requests: plan_fa(
-                    slot.wrapper, meta, num_heads=H, kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim,
-                    page_size=cache.block_size, scale=scale, q_dtype=q_latent.dtype, kv_dtype=cache.data.dtype,
-                    requests=None if len(groups) == 1 and len(requests) == meta.num_requests else requests))
+            planned = self._plan_step(self.step_state(meta), meta, fi_backend=fi_backend, num_heads=H,
+                                      kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim, page_size=cache.block_size,
+                                      scale=scale, q_dtype=q_latent.dtype, kv_dtype=cache.data.dtype)
+            for requests, slot in planned:  # one plan/run per group: most batches are one group
                 rows = slice(starts[requests[0]], starts[requests[-1] + 1])
                 whole = rows == slice(0, T)  # the caller's buffers themselves, not views of them
                 slot.wrapper.run(**api.fa_run_kwargs(
@@ -227,6 +223,38 @@ class FlashInferMLABackend(FlashInferBackendBase):
                     cache.rope, out=result if whole else result[rows], lse=lse if whole else lse[rows],
                     fp8_scale=fp8_scale))
         return deliver_outputs(result, lse, out, lse_out)
+
+    def _plan_step(self, state: FlashInferStep, meta: BatchMetadata, *, fi_backend: str, num_heads: int,
+                   kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, q_dtype: torch.dtype,
+                   kv_dtype: torch.dtype) -> list[tuple[list[int], PlanSlot]]:
+        """``(requests, wrapper slot)`` per request group of the batch (:func:`fa_request_groups`: most batches
+        are one group), each slot of ``fi_backend`` on the batch's device planned for this step (once)."""
+        groups = fa_request_groups(meta.query_lens_list, num_heads, fa_sm_count(meta.device))
+        planned = []
+        for g, requests in enumerate(groups):
+            slot = wrapper_slot(meta.device, fi_backend, g)
+            key = (self.name, fi_backend, g, num_heads, q_dtype, kv_dtype, page_size, kv_lora_rank, rope_dim,
+                   float(scale))
+            subset = None if len(groups) == 1 and len(requests) == meta.num_requests else requests
+            state.ensure_planned(key, slot, lambda slot=slot, subset=subset: plan_fa(
+                slot.wrapper, meta, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
+                page_size=page_size, scale=scale, q_dtype=q_dtype, kv_dtype=kv_dtype, requests=subset))
+            planned.append((requests, slot))
+        return planned
+
+    def prepare(self, meta: BatchMetadata) -> FlashInferStep:
+        """This step's state; when the layer configured this instance (:meth:`configure`, with its cache's
+        page size and dtype), ``plan()`` runs here, once per step and outside any capture, so ``forward_mqa``
+        only runs the wrapper."""
+        state = FlashInferStep()
+        spec, scale = self.layer_spec, self.layer_scale
+        if spec is None or scale is None or spec.block_size != meta.block_size or not meta.num_tokens:
+            return state
+        kv_name = spec.resolved_kv_cache_dtype
+        self._plan_step(state, meta, fi_backend=fa_backend_for(meta.device), num_heads=spec.num_heads,
+                        kv_lora_rank=spec.kv_lora_rank, rope_dim=spec.qk_rope_head_dim, page_size=meta.block_size,
+                        scale=scale, q_dtype=spec.dtype, kv_dtype=kv_cache_torch_dtype(kv_name, spec.dtype))
+        return state
 
 
 class FlashInferCutlassMLABackend(FlashInferBackendBase):

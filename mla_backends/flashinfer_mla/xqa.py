@@ -5,8 +5,9 @@ request, query and cache in one dtype (both bfloat16 or both fp8_e4m3), page siz
 flashinfer-python 0.7.4 (``gen_xqa_module_mla``), a block table whose width is a multiple of
 ``128 / page_size``, and returns no LSE. Fewer heads are zero-padded to 128 and the output sliced back.
 
-fp8 caches: the query is quantised to fp8_e4m3 with the per-tensor scale ``amax(|q|) / 448``. XQA takes its
-scales as host floats here, so the fp8 path reads ``amax`` and the cache scale back (one host sync a call).
+fp8 caches: the query is quantised to fp8_e4m3 with the per-tensor scale ``amax(|q|) / 448``. The scales reach
+the kernel as float32 device tensors ``[1]`` (``bmm1 = q_scale * kv_scale * scale``, ``bmm2 = kv_scale``; XQA
+reads ``ptr[0]`` in place of its float argument), so the fp8 path makes no host sync either.
 """
 
 from __future__ import annotations
@@ -62,17 +63,18 @@ class FlashInferXqaMLABackend(FlashInferBackendBase):
         heads = self.capabilities.max_num_heads  # the kernel's fixed head count; fewer heads are padded
 
         def launch(full: torch.Tensor) -> None:
+            bmm1: float | torch.Tensor
+            bmm2: float | torch.Tensor
             T, _, r = full.shape
             dev = cache.device
             if cache.is_fp8:
-                q_scale_t = fp8_query_scale(q_latent, q_rope)
-                q_scale, kv_scale = torch.cat([q_scale_t, cache.scale[:1]]).tolist()  # one host sync
+                q_scale = fp8_query_scale(q_latent, q_rope)  # float32 [1] on the device
                 query = pack_query(q_latent, q_rope, num_heads=heads, dtype=cache.data.dtype,
-                                   multiplier=1.0 / q_scale)
-                bmm1, bmm2 = q_scale * kv_scale * float(scale), kv_scale
+                                   multiplier=q_scale.reciprocal())
+                bmm1, bmm2 = q_scale * cache.scale * float(scale), cache.scale
             else:
                 query = pack_query(q_latent, q_rope, num_heads=heads, dtype=cache.data.dtype)
-                bmm1, bmm2 = float(scale), 1.0
+                bmm1, bmm2 = float(scale), 1.0  # floats: XQA takes tensor scales on its fp8 path only
             fn = api.load_xqa_decode()
             fn(**api.xqa_kwargs(
                 query.view(T, 1, heads, query.shape[-1]), cache.data, workspace_for(dev, "xqa"),

@@ -75,6 +75,8 @@ class RefTorchBackend(MLABackend):
         dense=True,
         sparse=True,
         returns_lse=True,
+        host_sync_free=True,  # dense calls; shapes come from the metadata's host lists
+        cuda_graphs=False,  # those host lists size the work: a captured graph would not follow new lengths
     )
 
     def _forward_mqa_impl(
@@ -229,12 +231,10 @@ class RefTorchBackend(MLABackend):
             if all(n == Q for n in qlens):  # uniform query length: a plain view, no padding
                 qg = q[tok0: tok0 + b * Q].reshape(b, Q * H, W)
                 tok_idx = None
-            else:
-                j = torch.arange(Q, device=dev)
-                base = torch.tensor(starts[g0:g1], device=dev)[:, None]
-                ql = torch.tensor(qlens, device=dev)[:, None]
-                tok_idx = torch.where(j[None, :] < ql, base + j[None, :], torch.full_like(base + j, -1))
-                qg = q[tok_idx.clamp_min(0)].reshape(b, Q * H, W)
+            else:  # padded rows gather token 0 and are dropped below; indices from host data (no mask)
+                tok_idx = [starts[g0 + i] + j if j < n else -1 for i, n in enumerate(qlens) for j in range(Q)]
+                gather = torch.tensor([max(t, 0) for t in tok_idx], dtype=torch.long, device=dev)
+                qg = q.index_select(0, gather).reshape(b, Q * H, W)
             scores = torch.matmul(qg, kv.transpose(1, 2)).mul_(scale)  # [b, Q*H, S]
             ctx = torch.tensor(meta.context_lens_list[g0:g1], device=dev)
             limit = ctx[:, None] + torch.arange(Q, device=dev)[None, :]  # last visible position per query
@@ -246,10 +246,10 @@ class RefTorchBackend(MLABackend):
                 out[tok0: tok0 + b * Q] = o.to(out.dtype)
                 lse_out[tok0: tok0 + b * Q] = lse.to(lse_out.dtype)
             else:
-                flat = tok_idx.reshape(-1)
-                keep = flat >= 0
-                out[flat[keep]] = o[keep].to(out.dtype)
-                lse_out[flat[keep]] = lse[keep].to(lse_out.dtype)
+                keep = torch.tensor([i for i, t in enumerate(tok_idx) if t >= 0], dtype=torch.long, device=dev)
+                dest = torch.tensor([t for t in tok_idx if t >= 0], dtype=torch.long, device=dev)
+                out.index_copy_(0, dest, o.index_select(0, keep).to(out.dtype))
+                lse_out.index_copy_(0, dest, lse.index_select(0, keep).to(lse_out.dtype))
 
     # ---- sparse ----------------------------------------------------------------------------------------
     def _sparse(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, topk: torch.Tensor,

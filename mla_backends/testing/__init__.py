@@ -10,7 +10,9 @@ Subclass :class:`BackendConformance` in a pytest module (``backend = "MY_BACKEND
 - :mod:`.checks`: the checks as plain functions raising ``AssertionError``;
 - :mod:`.suite`: :class:`BackendConformance`, the pytest test class (needs pytest);
 - :mod:`.plugin`: the opt-in pytest plugin (``-p mla_backends.testing.plugin``), never auto-loaded;
-- :mod:`.broken`: deliberately broken backends the suite must catch (its own self-test).
+- :mod:`.broken`: deliberately broken backends the suite must catch (its own self-test);
+- :func:`no_host_sync` / :class:`HostSyncError` / :func:`host_sync_allowed`: the host-sync guard
+  (defined in :mod:`mla_backends.host_sync`), for engines' own tests of their hot path.
 
 Importing this package (or ``reference``, ``cases``, ``checks``) does not import pytest;
 ``BackendConformance`` loads on first access.
@@ -21,9 +23,13 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["BackendConformance", "resolve_backend", "build_plan", "reference_mqa"]
+__all__ = ["BackendConformance", "resolve_backend", "build_plan", "reference_mqa", "no_host_sync",
+           "HostSyncError", "host_sync_allowed"]
 
 _LAZY = {
+    "no_host_sync": "..host_sync",
+    "HostSyncError": "..host_sync",
+    "host_sync_allowed": "..host_sync",
     "BackendConformance": ".suite",
     "resolve_backend": ".suite",
     "build_plan": ".matrix",

@@ -17,6 +17,7 @@ class                           bug                                             
 ``NondeterministicBackend``     perturbs the output by an ulp at random          deterministic
 ``PaddedHeadsBackend``          hands back ``out`` with one padding head         output_matches_reference
 ``LyingDeclarationsBackend``    says yes to every request                        undeclared_combinations_...
+``HostSyncBackend``             declares ``host_sync_free`` but reads ``.item()``  no_host_sync
 ==============================  ===============================================  ============================
 """
 
@@ -44,6 +45,7 @@ __all__ = [
     "NondeterministicBackend",
     "PaddedHeadsBackend",
     "LyingDeclarationsBackend",
+    "HostSyncBackend",
     "BROKEN_BACKENDS",
 ]
 
@@ -159,6 +161,17 @@ class LyingDeclarationsBackend(RefTorchBackend):
         return []
 
 
+class HostSyncBackend(RefTorchBackend):
+    """Declares ``host_sync_free`` (as REF_TORCH does) but reads a device value per call (``.item()``)."""
+
+    name: ClassVar[str] = "BROKEN_HOST_SYNC"
+
+    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta: BatchMetadata, **kw) -> None:  # type: ignore[override]
+        if meta.seq_lens.max().item() < 0:  # never true: the read itself is the bug
+            raise AssertionError("unreachable")
+        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
+
+
 BROKEN_BACKENDS = (
     NextPageBackend,
     LatentScaleBackend,
@@ -169,4 +182,5 @@ BROKEN_BACKENDS = (
     NondeterministicBackend,
     PaddedHeadsBackend,
     LyingDeclarationsBackend,
+    HostSyncBackend,
 )

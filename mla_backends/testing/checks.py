@@ -34,6 +34,7 @@ __all__ = [
     "check_declared_accepted",
     "check_unsupported_rejected",
     "check_rejects_bad_inputs",
+    "check_no_host_sync",
     "assert_close",
 ]
 
@@ -342,3 +343,26 @@ def check_rejects_bad_inputs(cls: type[MLABackend], case: Case, device: torch.de
             )
     if not torch.equal(_bits(p.cache.data), before):
         raise AssertionError(f"cache.data: modified by a call that was rejected [{case.describe()}]")
+
+
+def check_no_host_sync(cls: type[MLABackend], case: Case, device: torch.device) -> None:
+    """A backend declaring ``host_sync_free`` makes no device-to-host sync in a dense ``forward_mqa`` once the
+    step's metadata is built and prepared (:func:`mla_backends.host_sync.no_host_sync`; a warm-up call first
+    loads its kernels, then a fresh step is prepared outside the guard and run under it)."""
+    from dataclasses import replace
+
+    from ..host_sync import HostSyncError, no_host_sync
+
+    p = prepare(case, device)
+    backend = make_backend(cls, device)
+    p.call(backend)  # loads kernels, compiles: first-use work is not per-step work
+    meta = replace(p.meta)  # the same step with an empty step plan, as a new step would have
+    meta.prepare(backend)  # the engine's per-step call, outside the guard
+    try:
+        with no_host_sync():
+            backend.forward_mqa(p.q_latent, p.q_rope, p.cache, meta, scale=p.scale)
+    except HostSyncError as exc:
+        raise AssertionError(
+            f"{cls.name} declares host_sync_free=True, but forward_mqa synchronised: {exc}; fix the call or "
+            f"declare host_sync_free=False [{case.describe()}]"
+        ) from exc

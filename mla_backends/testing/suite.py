@@ -52,7 +52,10 @@ class BackendConformance:
     - ``test_inputs_not_written``: the cache, queries, top-k lists and metadata are only read;
     - ``test_deterministic``: two runs on the same inputs agree bitwise (unless declared non-deterministic);
     - ``test_declared_values_accepted`` / ``test_undeclared_combinations_rejected``: honest declarations;
-    - ``test_rejects_bad_inputs``: mismatched arguments raise ``ValueError``/``TypeError``.
+    - ``test_rejects_bad_inputs``: mismatched arguments raise ``ValueError``/``TypeError``;
+    - ``test_no_host_sync``: backends declaring ``host_sync_free`` run dense calls under
+      :func:`mla_backends.testing.no_host_sync` (skipped for the others and for sparse cases, whose top-k
+      window check reads device values).
     """
 
     backend: ClassVar[str | type[MLABackend] | None] = None
@@ -127,6 +130,17 @@ class BackendConformance:
     ) -> None:
         self._require_runnable(conformance_backend, repeat_case, conformance_device)
         checks.check_deterministic(conformance_backend, repeat_case, conformance_device)
+
+    # ---- no host sync --------------------------------------------------------------------------------------
+    def test_no_host_sync(
+        self, conformance_backend: type[MLABackend], conformance_device: torch.device, guard_case: Case
+    ) -> None:
+        if not conformance_backend.capabilities.host_sync_free:
+            pytest.skip(f"{conformance_backend.name} declares host_sync_free=False")
+        if guard_case.topk is not None:
+            pytest.skip("sparse: the shared top-k window check reads device values (one sync per call)")
+        self._require_runnable(conformance_backend, guard_case, conformance_device)
+        checks.check_no_host_sync(conformance_backend, guard_case, conformance_device)
 
     # ---- honest declarations -------------------------------------------------------------------------------
     def test_declared_values_accepted(

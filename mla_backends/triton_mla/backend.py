@@ -15,7 +15,7 @@ from ..backend import Capabilities, MLABackend, QueryLenSupport
 from ..cache import LatentKVCache
 from ..device import cuda_device_index
 from ..metadata import BatchMetadata
-from .interpreter import interpreter_enabled
+from .interpreter import interpreter_enabled, launch_guard
 from .plan import BLOCK_H, MAX_KV_SPLITS, SCRATCH, block_h_for, choose_num_kv_splits, next_pow2, sm_count
 
 __all__ = ["TritonMLABackend", "interpreter_enabled", "PAGE_SIZES"]
@@ -86,6 +86,8 @@ class TritonMLABackend(MLABackend):
         extra="triton",
         cpu_env_switch="TRITON_INTERPRET",  # the CPU only interpreted, for testing
         cpu_hint=_CPU_TAIL,
+        host_sync_free=True,
+        cuda_graphs=True,  # lengths and block ids read on the device; pin num_kv_splits for a fixed grid
     )
 
     def __init__(self, num_kv_splits: int | None = None) -> None:
@@ -134,14 +136,29 @@ class TritonMLABackend(MLABackend):
         sparse = topk_indices is not None
         K = int(topk_indices.shape[1]) if sparse else 0
         splits = self.plan_num_kv_splits(meta, H, cache.device, K if sparse else None)
-        part_o, part_lse = SCRATCH.get(cache.device, T, H, splits, R)
+        part_o, part_lse = SCRATCH.get(cache.device, T, H, splits, R)  # per call: safe across threads/streams
         P = cache.qk_rope_head_dim
         rank_pad, rope_pad = max(16, next_pow2(R)), max(16, next_pow2(P))
         cfg = self._launch_config(
             q_latent.dtype, cache.data.dtype, rank_pad, rope_pad, H, cache.device, kernels
         )
-        kv = cache.data
         topk = topk_indices if sparse else meta.token_positions  # any int tensor; unused when dense
+        interpreted = cache.device.type != "cuda"
+        with launch_guard(interpreted):
+            self._stage1(kernels, cfg, q_latent, q_rope, cache, meta, topk, part_o, part_lse, scale, H, K, splits,
+                         sparse, rank_pad, rope_pad)
+        with launch_guard(interpreted):
+            self._stage2(kernels, part_o, part_lse, out, lse_out, H, splits, R, rank_pad)
+
+    @staticmethod
+    def _stage1(kernels: Any, cfg: LaunchConfig, q_latent: torch.Tensor, q_rope: torch.Tensor,
+                cache: LatentKVCache, meta: BatchMetadata, topk: torch.Tensor, part_o: torch.Tensor,
+                part_lse: torch.Tensor, scale: float, H: int, K: int, splits: int, sparse: bool, rank_pad: int,
+                rope_pad: int) -> None:
+        """Launch stage 1 over the grid ``(head blocks, tokens, splits)``."""
+        T, _, R = q_latent.shape
+        P = cache.qk_rope_head_dim
+        kv = cache.data
         kernels.mla_decode_stage1[(-(-H // cfg.block_h), T, splits)](
             q_latent,
             q_rope,
@@ -185,6 +202,12 @@ class TritonMLABackend(MLABackend):
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
+
+    @staticmethod
+    def _stage2(kernels: Any, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                lse_out: torch.Tensor, H: int, splits: int, R: int, rank_pad: int) -> None:
+        """Launch stage 2 (the merge of the splits) over the grid ``(head blocks, tokens)``."""
+        T = out.shape[0]
         kernels.mla_decode_stage2[(-(-H // BLOCK_H), T)](
             part_o,
             part_lse,

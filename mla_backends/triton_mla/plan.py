@@ -1,4 +1,4 @@
-"""Host-side planning for ``TRITON_MLA`` (no triton import): the split heuristic and the reusable scratch.
+"""Host-side planning for ``TRITON_MLA`` (no triton import): the split heuristic and the per-call scratch.
 
 Split heuristic (:func:`choose_num_kv_splits`). Stage 1 runs ``tokens * head_blocks * splits`` programs,
 ``head_blocks = ceil(heads / block_h)`` (:func:`block_h_for`: 16 or 32 heads a program). More splits fill
@@ -44,8 +44,6 @@ MAX_KV_SPLITS = 64
 MIN_SPLIT_LEN = 512
 #: SM count assumed for CPU (interpreted) runs, where there are no SMs to fill
 CPU_NOMINAL_SM_COUNT = 4
-#: scratch grows in steps of this many float32 elements (4 MiB)
-SCRATCH_GRANULE = 1 << 20
 
 
 def next_pow2(n: int) -> int:
@@ -92,61 +90,30 @@ def sm_count(device: torch.device) -> int:
 
 
 class SplitScratch:
-    """Per-device float32 scratch holding stage 1's partial outputs and LSEs.
+    """Float32 scratch holding stage 1's partial outputs and LSEs, allocated **per call**.
 
-    One flat buffer per device, shared by every layer and backend instance, grown (never shrunk) when a call
-    needs more than ``tokens * heads * splits * (kv_lora_rank + 1)`` elements, and otherwise reused as is.
-    Calls on one device must be ordered on one stream (they are, within a forward pass).
+    Each call takes ``tokens * heads * splits * (kv_lora_rank + 1)`` elements from torch's caching allocator
+    (on a GPU: a block tied to the current stream, reused once the stream is done with it, so the cost is a
+    pointer bump, not a ``cudaMalloc``). Nothing is shared between calls, so threads and streams calling on one
+    device never see each other's partials, and a call captured in a CUDA graph takes its scratch from the
+    graph's private pool (kept for every replay): nothing needs reserving before capture.
     """
-
-    def __init__(self) -> None:
-        self._buffers: dict[torch.device, torch.Tensor] = {}
 
     @staticmethod
     def elements(tokens: int, heads: int, splits: int, rank: int) -> int:
         """float32 elements for ``tokens x heads x splits`` partial rows of width ``rank`` plus their LSEs."""
         return tokens * heads * splits * (rank + 1)
 
-    def buffer(self, device: torch.device | str) -> torch.Tensor | None:
-        """The current flat buffer for ``device`` (None before the first call there)."""
-        return self._buffers.get(torch.device(device))
-
-    def reserve(
-        self, device: torch.device | str, tokens: int, heads: int, splits: int, rank: int
-    ) -> torch.Tensor:
-        """Make sure the buffer for ``device`` holds at least that much; call before CUDA-graph capture."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        need = self.elements(tokens, heads, splits, rank)
-        buf = self._buffers.get(device)
-        if buf is None or buf.numel() < need:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                have = 0 if buf is None else buf.numel()
-                raise RuntimeError(
-                    f"TRITON_MLA scratch: got a request for {need} float32 elements during CUDA-graph "
-                    f"capture with {have} reserved; supported growth outside capture only: run one eager "
-                    "call of the largest shape (or SCRATCH.reserve(...)) before capturing"
-                )
-            size = -(-need // SCRATCH_GRANULE) * SCRATCH_GRANULE
-            buf = torch.empty(size, dtype=torch.float32, device=device)
-            self._buffers[device] = buf
-        return buf
-
     def get(
         self, device: torch.device, tokens: int, heads: int, splits: int, rank: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views ``(partial_out [tokens, heads, splits, rank], partial_lse [tokens, heads, splits])``."""
-        buf = self.reserve(device, tokens, heads, splits, rank)
+        """Fresh views ``(partial_out [tokens, heads, splits, rank], partial_lse [tokens, heads, splits])``."""
+        buf = torch.empty(self.elements(tokens, heads, splits, rank), dtype=torch.float32, device=device)
         n_o = tokens * heads * splits * rank
         part_o = buf[:n_o].view(tokens, heads, splits, rank)
         part_lse = buf[n_o : n_o + tokens * heads * splits].view(tokens, heads, splits)
         return part_o, part_lse
 
-    def clear(self) -> None:
-        """Drop every buffer (frees memory; the next call allocates again)."""
-        self._buffers.clear()
 
-
-#: the process-wide scratch used by :class:`~mla_backends.triton_mla.TritonMLABackend`
+#: the scratch provider used by :class:`~mla_backends.triton_mla.TritonMLABackend`
 SCRATCH = SplitScratch()

@@ -1,0 +1,154 @@
+"""Detect device-to-host synchronisation: :func:`no_host_sync`, :class:`HostSyncError`, :func:`host_sync_allowed`.
+
+A sync is any operation whose result the host needs before it can go on: reading a value (``.item()``,
+``bool(t)``, ``int(t)``, ``.tolist()``, ``.cpu()``, ``.numpy()``), comparing whole tensors (``torch.equal``) or
+making a shape that depends on the data (boolean-mask indexing, ``nonzero``, ``masked_select``, ``unique``,
+``repeat_interleave`` without ``output_size``). On a GPU each one stalls the stream, and any one of them
+makes CUDA-graph capture impossible. The guard catches them on the CPU too, so CPU tests prove the hot path
+sync-free.
+
+How: a ``TorchDispatchMode`` sees the aten ops (``_local_scalar_dense`` is what ``.item()``/``bool()``/
+``int()`` become); ``Tensor.tolist``, ``.cpu``, ``.numpy`` and ``__array__`` never reach the dispatcher as
+such, and under ``torch.inference_mode`` the scalar reads skip the mode, so those methods (and ``item``,
+``__int__``, ``__float__``, ``__bool__``, ``__index__``) are patched while the guard is active.
+:func:`host_sync_allowed` pauses the guard (Triton's interpreter copies to the host by design;
+``TRITON_MLA`` wraps each interpreted launch in it).
+
+This module imports only torch (foundation layer); :mod:`mla_backends.testing` re-exports the public names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["HostSyncError", "SyncRecord", "no_host_sync", "host_sync_allowed", "SYNC_OPS"]
+
+
+class HostSyncError(RuntimeError):
+    """A device-to-host synchronisation happened under :func:`no_host_sync`; the message names the operation."""
+
+
+#: aten overload packets that always synchronise (their result is a host value or a data-dependent shape)
+SYNC_OPS: frozenset[str] = frozenset({
+    "_local_scalar_dense", "is_nonzero", "equal", "nonzero", "nonzero_static_unused", "masked_select",
+    "unique", "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
+    "argwhere", "masked_scatter_unused",
+})
+#: Tensor methods that copy to the host without a dispatcher op the mode always sees (patched while active):
+#: ``tolist``/``cpu``/``numpy``/``__array__`` never reach it as such, and under ``torch.inference_mode`` the
+#: scalar reads (``item``, ``int()``, ``float()``, ``bool()``, ``__index__``) skip the Python dispatch key
+_PATCHED = ("tolist", "cpu", "numpy", "__array__", "item", "__int__", "__float__", "__bool__", "__index__")
+
+_STATE = threading.local()
+
+
+def _paused() -> bool:
+    return getattr(_STATE, "paused", 0) > 0
+
+
+@contextlib.contextmanager
+def host_sync_allowed() -> Iterator[None]:
+    """Pause any active :func:`no_host_sync` guard of this thread (for code that syncs by design)."""
+    _STATE.paused = getattr(_STATE, "paused", 0) + 1
+    try:
+        yield
+    finally:
+        _STATE.paused -= 1
+
+
+class SyncRecord:
+    """What a counting guard saw: ``count`` syncs, ``ops`` their operation names in order."""
+
+    def __init__(self) -> None:
+        self.ops: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.ops)
+
+    def __repr__(self) -> str:
+        return f"SyncRecord(count={self.count}, ops={self.ops})"
+
+
+def _has_bool_index(args: tuple, kwargs: dict) -> bool:
+    """True when an ``index``/``index_put`` call indexes with a boolean (mask) tensor."""
+    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()))
+
+
+def sync_reason(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """The name of the sync ``func(*args, **kwargs)`` makes (an aten overload), or None when it makes none."""
+    name = func.overloadpacket.__name__.rstrip("_") if hasattr(func, "overloadpacket") else str(func)
+    if name in SYNC_OPS:
+        return name
+    if name in ("index", "index_put", "_index_put_impl") and _has_bool_index(args, kwargs):
+        return f"{name} with a boolean mask (data-dependent shape)"
+    if name == "repeat_interleave" and kwargs.get("output_size") is None:
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        if isinstance(repeats, torch.Tensor) or (len(args) == 1 and isinstance(args[0], torch.Tensor)):
+            return "repeat_interleave without output_size"
+    return None
+
+
+class _SyncMode(TorchDispatchMode):
+    def __init__(self, on_sync: Callable[[str], None]) -> None:
+        super().__init__()
+        self.on_sync = on_sync
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if not _paused():
+            why = sync_reason(func, args, kwargs)
+            if why is not None:
+                self.on_sync(f"aten.{why}")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def no_host_sync(*, count: bool = False) -> Iterator[SyncRecord]:
+    """Raise :class:`HostSyncError` at the first device-to-host sync inside the block (``count=False``), or
+    record every one in the yielded :class:`SyncRecord` and raise nothing (``count=True``).
+
+    Works on the CPU as on a GPU (it looks at operations, not at devices). Active for the calling thread's
+    dispatch; the patched ``Tensor`` methods are process-wide while any guard is active, and report only to
+    the thread that opened the guard. Paused inside :func:`host_sync_allowed`.
+    """
+    if not isinstance(count, bool):
+        raise TypeError(f"count: got {type(count).__name__}; supported bool")
+    record = SyncRecord()
+    owner = threading.get_ident()
+
+    def on_sync(what: str) -> None:
+        if count:
+            record.ops.append(what)
+        else:
+            raise HostSyncError(f"host sync under no_host_sync(): {what}")
+
+    saved = {name: getattr(torch.Tensor, name) for name in _PATCHED}
+
+    def patched(name: str) -> Callable[..., Any]:
+        original = saved[name]
+
+        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == owner and not _paused():
+                on_sync(f"Tensor.{name}")
+            with host_sync_allowed():  # the copy below must not be reported twice (as _local_scalar_dense)
+                return original(self, *args, **kwargs)
+
+        method.__name__ = name
+        return method
+
+    for name in _PATCHED:
+        setattr(torch.Tensor, name, patched(name))
+    try:
+        with _SyncMode(on_sync):
+            yield record
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
