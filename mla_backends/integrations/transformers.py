@@ -38,10 +38,13 @@ from ..metadata import BatchMetadata
 from ..validation import require_int
 
 __all__ = ["patch_model", "unpatch_model", "is_patched", "PatchedMLAAttention", "MLAGenerationCache",
-           "UnsupportedGenerationError", "DEFAULT_BLOCK_SIZE"]
+           "UnsupportedGenerationError", "DEFAULT_BLOCK_SIZE", "MAX_RESERVE_TOKENS"]
 
 #: page size of the managed latent caches when ``patch_model(block_size=None)``
 DEFAULT_BLOCK_SIZE = 64
+#: most tokens per request a call's pool is sized for up front (longer calls grow it by doubling), so that a
+#: large ``max_new_tokens`` that ends early at an EOS does not hold memory it never uses
+MAX_RESERVE_TOKENS = 32768
 _ATTENTION_CLASSES = ("DeepseekV2Attention", "DeepseekV3Attention")
 _STATE_ATTR = "_mla_backends_patch"
 
@@ -56,8 +59,9 @@ class MLAGenerationCache(Cache):
     transformers sees the padded sequence length (:meth:`get_seq_length`); per request it keeps the count of
     real tokens cached, a page list, and the :class:`BatchMetadata` of the step in flight. Pages are handed
     out in order from one pool per layer. ``reserve_tokens`` (tokens per request the call can reach, None:
-    unknown) sizes the pool at the first step to ``requests x ceil(reserve_tokens / block_size)`` pages, so
-    the pool is allocated once; past that (or without a bound) it doubles, copying its rows.
+    unknown) sizes the pool at the first step to ``requests x ceil(reserve_tokens / block_size)`` pages (at
+    most the layers' ``max_model_len`` and :data:`MAX_RESERVE_TOKENS` tokens a request), so the pool is
+    allocated once; past that (or without a bound) it doubles, copying its rows.
     """
 
     is_compileable = False
@@ -134,7 +138,8 @@ class MLAGenerationCache(Cache):
         first = next(iter(self.mla_layers.values()))
         reserve = 0
         if first_step and self.reserve_tokens is not None:
-            reserve = B * -(-self.reserve_tokens // bs)
+            tokens = min(self.reserve_tokens, first.max_model_len, MAX_RESERVE_TOKENS)
+            reserve = B * -(-tokens // bs)
         self._grow(reserve)
         meta = BatchMetadata.build(q, self.context, table, bs, decode_threshold=first.decode_threshold,
                                    num_blocks=self.num_blocks, device=first.weight_device)
