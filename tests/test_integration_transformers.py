@@ -101,6 +101,59 @@ def test_plain_forward_and_cache_lifetime():
     assert out.past_key_values.released and not out.past_key_values.caches
 
 
+def test_decode_steps_run_absorbed_over_a_pool_allocated_once(monkeypatch):
+    """Each decode step is one absorbed ``forward_mqa`` per layer over one new token per request; no
+    ``forward_mha``, no re-run of the context, and the latent pool sized once for the call (never regrown or
+    copied while decoding)."""
+    import mla_backends.layer as layer_mod
+    from mla_backends.backend import MLABackend
+
+    model = tiny_v3()
+    layers = len(model.model.layers)
+    ids, mask = left_padded([5, 11, 3])
+    patch_model(model, backend="REF_TORCH", block_size=4)
+    steps: list[dict[str, list[int]]] = []
+    begin, mqa, mha = MLAGenerationCache.begin_step, MLABackend.forward_mqa, layer_mod.forward_mha
+    pools: list[list[int]] = []
+
+    def on_begin(self, new_mask):
+        begin(self, new_mask)
+        steps.append({"mqa": [], "mha": []})
+        pools.append([c.data.data_ptr() for c in self.caches.values()])
+
+    def on_mqa(self, q_latent, *args, **kw):
+        steps[-1]["mqa"].append(q_latent.shape[0])
+        return mqa(self, q_latent, *args, **kw)
+
+    def on_mha(q, *args, **kw):
+        steps[-1]["mha"].append(q.shape[0])
+        return mha(q, *args, **kw)
+
+    monkeypatch.setattr(MLAGenerationCache, "begin_step", on_begin)
+    monkeypatch.setattr(MLABackend, "forward_mqa", on_mqa)
+    monkeypatch.setattr(layer_mod, "forward_mha", on_mha)
+    out = _generate(model, ids, mask)
+    assert len(steps) == NEW_TOKENS
+    assert steps[0] == {"mqa": [], "mha": [19] * layers}  # the prefill: every real prompt token, expanded
+    for t, step in enumerate(steps[1:], 1):
+        assert step == {"mqa": [3] * layers, "mha": []}, f"decode step {t}: {step}"
+    assert out.past_key_values.allocations == layers  # one pool per layer, sized for prompt + new tokens
+    assert all(p == pools[0] for p in pools)
+
+
+def test_pool_grows_when_the_bound_is_unknown():
+    model = patch_model(tiny_v3(num_layers=1), backend="REF_TORCH", block_size=4)
+    ids, mask = left_padded([6, 2])
+    state = model.__dict__["_mla_backends_patch"]
+    cache = MLAGenerationCache(state.layers, block_size=4, kv_cache_dtype="auto")  # given: no bound known
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                       **{state.cache_kw: cache})
+    assert cache.allocations > 1  # no reserve: the pool doubled as the sequences lengthened
+    with pytest.raises(ValueError, match="reserve_tokens"):
+        MLAGenerationCache({}, block_size=4, kv_cache_dtype="auto", reserve_tokens=0)
+
+
 @pytest.mark.parametrize("kwargs, feature", [
     ({"num_beams": 2}, "beam search"),
     ({"penalty_alpha": 0.5, "top_k": 4}, "contrastive search"),

@@ -11,7 +11,8 @@ Every ``DeepseekV2Attention`` / ``DeepseekV3Attention`` of the model is replaced
 :class:`PatchedMLAAttention` holding an :class:`~mla_backends.layer.MLAAttention` loaded with the module's own
 weights (``kv_b_proj`` folded once). The latent rows live in a paged cache per layer, owned by a
 :class:`MLAGenerationCache` (a transformers ``Cache``): ``generate`` is wrapped so that each call gets a new
-one, grown page by page as sequences lengthen and released when the call returns.
+one, sized at its first step for the call's longest sequence (prompt + ``max_new_tokens``, so decode steps
+never reallocate or copy it), grown only if that bound is exceeded, and released when the call returns.
 
 How a step maps onto :class:`~mla_backends.metadata.BatchMetadata`: a forward pre-hook on the decoder stack
 reads the 2-D ``attention_mask``; request ``b``'s new real (unmasked) tokens are its query, its real tokens
@@ -37,10 +38,13 @@ from ..metadata import BatchMetadata
 from ..validation import require_int
 
 __all__ = ["patch_model", "unpatch_model", "is_patched", "PatchedMLAAttention", "MLAGenerationCache",
-           "UnsupportedGenerationError", "DEFAULT_BLOCK_SIZE"]
+           "UnsupportedGenerationError", "DEFAULT_BLOCK_SIZE", "MAX_RESERVE_TOKENS"]
 
 #: page size of the managed latent caches when ``patch_model(block_size=None)``
 DEFAULT_BLOCK_SIZE = 64
+#: most tokens per request a call's pool is sized for up front (longer calls grow it by doubling), so that a
+#: large ``max_new_tokens`` that ends early at an EOS does not hold memory it never uses
+MAX_RESERVE_TOKENS = 32768
 _ATTENTION_CLASSES = ("DeepseekV2Attention", "DeepseekV3Attention")
 _STATE_ATTR = "_mla_backends_patch"
 
@@ -54,23 +58,31 @@ class MLAGenerationCache(Cache):
 
     transformers sees the padded sequence length (:meth:`get_seq_length`); per request it keeps the count of
     real tokens cached, a page list, and the :class:`BatchMetadata` of the step in flight. Pages are handed
-    out in order from a pool that doubles (copying its rows) when it runs out.
+    out in order from one pool per layer. ``reserve_tokens`` (tokens per request the call can reach, None:
+    unknown) sizes the pool at the first step to ``requests x ceil(reserve_tokens / block_size)`` pages (at
+    most the layers' ``max_model_len`` and :data:`MAX_RESERVE_TOKENS` tokens a request), so the pool is
+    allocated once; past that (or without a bound) it doubles, copying its rows.
     """
 
     is_compileable = False
 
-    def __init__(self, layers: dict[int, MLAAttention], *, block_size: int, kv_cache_dtype: str) -> None:
+    def __init__(self, layers: dict[int, MLAAttention], *, block_size: int, kv_cache_dtype: str,
+                 reserve_tokens: int | None = None) -> None:
         super().__init__(layers=[])
         self.mla_layers = layers
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
+        self.reserve_tokens = None if reserve_tokens is None else require_int("reserve_tokens", reserve_tokens,
+                                                                               minimum=1)
         self.caches: dict[int, Any] = {}  # layer index -> LatentKVCache
         self.num_blocks = 0
         self.pages: list[list[int]] = []
         self.context: list[int] = []
         self.seen = 0  # padded tokens processed (what transformers counts)
-        self.step: tuple[BatchMetadata, torch.Tensor] | None = None  # (metadata, real-token indices)
+        #: (metadata, real-token indices or None when every token of the step is real)
+        self.step: tuple[BatchMetadata, torch.Tensor | None] | None = None
         self.released = False
+        self.allocations = 0  # pools allocated (one per layer each time the pool is sized)
 
     # ---- what transformers asks ---------------------------------------------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -109,7 +121,8 @@ class MLAGenerationCache(Cache):
         if self.released:
             raise RuntimeError("MLAGenerationCache: used after its generate call returned; start a new call")
         B = new_mask.shape[0]
-        if not self.pages:
+        first_step = not self.pages
+        if first_step:
             self.pages = [[] for _ in range(B)]
             self.context = [0] * B
         elif B != len(self.pages):
@@ -123,10 +136,16 @@ class MLAGenerationCache(Cache):
         width = max(1, max(len(p) for p in self.pages))
         table = [p + [-1] * (width - len(p)) for p in self.pages]
         first = next(iter(self.mla_layers.values()))
-        self._grow()
+        reserve = 0
+        if first_step and self.reserve_tokens is not None:
+            tokens = min(self.reserve_tokens, first.max_model_len, MAX_RESERVE_TOKENS)
+            reserve = B * -(-tokens // bs)
+        self._grow(reserve)
         meta = BatchMetadata.build(q, self.context, table, bs, decode_threshold=first.decode_threshold,
                                    num_blocks=self.num_blocks, device=first.weight_device)
-        real = new_mask.reshape(-1).nonzero().squeeze(1).to(first.weight_device)
+        real = None  # every token real (all decode steps, unpadded prefills): no gather / scatter needed
+        if sum(q) != new_mask.numel():
+            real = new_mask.reshape(-1).nonzero().squeeze(1).to(first.weight_device)
         self.step = (meta, real)
         self._q = q
 
@@ -141,20 +160,23 @@ class MLAGenerationCache(Cache):
         used = sum(len(p) for p in self.pages)
         return used
 
-    def _grow(self) -> None:
-        """Make the pool hold every page handed out (doubling, rows copied) and allocate missing layers."""
+    def _grow(self, reserve: int = 0) -> None:
+        """Make the pool hold every page handed out and at least ``reserve`` pages (doubling when a pool
+        exists, rows copied) and allocate missing layers."""
         used = sum(len(p) for p in self.pages)
-        if used > self.num_blocks:
-            new = max(used, 2 * self.num_blocks, 1)
+        if max(used, reserve) > self.num_blocks:
+            new = max(used, reserve, 2 * self.num_blocks, 1)
             for idx, old in list(self.caches.items()):
                 fresh = self.mla_layers[idx].allocate_cache(new, self.block_size, self.kv_cache_dtype)
                 fresh.data[: old.num_blocks].copy_(old.data)
                 self.caches[idx] = fresh
+                self.allocations += 1
             self.num_blocks = new
         for idx, layer in self.mla_layers.items():
             if idx not in self.caches:
                 self.caches[idx] = layer.allocate_cache(max(self.num_blocks, 1), self.block_size,
                                                         self.kv_cache_dtype)
+                self.allocations += 1
         self.num_blocks = max(self.num_blocks, 1)
 
     def release(self) -> None:
@@ -188,12 +210,15 @@ class PatchedMLAAttention(torch.nn.Module):
             raise RuntimeError("PatchedMLAAttention: called outside the patched model's forward; call the model")
         meta, real = cache.step
         B, S, hid = hidden_states.shape
-        x = hidden_states.reshape(B * S, hid).index_select(0, real)
+        x = hidden_states.reshape(B * S, hid)
+        x = x if real is None else x.index_select(0, real)
         positions = None
         if position_ids is not None:
-            pos = position_ids.reshape(-1, position_ids.shape[-1])[:, -S:].expand(B, S)
-            positions = pos.reshape(-1).index_select(0, real.to(pos.device)).to(x.device)
+            pos = position_ids.reshape(-1, position_ids.shape[-1])[:, -S:].expand(B, S).reshape(-1)
+            positions = (pos if real is None else pos.index_select(0, real.to(pos.device))).to(x.device)
         y = self.mla(x, positions, cache.caches[self.layer_idx], meta)
+        if real is None:
+            return y.view(B, S, hid), None
         out = hidden_states.new_zeros(B * S, hid)
         out.index_copy_(0, real, y)
         return out.view(B, S, hid), None
@@ -213,8 +238,9 @@ class _PatchState:
         self.active: MLAGenerationCache | None = None
         self.temporary = False
 
-    def new_cache(self) -> MLAGenerationCache:
-        return MLAGenerationCache(self.layers, block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype)
+    def new_cache(self, reserve_tokens: int | None = None) -> MLAGenerationCache:
+        return MLAGenerationCache(self.layers, block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
+                                  reserve_tokens=reserve_tokens)
 
 
 def _decoder_stack(model: torch.nn.Module) -> torch.nn.Module:
@@ -279,6 +305,20 @@ def _check_generate_kwargs(model: torch.nn.Module, kwargs: dict) -> None:
                                              "patched by mla-backends (unpatch_model(model) to use it)")
 
 
+def _longest_sequence(model: torch.nn.Module, args: tuple, kwargs: dict) -> int | None:
+    """Tokens per request a ``generate(*args, **kwargs)`` call can reach (prompt + ``max_new_tokens``, else
+    ``max_length``), or None when it cannot be told before the call."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    prompt = kwargs.get("input_ids", args[0] if args else None)
+    if prompt is None:
+        prompt = kwargs.get("inputs_embeds")
+    new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 and isinstance(new, int) and new >= 0:
+        return max(1, prompt.shape[1] + new)
+    longest = kwargs.get("max_length", getattr(config, "max_length", None))
+    return longest if isinstance(longest, int) and longest >= 1 else None
+
+
 def _wrap_generate(model: torch.nn.Module, state: _PatchState) -> Any:
     original = type(model).generate
 
@@ -289,7 +329,7 @@ def _wrap_generate(model: torch.nn.Module, state: _PatchState) -> Any:
         if given is not None and not isinstance(given, MLAGenerationCache):
             raise TypeError(f"{state.cache_kw}: got {type(given).__name__}; a patched model makes its own "
                             "MLAGenerationCache per generate call (pass none)")
-        cache = given if given is not None else state.new_cache()
+        cache = given if given is not None else state.new_cache(_longest_sequence(model, args, kwargs))
         kwargs[state.cache_kw] = cache
         try:
             return original(model, *args, **kwargs)
