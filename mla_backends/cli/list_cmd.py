@@ -18,16 +18,25 @@ def run(args: argparse.Namespace) -> int:
     from selector.explain import capability_summary
 
     from ..plugins import get_registry
+    from ..registry import PluginProblem
 
     reg = get_registry()
     rows = []
+    shown = list(reg.problems)
     for e in reg.entries():
-        missing = e.cls.missing_requirements()
-        rows.append({"name": e.name, "source": e.source, "class": f"{e.cls.__module__}.{e.cls.__qualname__}",
-                     "available": not missing, "missing": missing,
-                     "ladder_placement": None if e.placement is None else e.placement.describe(),
-                     "description": e.cls.description, "capabilities": capability_summary(e.cls)})
-    problems = [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in reg.problems]
+        try:  # a plugin's class that breaks while being described is shown as its problem, never raised
+            missing = e.cls.missing_requirements()
+            rows.append({"name": e.name, "source": e.source,
+                         "class": f"{e.cls.__module__}.{e.cls.__qualname__}",
+                         "available": not missing, "missing": missing,
+                         "ladder_placement": None if e.placement is None else e.placement.describe(),
+                         "description": str(e.cls.description), "capabilities": capability_summary(e.cls)})
+        except Exception as exc:
+            if e.source == "builtin":
+                raise
+            shown.append(PluginProblem(plugin=e.source, stage="list",
+                                       error=f"{e.name}: {type(exc).__name__}: {exc}"))
+    problems = [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in shown]
     if args.json:
         print(json.dumps({"backends": rows, "plugin_problems": problems}, indent=2, default=str))
         return 0
@@ -50,6 +59,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"    ladder: {r['ladder_placement'] or 'none (select it with --backend / MLA_BACKEND)'}")
     if problems:
         print("\nPlugin problems (ignored):")
-        for p in reg.problems:
+        for p in shown:
             print(f"  - {p.describe()}")
     return 0
