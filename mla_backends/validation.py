@@ -6,13 +6,15 @@ a message naming the argument, what was given and what is accepted. They run bef
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 
 from .dtypes import dtype_name
 
-__all__ = ["require_tensor", "require_int", "require_on_device"]
+__all__ = ["require_tensor", "require_int", "require_on_device", "require_finite", "require_scale"]
 
 
 def require_tensor(
@@ -56,3 +58,28 @@ def require_on_device(device: torch.device, owner: str = "the cache's", **tensor
     for name, t in tensors.items():
         if t.device != device:
             raise ValueError(f"{name}: got device {t.device}; supported {owner} device {device}")
+
+
+def require_finite(name: str, x: object, *, positive: bool = False, minimum: float | None = None,
+                   what: str = "a finite number") -> float:
+    """``x`` as a float: a real number (an int or a float, never a bool, a string or a tensor) that is finite, and
+    ``> 0`` with ``positive`` / ``>= minimum`` with ``minimum``; raises naming ``name`` otherwise."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: got {type(x).__name__} {x!r}; supported {what}")
+    value = float(x)
+    if not math.isfinite(value) or (positive and not value > 0) or (minimum is not None and value < minimum):
+        bound = " > 0" if positive else (f" >= {minimum:g}" if minimum is not None else "")
+        raise ValueError(f"{name}: got {x!r}; supported {what}{bound}")
+    return value
+
+
+def require_scale(name: str, x: object) -> float:
+    """A softmax or cache scale: a real, finite, positive number (a Python number, or a one-element tensor,
+    read on the host), returned as a float. ``inf``, ``nan``, ``0``, negatives, bools, strings and tensors of
+    more than one element are refused naming ``name``."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1 or x.is_complex() or x.dtype == torch.bool:
+            raise ValueError(f"{name}: got a tensor of shape {list(x.shape)} dtype {dtype_name(x.dtype)}; "
+                             "supported a positive finite number (or a one-element real tensor)")
+        x = x.item()
+    return require_finite(name, x, positive=True)
