@@ -22,7 +22,7 @@ import torch
 
 from .cache import position_slots
 from .step_plan import StepPlan
-from .validation import require_int
+from .validation import require_device, require_int
 
 if TYPE_CHECKING:
     from .backend import MLABackend
@@ -133,7 +133,7 @@ class BatchMetadata:
             raise ValueError(f"block_table: got shape {list(bt.shape)} dtype {bt.dtype}; supported [B, max_blocks] int")
         if bt.shape[0] != len(q):
             raise ValueError(f"block_table: got {bt.shape[0]} rows; supported one per request ({len(q)})")
-        dev = torch.device(device) if device is not None else bt.device
+        dev = require_device("device", device) if device is not None else bt.device
         bt_host = bt.detach().to("cpu", torch.int64)
         seq = [cq + cc for cq, cc in zip(q, c, strict=True)]
         for b, s in enumerate(seq):

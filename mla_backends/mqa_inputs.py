@@ -10,7 +10,7 @@ from .device import device_info_for
 from .dtypes import MODEL_DTYPES
 from .metadata import BatchMetadata
 from .reasons import Reason, ReasonKind, all_of_kinds, without_kinds
-from .validation import require_on_device, require_tensor
+from .validation import require_on_device, require_scale, require_tensor
 
 __all__ = ["check_mqa_inputs", "check_declared_support"]
 
@@ -43,8 +43,7 @@ def check_mqa_inputs(
     require_tensor("q_rope", q_rope, shape=(T, H, cache.qk_rope_head_dim), dtypes=(q_latent.dtype,))
     if H < 1:
         raise ValueError(f"q_latent: got {H} heads; supported >= 1")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale: got {scale!r}; supported a positive float (the unabsorbed softmax scale)")
+    require_scale("scale", scale, what="a positive finite float (the unabsorbed softmax scale)")
     if topk_indices is not None:
         require_tensor("topk_indices", topk_indices, shape=(T, None), dtypes=(torch.int32, torch.int64))
         if topk_indices.shape[1] < 1:

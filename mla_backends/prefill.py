@@ -29,7 +29,7 @@ from .attention_math import merge_attention_states, softmax_with_lse
 from .cache import LatentKVCache, position_slots
 from .dtypes import accumulate_dtype
 from .metadata import BatchMetadata
-from .validation import require_int, require_on_device, require_tensor
+from .validation import require_int, require_on_device, require_scale, require_tensor
 
 __all__ = [
     "forward_mha",
@@ -132,6 +132,7 @@ def prefill_attention(
     """
     if fused is not None and not isinstance(fused, bool):
         raise TypeError(f"fused: got {type(fused).__name__}; supported None, True or False")
+    require_scale("scale", scale)
     n, m = q_nope.shape[0], k_nope.shape[0]
     why = fused_applies(q_nope, n, m, causal) if fused is not False else "fused=False"
     if fused and why:
@@ -300,6 +301,7 @@ def forward_mha(
         raise TypeError(f"cache: got {type(cache).__name__}; supported LatentKVCache")
     if not isinstance(meta, BatchMetadata):
         raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata")
+    require_scale("scale", scale, what="a positive finite float (the unabsorbed softmax scale)")
     R, P = cache.kv_lora_rank, cache.qk_rope_head_dim
     T = meta.num_tokens
     require_tensor("q", q, shape=(T, None, None), dtypes=(torch.bfloat16, torch.float16, torch.float32,

@@ -50,7 +50,7 @@ from .metadata import BatchMetadata
 from .plugins import get_backend, registered_backends
 from .progress import ProgressBar
 from .threshold_table import ContextThresholds, ThresholdTable
-from .validation import require_int
+from .validation import require_device, require_int
 
 __all__ = [
     "DEFAULT_QUERY_LENS",
@@ -206,7 +206,7 @@ class PathTimer:
         require_int("max_tokens", max_tokens, minimum=1)
         if block_size is not None:
             require_int("block_size", block_size, minimum=1)
-        self.device = torch.device(device)
+        self.device = require_device("device", device)
         cls = get_backend(backend)
         self.block_size = block_size or cls.capabilities.preferred_page_size
         self.repeats = repeats
@@ -345,7 +345,7 @@ def tune(
     require_int("repeats", repeats, minimum=1)
     if block_size is not None:
         require_int("block_size", block_size, minimum=1)
-    dev = torch.device(device)
+    dev = require_device("device", device)
     model_dtype = parse_model_dtype(dtype, default=torch.float32 if dev.type == "cpu" else torch.bfloat16)
     bar = ProgressBar(len(names) * len(qs) * len(ss) * repeats, enabled=progress)
     per_backend: dict[str, ContextThresholds] = {}

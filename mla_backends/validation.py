@@ -14,7 +14,8 @@ import torch
 
 from .dtypes import dtype_name
 
-__all__ = ["require_tensor", "require_int", "require_on_device", "require_finite", "require_scale"]
+__all__ = ["require_tensor", "require_int", "require_on_device", "require_finite", "require_scale",
+           "require_device", "DEVICE_TYPES"]
 
 
 def require_tensor(
@@ -73,13 +74,52 @@ def require_finite(name: str, x: object, *, positive: bool = False, minimum: flo
     return value
 
 
-def require_scale(name: str, x: object) -> float:
-    """A softmax or cache scale: a real, finite, positive number (a Python number, or a one-element tensor,
-    read on the host), returned as a float. ``inf``, ``nan``, ``0``, negatives, bools, strings and tensors of
-    more than one element are refused naming ``name``."""
-    if isinstance(x, torch.Tensor):
+def require_scale(name: str, x: object, *, tensor_ok: bool = False,
+                  what: str = "a positive finite float") -> float:
+    """A softmax or cache scale as a float: a real, finite number ``> 0``. Every fault is a ``ValueError``
+    naming ``name`` (a scale is a value: ``inf``, ``nan``, ``0``, negatives, bools, strings, None).
+
+    With ``tensor_ok`` a one-element real tensor is accepted too and read on the host (a sync on GPU
+    tensors; never on a hot path); a tensor of more elements (``tensor([2., 3.])``) is refused.
+    """
+    if isinstance(x, torch.Tensor) and tensor_ok:
         if x.numel() != 1 or x.is_complex() or x.dtype == torch.bool:
             raise ValueError(f"{name}: got a tensor of shape {list(x.shape)} dtype {dtype_name(x.dtype)}; "
-                             "supported a positive finite number (or a one-element real tensor)")
+                             f"supported {what} (or a one-element real tensor)")
         x = x.item()
-    return require_finite(name, x, positive=True)
+    try:
+        return require_finite(name, x, positive=True, what=what)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+#: torch device types the library places tensors on (``meta``: shapes only, for tests and dry runs)
+DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+
+def require_device(name: str, device: object) -> torch.device:
+    """``device`` (a string such as ``"cpu"`` / ``"cuda:1"``, a ``torch.device`` or a CUDA index) as a
+    ``torch.device`` that exists on this machine.
+
+    Raises ``TypeError`` for another kind of object and ``ValueError`` for a string torch cannot parse
+    (``"bogus"``), a type outside :data:`DEVICE_TYPES`, ``"cuda"`` where CUDA is not available, or a CUDA
+    index past the last device, naming ``name`` instead of surfacing torch's own error later.
+    """
+    supported = "'cpu', 'cuda' or 'cuda:N' (a CUDA device present here)"
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"{name}: got {type(device).__name__} {device!r}; supported {supported}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{name}: got {device!r}; supported {supported}") from None
+    if dev.type not in DEVICE_TYPES:
+        raise ValueError(f"{name}: got {device!r} (device type {dev.type}); supported {supported}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}: got {device!r}, but CUDA is not available on this machine; "
+                             "supported 'cpu'")
+        count = torch.cuda.device_count()
+        if dev.index is not None and not 0 <= dev.index < count:
+            raise ValueError(f"{name}: got {device!r}; supported cuda:0 .. cuda:{count - 1} ({count} CUDA "
+                             "device(s) here)")
+    return dev
