@@ -10,7 +10,7 @@ from .device import device_info_for
 from .dtypes import MODEL_DTYPES
 from .metadata import BatchMetadata
 from .reasons import Reason, ReasonKind, all_of_kinds, without_kinds
-from .validation import require_on_device, require_scale, require_tensor
+from .validation import require_no_alias, require_on_device, require_scale, require_tensor
 
 __all__ = ["check_mqa_inputs", "check_declared_support"]
 
@@ -55,6 +55,11 @@ def check_mqa_inputs(
     optional = {"topk_indices": topk_indices, "out": out, "lse_out": lse_out}
     require_on_device(cache.device, q_latent=q_latent, q_rope=q_rope, **{"meta.block_table": meta.block_table},
                       **{k: v for k, v in optional.items() if v is not None})
+    inputs = {"cache": cache.data, "q_latent": q_latent, "q_rope": q_rope, "topk_indices": topk_indices}
+    if out is not None:
+        require_no_alias("out", out, **inputs)
+    if lse_out is not None:
+        require_no_alias("lse_out", lse_out, out=out, **inputs)
     if meta.block_size != cache.block_size:
         raise ValueError(f"meta.block_size: got {meta.block_size}; supported the cache's {cache.block_size}")
     if meta.num_blocks is not None and meta.num_blocks > cache.num_blocks:

@@ -15,7 +15,7 @@ import torch
 from .dtypes import dtype_name
 
 __all__ = ["require_tensor", "require_int", "require_on_device", "require_finite", "require_scale",
-           "require_device", "DEVICE_TYPES"]
+           "require_device", "DEVICE_TYPES", "tensors_overlap", "require_no_alias"]
 
 
 def require_tensor(
@@ -123,3 +123,32 @@ def require_device(name: str, device: object) -> torch.device:
             raise ValueError(f"{name}: got {device!r}; supported cuda:0 .. cuda:{count - 1} ({count} CUDA "
                              "device(s) here)")
     return dev
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[start, end)`` bytes of memory ``t`` can touch (its first to last element, strides included)."""
+    start = t.data_ptr()
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (extent + 1) * t.element_size()
+
+
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` may share memory: same device, both non-empty, intersecting byte spans.
+
+    Host metadata only (pointers, shapes, strides; no device read). Conservative: two interleaved views whose
+    spans intersect count as overlapping. Meta tensors never overlap (they have no memory).
+    """
+    if a.device != b.device or a.device.type == "meta" or not a.numel() or not b.numel():
+        return False
+    a0, a1 = _byte_span(a)
+    b0, b1 = _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def require_no_alias(name: str, x: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` when the output buffer ``x`` shares memory with one of ``others`` (inputs the
+    kernel reads while it writes ``x``; aliasing them corrupts results silently)."""
+    for other_name, other in others.items():
+        if other is not None and tensors_overlap(x, other):
+            raise ValueError(f"{name}: got a buffer sharing memory with {other_name}; supported a separate "
+                             "buffer (an output may not alias an input or another output)")
