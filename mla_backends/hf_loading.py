@@ -116,6 +116,8 @@ def check_hf_state_dict(state_dict: Mapping[str, Any], expected: Mapping[str, tu
             misshaped.append(f"{key} (got shape {list(value.shape)}; supported {list(want)})")
         elif not value.is_floating_point():
             misshaped.append(f"{key} (got dtype {value.dtype}; supported a floating-point tensor)")
+        elif value.is_meta:
+            misshaped.append(f"{key} (got a meta tensor, which holds no values; supported a tensor with data)")
         else:
             found[name] = value
     missing = [prefix + n for n in expected if n not in found and prefix + n not in

@@ -101,3 +101,26 @@ def test_outputs_may_not_alias_inputs_and_topk_repeats_count_once(step):
     got, got_lse = fwd(q_latent, q_rope, cache, meta, scale=0.1, topk_indices=twice)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(got_lse, want_lse)
+
+
+def test_loading_weights_is_all_or_nothing():
+    """Class: a state dict that fails part-way (a meta tensor, say) leaves every parameter and fold as it was."""
+    from mla_backends.hf_loading import StateDictError, fold_kv_b, random_hf_state_dict
+
+    dims = MLADims(num_heads=2, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+                   q_lora_rank=32, hidden_size=64, num_layers=1)
+    layer = MLAAttention(dims, backend="REF_TORCH", dtype=torch.float32)
+    layer.load_hf_state_dict(random_hf_state_dict(dims, seed=1))
+    before = {k: v.clone() for k, v in layer.state_dict(keep_vars=False).items()}
+    before.update(W_UK_T=layer.W_UK_T.clone(), W_UV=layer.W_UV.clone())
+    new = random_hf_state_dict(dims, seed=2)
+    last = list(new)[-1]  # everything before it would be copied one by one
+    new[last] = torch.empty(new[last].shape, device="meta")
+    _raises(StateDictError, last, layer.load_hf_state_dict, new)
+    assert issubclass(StateDictError, ValueError)
+    after = {k: v for k, v in layer.state_dict().items()}
+    after.update(W_UK_T=layer.W_UK_T, W_UV=layer.W_UV)
+    for k, v in before.items():
+        assert torch.equal(after[k], v), f"{k} changed by a failed load"
+    w_uk_t, w_uv = fold_kv_b(layer.kv_b_proj.weight, 2, 16, 16)
+    assert torch.equal(layer.W_UK_T, w_uk_t) and torch.equal(layer.W_UV, w_uv)
