@@ -6,8 +6,11 @@ The checks that compare the two live in :meth:`mla_backends.backend.MLABackend.n
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -17,12 +20,31 @@ from .dtypes import KV_CACHE_DTYPES, canonical_kv_cache_dtype, resolve_kv_cache_
 from .reasons import Reason, ReasonKind
 
 __all__ = ["QueryLenSupport", "Capabilities", "AttentionSpec", "Tolerance", "DEFAULT_TOLERANCES",
-           "env_switch_on", "field_type_problems"]
+           "env_switch_on", "environment_snapshot", "field_type_problems"]
+
+
+_ENV_SNAPSHOT: contextvars.ContextVar[Mapping[str, str | None] | None] = contextvars.ContextVar(
+    "mla_backends_env_snapshot", default=None)
+
+
+@contextmanager
+def environment_snapshot(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Within the block, :func:`env_switch_on` answers from ``values`` (variable -> value, None: unset) for the
+    variables it holds, instead of reading ``os.environ`` again: a selection reads the environment once, so a
+    variable changed by another thread meanwhile cannot make the result disagree with its cache key."""
+    token = _ENV_SNAPSHOT.set(dict(values))
+    try:
+        yield
+    finally:
+        _ENV_SNAPSHOT.reset(token)
 
 
 def env_switch_on(name: str) -> bool:
-    """True when the environment variable ``name`` is set to anything but ``""`` or ``"0"``."""
-    return os.environ.get(name, "0") not in ("", "0")
+    """True when the environment variable ``name`` is set to anything but ``""`` or ``"0"`` (read from the
+    active :func:`environment_snapshot` when it holds ``name``)."""
+    snapshot = _ENV_SNAPSHOT.get()
+    value = snapshot[name] if snapshot is not None and name in snapshot else os.environ.get(name)
+    return (value or "0") not in ("", "0")
 
 
 class QueryLenSupport(enum.IntEnum):
