@@ -57,7 +57,10 @@ class StateDictError(ValueError):
 
 def hf_attention_bias(config: Any) -> bool:
     """The ``attention_bias`` flag of a transformers config / dict / config.json path (False when absent)."""
-    return bool(hf_config_value(config, "attention_bias", False))
+    value = hf_config_value(config, "attention_bias", False)
+    if not isinstance(value, bool):  # "false" would be truthy: refuse it rather than guess
+        raise TypeError(f"config.attention_bias: got {type(value).__name__} {value!r}; supported true or false")
+    return value
 
 
 def expected_hf_shapes(dims: MLADims, attention_bias: bool = False) -> dict[str, tuple[int, ...]]:

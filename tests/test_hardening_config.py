@@ -30,6 +30,8 @@ BAD_FIELDS = [  # (override, exception, field named in the message)
     ({"rope_scaling": dict(YARN, original_max_position_embeddings=4096.5)}, ValueError,
      "config.rope_scaling.original_max_position_embeddings"),
     ({"rope_parameters": ["yarn"]}, TypeError, "config.rope_parameters"),
+    ({"indexer_rope_interleave": "false", "index_topk": 2048}, TypeError, "config.indexer_rope_interleave"),
+    ({"index_topk": 2048.5}, ValueError, "config.index_topk"),
 ]
 
 
@@ -69,3 +71,11 @@ def test_direct_construction_is_range_checked_too():
             MLADims(num_heads=16, **kwargs)
     good = MLADims.from_hf_config(dict(DEEPSEEK_V3_CONFIG, num_attention_heads=128.0))  # integral float is fine
     assert good.num_heads == 128
+
+
+def test_attention_bias_must_be_a_bool():
+    from mla_backends.hf_loading import hf_attention_bias
+
+    with pytest.raises(TypeError, match="config.attention_bias: got str 'false'"):
+        hf_attention_bias(dict(DEEPSEEK_V3_CONFIG, attention_bias="false"))
+    assert hf_attention_bias(dict(DEEPSEEK_V3_CONFIG, attention_bias=True)) is True

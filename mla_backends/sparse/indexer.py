@@ -45,6 +45,7 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> torch.Tensor:
     """Orthonormal Sylvester-Hadamard matrix ``[n, n]`` (``n`` a power of two), symmetric, ``H @ H = I``."""
     require_int("n", n, minimum=1)
+    device = require_device("device", device)
     if n & (n - 1):
         raise ValueError(f"n: got {n}; supported a power of two")
     h = torch.ones(1, 1, dtype=torch.float64)
