@@ -29,7 +29,7 @@ from .attention_math import merge_attention_states, softmax_with_lse
 from .cache import LatentKVCache, position_slots
 from .dtypes import accumulate_dtype
 from .metadata import BatchMetadata
-from .validation import require_int, require_on_device, require_scale, require_tensor
+from .validation import require_int, require_no_alias, require_on_device, require_scale, require_tensor
 
 __all__ = [
     "forward_mha",
@@ -330,6 +330,7 @@ def forward_mha(
         out = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
     else:
         require_tensor("out", out, shape=(T, H, V), dtypes=(q.dtype,))
+        require_no_alias("out", out, cache=cache.data, q=q, kv_c=kv_c, k_pe=k_pe, kv_b_weight=kv_b_weight)
     if T == 0:
         return out
 

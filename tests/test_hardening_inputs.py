@@ -95,6 +95,11 @@ def test_outputs_may_not_alias_inputs_and_topk_repeats_count_once(step):
     lse_in_out = out.view(-1)[: 2 * H].view(2, H)
     _raises(ValueError, "lse_out", fwd, q_latent, q_rope, cache, meta, scale=0.1, out=out, lse_out=lse_in_out)
     assert torch.equal(cache.data, before) and not out.any()
+    q = torch.randn(2, H, N + ROPE)
+    kv_b = torch.randn(H * (N + V), R)
+    _raises(ValueError, "out", forward_mha, q, q_latent[:, 0], q_rope[:, 0], cache, meta, kv_b, scale=0.1,
+            out=cache.data.view(-1)[: 2 * H * V].view(2, H, V))
+    assert torch.equal(cache.data, before)
     once = torch.tensor([[0, 5, 19, -1], [4, 2, -1, -1]])
     twice = torch.tensor([[5, 0, 5, 19], [2, 4, 4, 2]])
     want, want_lse = fwd(q_latent, q_rope, cache, meta, scale=0.1, topk_indices=once)
