@@ -32,7 +32,7 @@ def _racing(monkeypatch, name: str, value: str) -> None:
 
     def snapshot_then_change():
         snap = real()
-        os.environ[name] = value
+        monkeypatch.setenv(name, value)  # (restored at teardown)
         return snap
 
     monkeypatch.setattr(select_mod, "_env_state", snapshot_then_change)
@@ -52,7 +52,9 @@ def test_selection_follows_the_environment_it_was_cached_under(monkeypatch):
     _racing(monkeypatch, "TRITON_INTERPRET", "1")
     with pytest.raises(BackendNotSupportedError, match="device: got CPU"):
         select_backend(V3.tensor_parallel(8), device="cpu", backend=BackendName.TRITON_MLA.value)
+    monkeypatch.undo()
     clear_cache()
+    assert "MLA_BACKEND" not in os.environ or os.environ["MLA_BACKEND"] != "ref_torch"
 
 
 def test_fp8_e5m2_cache_saturates_instead_of_overflowing():
