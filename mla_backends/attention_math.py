@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 __all__ = ["GROUP_ELEMENT_BUDGET", "softmax_with_lse", "lse_merge_weights", "merge_attention_states",
-           "padded_groups"]
+           "padded_groups", "distinct_topk"]
 
 #: most elements of one padded group's working set (gathered rows + scores): 64 Mi elements, 256 MiB in
 #: float32. REF_TORCH's dense groups, its sparse token steps and the V3.2 indexer's selection groups use it.
@@ -74,3 +74,16 @@ def padded_groups(seq_lens: Sequence[int], query_lens: Sequence[int], per_pos: i
     if start < len(seq_lens):
         groups.append((start, len(seq_lens)))
     return groups
+
+
+def distinct_topk(topk_indices: torch.Tensor) -> torch.Tensor:
+    """``topk_indices [T, K]`` with every repeated position of a row replaced by ``-1`` (padding), so that a
+    position selected twice is attended once. On the device, without a host sync: the row is sorted and an
+    entry equal to its left neighbour is dropped (the order of a row's positions does not matter to attention).
+    """
+    if topk_indices.shape[-1] < 2:
+        return topk_indices
+    ordered, _ = torch.sort(topk_indices, dim=-1)
+    repeat = torch.zeros_like(ordered, dtype=torch.bool)
+    repeat[:, 1:] = ordered[:, 1:] == ordered[:, :-1]
+    return ordered.masked_fill(repeat, -1)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from .attention_math import distinct_topk
 from .capabilities import (
     DEFAULT_TOLERANCES,
     AttentionSpec,
@@ -274,6 +275,8 @@ class MLABackend:
         check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
                          lse_out=lse_out, check_values=not capturing)
         check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out)
+        if topk_indices is not None:  # a position selected twice counts once (on the device, no sync)
+            topk_indices = distinct_topk(topk_indices)
         T, H, r = q_latent.shape
         if out is None:
             out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)

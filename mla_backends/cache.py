@@ -7,7 +7,6 @@ back as ``stored * scale`` (one per-tensor scale, float32).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from .dtypes import (
     kv_cache_torch_dtype,
     parse_model_dtype,
 )
-from .validation import require_int, require_on_device, require_tensor
+from .validation import require_device, require_int, require_on_device, require_scale, require_tensor
 
 __all__ = ["LatentKVCache", "PagedRows", "check_slot_mapping", "block_table_slots", "position_slots",
            "duplicate_slot"]
@@ -180,6 +179,7 @@ class LatentKVCache(PagedRows):
         require_int("block_size", block_size, minimum=1)
         require_int("kv_lora_rank", kv_lora_rank, minimum=1)
         require_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
+        device = require_device("device", device)
         self.model_dtype = parse_model_dtype(model_dtype)
         storage = kv_cache_torch_dtype(kv_cache_dtype, self.model_dtype)
         self.kv_cache_dtype = canonical_kv_cache_dtype(storage)
@@ -235,9 +235,7 @@ class LatentKVCache(PagedRows):
         so kernels and captured CUDA graphs read the new value). Set it only through this method: the host
         copy (:attr:`scale_value`) and the device tensor stay equal, and no write or forward re-checks it. A
         tensor ``scale`` is read once (one sync, at set time)."""
-        value = float(scale.item()) if isinstance(scale, torch.Tensor) else scale
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ValueError(f"scale: got {scale!r}; supported a positive finite float")
+        value = require_scale("scale", scale, tensor_ok=True)
         if not self.is_fp8 and value != 1.0:
             raise ValueError(
                 f"scale: got {value} for a {self.kv_cache_dtype} cache; supported 1.0 (scales are fp8-only)")

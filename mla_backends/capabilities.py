@@ -6,8 +6,11 @@ The checks that compare the two live in :meth:`mla_backends.backend.MLABackend.n
 
 from __future__ import annotations
 
+import contextvars
 import enum
 import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -17,12 +20,31 @@ from .dtypes import KV_CACHE_DTYPES, canonical_kv_cache_dtype, resolve_kv_cache_
 from .reasons import Reason, ReasonKind
 
 __all__ = ["QueryLenSupport", "Capabilities", "AttentionSpec", "Tolerance", "DEFAULT_TOLERANCES",
-           "env_switch_on"]
+           "env_switch_on", "environment_snapshot", "field_type_problems"]
+
+
+_ENV_SNAPSHOT: contextvars.ContextVar[Mapping[str, str | None] | None] = contextvars.ContextVar(
+    "mla_backends_env_snapshot", default=None)
+
+
+@contextmanager
+def environment_snapshot(values: Mapping[str, str | None]) -> Iterator[None]:
+    """Within the block, :func:`env_switch_on` answers from ``values`` (variable -> value, None: unset) for the
+    variables it holds, instead of reading ``os.environ`` again: a selection reads the environment once, so a
+    variable changed by another thread meanwhile cannot make the result disagree with its cache key."""
+    token = _ENV_SNAPSHOT.set(dict(values))
+    try:
+        yield
+    finally:
+        _ENV_SNAPSHOT.reset(token)
 
 
 def env_switch_on(name: str) -> bool:
-    """True when the environment variable ``name`` is set to anything but ``""`` or ``"0"``."""
-    return os.environ.get(name, "0") not in ("", "0")
+    """True when the environment variable ``name`` is set to anything but ``""`` or ``"0"`` (read from the
+    active :func:`environment_snapshot` when it holds ``name``)."""
+    snapshot = _ENV_SNAPSHOT.get()
+    value = snapshot[name] if snapshot is not None and name in snapshot else os.environ.get(name)
+    return (value or "0") not in ("", "0")
 
 
 class QueryLenSupport(enum.IntEnum):
@@ -114,8 +136,12 @@ class Capabilities:
             raise ValueError("malformed Capabilities: " + "; ".join(problems))
 
     def problems(self) -> list[str]:
-        """Inconsistencies in the declaration itself (used to reject malformed plugin declarations)."""
-        out = []
+        """Problems of the declaration itself: every field's type first (:func:`field_type_problems`), then,
+        when the types are right, the inconsistencies between fields (used to reject malformed plugin
+        declarations before anything reads them)."""
+        out = field_type_problems(self)
+        if out:
+            return out
         if not self.dtypes:
             out.append("dtypes: got an empty set; supported at least one torch dtype")
         elif not all(isinstance(d, torch.dtype) for d in self.dtypes):
@@ -204,3 +230,77 @@ class AttentionSpec:
     @property
     def resolved_kv_cache_dtype(self) -> str:
         return resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+
+
+# ---- field types: checked before anything (the selector, `mla-backends list`) reads a declaration ----------
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_cc(x: object) -> bool:
+    """A pair of non-negative ints: a ``(major, minor)`` compute capability or a ``(rank, rope)`` dims pair."""
+    return isinstance(x, tuple) and len(x) == 2 and all(_is_int(v) and v >= 0 for v in x)
+
+
+def _collection_problem(name: str, value: object, item_ok: object, item_text: str, *,
+                        optional: bool = True, kinds: tuple[type, ...] = (frozenset, set)) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, kinds) or not all(item_ok(v) for v in value):  # type: ignore[operator, union-attr]
+        kind = " or ".join(k.__name__ for k in kinds)
+        return f"{name}: got {value!r}; supported a {kind} of {item_text}" + (" or None" if optional else "")
+    return None
+
+
+def field_type_problems(caps: Capabilities) -> list[str]:
+    """One ``"<field>: got X; supported Y"`` line per :class:`Capabilities` field of the wrong type.
+
+    Every declared field is covered, so a declaration that passes can be read by every check without raising
+    (``requires=(5,)`` is refused here instead of crashing the package probe later).
+    """
+    out: list[str] = []
+
+    def check(name: str, ok: bool, supported: str) -> None:
+        if not ok:
+            out.append(f"{name}: got {getattr(caps, name)!r}; supported {supported}")
+
+    opt_str = "a string or None"
+    p = _collection_problem("dtypes", caps.dtypes, lambda d: isinstance(d, torch.dtype), "torch dtypes",
+                            optional=False)
+    out += [p] if p else []
+    # (the names themselves are checked against the canonical ones by problems())
+    p = _collection_problem("kv_cache_dtypes", caps.kv_cache_dtypes, lambda n: True, "cache dtype names",
+                            optional=False)
+    out += [p] if p else []
+    for name in ("cpu", "dense", "sparse", "returns_lse", "deterministic"):
+        check(name, isinstance(getattr(caps, name), bool), "True or False")
+    for name in ("cpu_env_switch", "cpu_hint", "extra"):
+        value = getattr(caps, name)
+        check(name, value is None or (isinstance(value, str) and bool(value.strip())), opt_str)
+    p = _collection_problem("compute_capabilities", caps.compute_capabilities, _is_cc, "(major, minor) int tuples")
+    out += [p] if p else []
+    for name in ("min_compute_capability", "max_compute_capability", "fp8_min_compute_capability"):
+        value = getattr(caps, name)
+        check(name, value is None or _is_cc(value), "a (major, minor) tuple of ints or None")
+    ps = caps.page_sizes
+    check("page_sizes", ps is None or (isinstance(ps, tuple) and bool(ps) and all(_is_int(v) and v > 0 for v in ps)),
+          "a non-empty tuple of positive ints or None")
+    for name in ("page_size_multiple", "max_num_heads"):
+        value = getattr(caps, name)
+        check(name, value is None or (_is_int(value) and value > 0), "a positive int or None")
+    check("preferred_page_size", _is_int(caps.preferred_page_size) and caps.preferred_page_size > 0,
+          "a positive int")
+    p = _collection_problem("dims", caps.dims, _is_cc, "(kv_lora_rank, qk_rope_head_dim) int pairs")
+    out += [p] if p else []
+    p = _collection_problem("num_heads", caps.num_heads, lambda h: _is_int(h) and h > 0, "positive ints")
+    out += [p] if p else []
+    check("query_len", isinstance(caps.query_len, QueryLenSupport), "a QueryLenSupport member")
+    check("decode_threshold", _is_int(caps.decode_threshold) and caps.decode_threshold >= 1, "an int >= 1")
+    req = caps.requires
+    check("requires", isinstance(req, tuple) and all(isinstance(m, str) and m.strip() for m in req),
+          "a tuple of importable module names (strings)")
+    tol = caps.tolerances
+    check("tolerances", isinstance(tol, dict) and all(isinstance(k, str) and isinstance(v, Tolerance)
+                                                      for k, v in tol.items()),
+          "a dict of dtype name -> Tolerance")
+    return out

@@ -17,27 +17,16 @@ field                  meaning                                     V2/V3   Lite
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .validation import require_int
+from .config_fields import ConfigFields, read_config_json
+from .validation import require_finite, require_int
 
 __all__ = ["MLADims", "RopeScaling", "IndexerDims", "yarn_mscale", "read_config_json"]
-
-
-def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``config.json`` at ``path``, or inside ``path`` when it is a folder (a checkpoint's)."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"config: got path {path!r}; supported a config.json file or a folder holding one")
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
 
 
 def hf_config_value(config: Any, key: str, default: Any = None) -> Any:
@@ -73,27 +62,41 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.type not in ("default", "yarn"):
             raise ValueError(f"rope_scaling.type: got {self.type!r}; supported 'default', 'yarn'")
-        if self.factor <= 0:
-            raise ValueError(f"rope_scaling.factor: got {self.factor}; supported > 0")
+        for attr in ("factor", "beta_fast", "beta_slow"):
+            require_finite(f"rope_scaling.{attr}", getattr(self, attr), positive=True)
+        for attr in ("mscale", "mscale_all_dim"):
+            require_finite(f"rope_scaling.{attr}", getattr(self, attr), minimum=0.0)
+        require_int("rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings,
+                    minimum=1)
 
     @classmethod
-    def from_mapping(cls, m: Mapping[str, Any] | None) -> RopeScaling | None:
-        """Parse a ``rope_scaling`` / ``rope_parameters`` block. Returns None for absent or default scaling."""
+    def from_mapping(cls, m: Mapping[str, Any] | None, fields: ConfigFields | None = None) -> RopeScaling | None:
+        """Parse a ``rope_scaling`` / ``rope_parameters`` block. Returns None for absent or default scaling.
+
+        ``fields`` reads it (every value type- and range-checked, errors naming the field and the file);
+        default: a reader whose errors say ``rope_scaling``.
+        """
+        if m is None:
+            return None
+        if not isinstance(m, Mapping):
+            raise TypeError(f"config.rope_scaling: got {type(m).__name__} {m!r}; supported a mapping or null"
+                            + ("" if fields is None else f" ({fields.source})"))
         if not m:
             return None
-        kind = m.get("type", m.get("rope_type", "default")) or "default"
+        f = fields or ConfigFields(m, "rope_scaling", prefix="rope_scaling.")
+        kind = f.raw("type", f.raw("rope_type", "default"))
         if kind == "default":
             return None
         if kind != "yarn":
-            raise ValueError(f"rope_scaling: got type {kind!r}; supported 'yarn' (or none)")
+            raise ValueError(f"config.{f.prefix}type: got {kind!r}; supported 'yarn' (or none) ({f.source})")
         return cls(
             type="yarn",
-            factor=float(m.get("factor", 1.0)),
-            mscale=float(m.get("mscale", 1.0) or 1.0),
-            mscale_all_dim=float(m.get("mscale_all_dim", 0.0) or 0.0),
-            original_max_position_embeddings=int(m.get("original_max_position_embeddings", 4096)),
-            beta_fast=float(m.get("beta_fast", 32.0)),
-            beta_slow=float(m.get("beta_slow", 1.0)),
+            factor=f.number("factor", 1.0, positive=True),
+            mscale=f.number("mscale", 1.0, minimum=0.0) or 1.0,
+            mscale_all_dim=f.number("mscale_all_dim", 0.0, minimum=0.0),
+            original_max_position_embeddings=f.integer("original_max_position_embeddings", 4096),
+            beta_fast=f.number("beta_fast", 32.0, positive=True),
+            beta_slow=f.number("beta_slow", 1.0, positive=True),
         )
 
 
@@ -146,6 +149,14 @@ class MLADims:
             require_int(f"MLADims.{attr}", getattr(self, attr), minimum=0 if attr == "qk_rope_head_dim" else 1)
         if self.q_lora_rank is not None:
             require_int("MLADims.q_lora_rank", self.q_lora_rank, minimum=1)
+        require_int("MLADims.max_position_embeddings", self.max_position_embeddings, minimum=1)
+        require_finite("MLADims.rope_theta", self.rope_theta, positive=True)
+        require_finite("MLADims.rms_norm_eps", self.rms_norm_eps, positive=True)
+        if not isinstance(self.rope_interleave, bool):
+            raise TypeError(f"MLADims.rope_interleave: got {self.rope_interleave!r}; supported True or False")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"MLADims.rope_scaling: got {type(self.rope_scaling).__name__}; supported "
+                            "RopeScaling or None")
 
     # ---- derived widths -------------------------------------------------------------------------------
     @property
@@ -240,54 +251,65 @@ class MLADims:
         d: Mapping[str, Any]
         if isinstance(config, (str, os.PathLike)):
             d = read_config_json(config)
+            source = os.fspath(config)
         elif isinstance(config, Mapping):
-            d = config
+            d, source = config, "config dict"
         elif hasattr(config, "to_dict"):
-            d = config.to_dict()
+            d, source = config.to_dict(), f"{type(config).__name__}"
+            if not isinstance(d, Mapping):
+                raise TypeError(f"config: got {type(config).__name__}.to_dict() returning {type(d).__name__}; "
+                                "supported a mapping")
         else:
             raise TypeError(
                 f"config: got {type(config).__name__}; supported a transformers config, a dict, or a path"
             )
+        f = ConfigFields(d, source)
         missing = [k for k in ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                                "v_head_dim", "hidden_size") if d.get(k) is None]
         if missing:
-            raise ValueError(f"config: missing MLA keys {missing}; supported a DeepSeek-V2/V3-style config")
-        rope_block = d.get("rope_scaling") or None
-        theta = d.get("rope_theta")
-        params = d.get("rope_parameters")
-        if isinstance(params, Mapping):
-            theta = params.get("rope_theta", theta)
-            if rope_block is None:
-                rope_block = params
+            raise ValueError(f"config: missing MLA keys {missing} ({source}); supported a DeepSeek-V2/V3-style "
+                             "config")
+        rope_block = f.mapping("rope_scaling")
+        block_key = "rope_scaling"
+        theta = f.number("rope_theta", 10000.0, positive=True)
+        params = f.mapping("rope_parameters")
+        if params is not None:
+            theta = f.nested(params, "rope_parameters").number("rope_theta", theta, positive=True)
+            if not rope_block:
+                rope_block, block_key = params, "rope_parameters"
+        num_layers = f.integer("num_hidden_layers", 1)
         indexer = None
         if d.get("index_topk") is not None or d.get("index_n_heads") is not None:
             indexer = IndexerDims(
-                n_heads=require_int("config.index_n_heads", d.get("index_n_heads", 64), minimum=1),
-                head_dim=require_int("config.index_head_dim", d.get("index_head_dim", 128), minimum=1),
-                topk=require_int("config.index_topk", d.get("index_topk", 2048), minimum=1),
-                skip_layers=_indexer_skip_layers(d, int(d.get("num_hidden_layers", 1))),
-                rope_interleave=bool(d.get("indexer_rope_interleave", False)),
+                n_heads=f.integer("index_n_heads", 64),
+                head_dim=f.integer("index_head_dim", 128),
+                topk=f.integer("index_topk", 2048),
+                skip_layers=_indexer_skip_layers(f, num_layers),
+                rope_interleave=f.flag("indexer_rope_interleave", False),
             )
+        rope_scaling = None
+        if rope_block:
+            rope_scaling = RopeScaling.from_mapping(rope_block, f.nested(rope_block, block_key))
         return cls(
-            num_heads=int(d["num_attention_heads"]),
-            kv_lora_rank=int(d["kv_lora_rank"]),
-            qk_nope_head_dim=int(d["qk_nope_head_dim"]),
-            qk_rope_head_dim=int(d["qk_rope_head_dim"]),
-            v_head_dim=int(d["v_head_dim"]),
-            q_lora_rank=None if d.get("q_lora_rank") is None else int(d["q_lora_rank"]),
-            hidden_size=int(d["hidden_size"]),
-            num_layers=int(d.get("num_hidden_layers", 1)),
-            rope_theta=float(theta if theta is not None else 10000.0),
-            rope_scaling=RopeScaling.from_mapping(rope_block),
-            rope_interleave=bool(d.get("rope_interleave", True)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 163840)),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            num_heads=f.integer("num_attention_heads"),
+            kv_lora_rank=f.integer("kv_lora_rank"),
+            qk_nope_head_dim=f.integer("qk_nope_head_dim"),
+            qk_rope_head_dim=f.integer("qk_rope_head_dim", minimum=0),
+            v_head_dim=f.integer("v_head_dim"),
+            q_lora_rank=f.optional_int("q_lora_rank"),
+            hidden_size=f.integer("hidden_size"),
+            num_layers=num_layers,
+            rope_theta=theta,
+            rope_scaling=rope_scaling,
+            rope_interleave=f.flag("rope_interleave", True),
+            max_position_embeddings=f.integer("max_position_embeddings", 163840),
+            rms_norm_eps=f.number("rms_norm_eps", 1e-6, positive=True),
             indexer=indexer,
             name=str(d.get("model_type", "custom")),
         )
 
 
-def _indexer_skip_layers(d: Mapping[str, Any], num_layers: int) -> frozenset[int]:
+def _indexer_skip_layers(f: ConfigFields, num_layers: int) -> frozenset[int]:
     """Layers that reuse the previous layer's top-k instead of indexing (the engines' ``skip_topk``).
 
     Precedence: ``indexer_types`` (``"full"``/``"shared"`` per layer), then ``index_topk_pattern``
@@ -295,22 +317,25 @@ def _indexer_skip_layers(d: Mapping[str, Any], num_layers: int) -> frozenset[int
     ``max(i - offset + 1, 0) % freq != 0`` (offset defaults to 2, as in transformers; freq 1 indexes every
     layer).
     """
-    types = d.get("indexer_types")
+    types = f.raw("indexer_types")
     if types:
         allowed = {"full", "shared"}
+        if isinstance(types, (str, bytes)) or not isinstance(types, (list, tuple)) or not all(
+                isinstance(t, str) for t in types):
+            raise TypeError(f"config.indexer_types: got {types!r}; supported a list of 'full'/'shared' "
+                            f"({f.source})")
         if not set(types) <= allowed:
             bad = sorted(set(types) - allowed)
-            raise ValueError(f"config.indexer_types: got {bad}; supported 'full', 'shared'")
+            raise ValueError(f"config.indexer_types: got {bad}; supported 'full', 'shared' ({f.source})")
         return frozenset(i for i, t in enumerate(types) if t == "shared")
-    pattern = d.get("index_topk_pattern")
+    pattern = f.raw("index_topk_pattern")
     if pattern:
-        if not set(pattern) <= {"F", "S"}:
-            raise ValueError(f"config.index_topk_pattern: got {pattern!r}; supported a string of 'F' and 'S'")
+        if not isinstance(pattern, str) or not set(pattern) <= {"F", "S"}:
+            raise ValueError(f"config.index_topk_pattern: got {pattern!r}; supported a string of 'F' and 'S' "
+                             f"({f.source})")
         return frozenset(i for i, c in enumerate(pattern) if c == "S")
-    freq = d.get("index_topk_freq")
-    freq = 1 if freq is None else require_int("config.index_topk_freq", freq, minimum=1)
-    offset = d.get("index_skip_topk_offset")
-    offset = 2 if offset is None else int(offset)
+    freq = f.integer("index_topk_freq", 1)
+    offset = f.integer("index_skip_topk_offset", 2, minimum=0)
     return frozenset(i for i in range(num_layers) if max(i - offset + 1, 0) % freq != 0)
 
 

@@ -57,7 +57,10 @@ class StateDictError(ValueError):
 
 def hf_attention_bias(config: Any) -> bool:
     """The ``attention_bias`` flag of a transformers config / dict / config.json path (False when absent)."""
-    return bool(hf_config_value(config, "attention_bias", False))
+    value = hf_config_value(config, "attention_bias", False)
+    if not isinstance(value, bool):  # "false" would be truthy: refuse it rather than guess
+        raise TypeError(f"config.attention_bias: got {type(value).__name__} {value!r}; supported true or false")
+    return value
 
 
 def expected_hf_shapes(dims: MLADims, attention_bias: bool = False) -> dict[str, tuple[int, ...]]:
@@ -116,6 +119,8 @@ def check_hf_state_dict(state_dict: Mapping[str, Any], expected: Mapping[str, tu
             misshaped.append(f"{key} (got shape {list(value.shape)}; supported {list(want)})")
         elif not value.is_floating_point():
             misshaped.append(f"{key} (got dtype {value.dtype}; supported a floating-point tensor)")
+        elif value.is_meta:
+            misshaped.append(f"{key} (got a meta tensor, which holds no values; supported a tensor with data)")
         else:
             found[name] = value
     missing = [prefix + n for n in expected if n not in found and prefix + n not in

@@ -54,7 +54,7 @@ from .rope import RotaryEmbedding
 from .sparse.layer_support import SparseKVCache, build_indexer
 from .step_plan import Run
 from .threshold_table import ThresholdTable
-from .validation import require_int, require_tensor
+from .validation import require_device, require_int, require_tensor
 from .workspace import shared_workspace
 
 __all__ = ["MLAAttention"]
@@ -143,7 +143,7 @@ class MLAAttention(torch.nn.Module):
         self.weight_block_size = check_weight_block_size(weight_block_size)
         self.dims = dims
         self.dtype = parse_model_dtype(dtype, default=torch.bfloat16)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = require_device("device", device) if device is not None else torch.device("cpu")
         self.tp_rank = tp_rank
         self.attention_bias = bool(attention_bias)
         self._workspace_rows = workspace_rows

@@ -14,7 +14,14 @@ import torch
 
 from .dims import MLADims
 from .fp8_checkpoint import dequantize_fp8_checkpoint
-from .hf_loading import check_hf_state_dict, expected_hf_shapes, fold_kv_b, rank_hf_shapes, shard_hf_tensor
+from .hf_loading import (
+    StateDictError,
+    check_hf_state_dict,
+    expected_hf_shapes,
+    fold_kv_b,
+    rank_hf_shapes,
+    shard_hf_tensor,
+)
 from .sparse.layer_support import take_indexer_weights
 
 if TYPE_CHECKING:
@@ -74,12 +81,14 @@ def load_hf_weights(layer: MLAAttention, state_dict: dict[str, torch.Tensor], *,
     """Load transformers-named attention weights into ``layer`` (full, unsharded tensors; this rank's slice is
     taken; with ``sharded=True`` they are already this rank's slices, see ``hf_loading.rank_hf_shapes``).
 
-    Every key is checked before anything is written: missing, unexpected and misshaped keys raise a
-    :class:`~mla_backends.hf_loading.StateDictError` listing all of them. Then ``kv_b_proj`` is folded into
-    ``W_UK_T`` / ``W_UV``. Tensors are copied in place, so their storage (and pointers) stay put. ``prefix``
-    (e.g. ``"model.layers.3.self_attn."``) is stripped from the keys. Block-quantised fp8 checkpoints
-    (DeepSeek's releases: float8 ``X.weight`` plus ``X.weight_scale_inv``) are dequantised first, block by
-    ``layer.weight_block_size`` (see :mod:`mla_backends.fp8_checkpoint`).
+    All or nothing: every key is checked before anything is written (missing, unexpected, misshaped and ``meta``
+    tensors raise a :class:`~mla_backends.hf_loading.StateDictError` listing all of them), then every value is
+    sliced and converted to its parameter's dtype and device, and ``kv_b_proj`` is folded into ``W_UK_T`` /
+    ``W_UV`` from the new value; only when all of that succeeded are the parameters, the folds and the indexer
+    written, so a failure leaves the layer as it was. Tensors are copied in place, so their storage (and
+    pointers) stay put. ``prefix`` (e.g. ``"model.layers.3.self_attn."``) is stripped from the keys. Block-
+    quantised fp8 checkpoints (DeepSeek's releases: float8 ``X.weight`` plus ``X.weight_scale_inv``) are
+    dequantised first, block by ``layer.weight_block_size`` (see :mod:`mla_backends.fp8_checkpoint`).
     """
     dims, bias = layer.dims, layer.attention_bias
     state_dict = dequantize_fp8_checkpoint(state_dict, layer.weight_block_size, dtype=layer.dtype)
@@ -87,9 +96,18 @@ def load_hf_weights(layer: MLAAttention, state_dict: dict[str, torch.Tensor], *,
     shapes = rank_hf_shapes(dims, bias, layer.tp_rank) if sharded else expected_hf_shapes(dims, bias)
     found = check_hf_state_dict(state_dict, shapes, prefix)
     targets = weight_targets(layer, dims, bias)
+    staged = {}  # everything converted first: a value that fails here leaves the layer untouched
     for name, value in found.items():
-        targets[name].copy_(value if sharded else shard_hf_tensor(name, value, dims, layer.tp_rank))
-    w_uk_t, w_uv = fold_kv_b(layer.kv_b_proj.weight, dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim)
+        part = value if sharded else shard_hf_tensor(name, value, dims, layer.tp_rank)
+        try:
+            staged[name] = part.to(device=targets[name].device, dtype=targets[name].dtype)
+        except (RuntimeError, TypeError) as exc:
+            raise StateDictError([], [], [f"{prefix}{name} (got {part.dtype} on {part.device}, which cannot be "
+                                          f"converted to {targets[name].dtype} on {targets[name].device}: "
+                                          f"{type(exc).__name__}: {exc})"]) from None
+    w_uk_t, w_uv = fold_kv_b(staged["kv_b_proj.weight"], dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim)
+    for name, value in staged.items():
+        targets[name].copy_(value)
     layer.W_UK_T.copy_(w_uk_t)
     layer.W_UV.copy_(w_uv)
     load_indexer()

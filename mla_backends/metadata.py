@@ -28,7 +28,7 @@ import torch
 
 from .cache import PagedRows, duplicate_slot, position_slots
 from .step_plan import StepPlan
-from .validation import require_int
+from .validation import require_device, require_int
 
 if TYPE_CHECKING:
     from .backend import MLABackend
@@ -43,14 +43,52 @@ def dcp_local_len(length: int, dcp_rank: int, dcp_size: int) -> int:
     return max(0, (length - dcp_rank + dcp_size - 1) // dcp_size)
 
 
+#: the largest length, offset or block id the int32 metadata tensors can hold
+INT32_MAX = 2**31 - 1
+
+
+def _is_int_tensor(x: torch.Tensor) -> bool:
+    return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+
+
 def _as_int_list(name: str, x: IntsLike) -> list[int]:
+    """``x`` (a sequence of ints or a 1-D int tensor; never floats, complex or bools) as ints in
+    ``[0, INT32_MAX]``, each fault naming ``name[i]``."""
     if isinstance(x, torch.Tensor):
-        if x.dim() != 1 or x.is_floating_point() or x.is_complex():
+        if x.dim() != 1 or not _is_int_tensor(x):
             raise ValueError(f"{name}: got tensor of shape {list(x.shape)} dtype {x.dtype}; supported a 1-D int tensor")
-        return [int(v) for v in x.tolist()]
-    if isinstance(x, (str, bytes)) or not isinstance(x, Sequence):
+        vals = [int(v) for v in x.tolist()]
+    elif isinstance(x, (str, bytes)) or not isinstance(x, Sequence):
         raise TypeError(f"{name}: got {type(x).__name__}; supported a sequence of ints or a 1-D int tensor")
-    return [require_int(f"{name}[{i}]", v) for i, v in enumerate(x)]
+    else:
+        vals = [require_int(f"{name}[{i}]", v) for i, v in enumerate(x)]
+    for b, v in enumerate(vals):
+        if not 0 <= v <= INT32_MAX:
+            raise ValueError(f"{name}[{b}]: got {v} for request {b}; supported 0 .. {INT32_MAX} (int32)")
+    return vals
+
+
+def _as_block_table(block_table: object) -> torch.Tensor:
+    """The block table as a 2-D integer tensor: a tensor as given (int dtypes only), or a list of rows of
+    ints (ragged rows padded with -1). Floats, complex numbers and bools are refused, not truncated."""
+    if isinstance(block_table, torch.Tensor):
+        if block_table.dim() != 2 or not _is_int_tensor(block_table):
+            raise ValueError(f"block_table: got shape {list(block_table.shape)} dtype {block_table.dtype}; "
+                             "supported [B, max_blocks] int")
+        return block_table
+    if isinstance(block_table, (str, bytes)) or not isinstance(block_table, Sequence):
+        raise TypeError(f"block_table: got {type(block_table).__name__}; supported a 2-D int tensor")
+    rows = []
+    for b, row in enumerate(block_table):
+        if isinstance(row, (str, bytes)) or not isinstance(row, (Sequence, torch.Tensor)):
+            raise TypeError(f"block_table[{b}]: got {type(row).__name__}; supported a sequence of block ids")
+        rows.append([require_int(f"block_table[{b}][{j}]", v) for j, v in enumerate(row)])
+    width = max((len(r) for r in rows), default=0)
+    bt = torch.full((len(rows), max(width, 1)), -1, dtype=torch.int64)
+    for b, row in enumerate(rows):
+        if row:
+            bt[b, : len(row)] = torch.tensor(row, dtype=torch.int64)
+    return bt
 
 
 @dataclass(frozen=True, eq=False)
@@ -150,24 +188,22 @@ class BatchMetadata:
             for b, v in enumerate(vals):
                 if v < 0:
                     raise ValueError(f"{name}[{b}]: got {v} for request {b}; supported >= 0")
-        if isinstance(block_table, torch.Tensor):
-            bt = block_table
-        else:
-            if not isinstance(block_table, Sequence):
-                raise TypeError(f"block_table: got {type(block_table).__name__}; supported a 2-D int tensor")
-            width = max((len(r) for r in block_table), default=0)
-            bt = torch.full((len(block_table), max(width, 1)), -1, dtype=torch.int32)
-            for b, row in enumerate(block_table):
-                if row:
-                    bt[b, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
-        if bt.dim() != 2 or bt.is_floating_point():
-            raise ValueError(f"block_table: got shape {list(bt.shape)} dtype {bt.dtype}; supported [B, max_blocks] int")
+        bt = _as_block_table(block_table)
         if bt.shape[0] != len(q):
             raise ValueError(f"block_table: got {bt.shape[0]} rows; supported one per request ({len(q)})")
-        dev = torch.device(device) if device is not None else bt.device
+        dev = require_device("device", device) if device is not None else bt.device
         bt_host = bt.detach().to("cpu", torch.int64)
+        if bt_host.numel() and (int(bt_host.max()) > INT32_MAX or int(bt_host.min()) < -1 - INT32_MAX):
+            bad = int(bt_host.max()) if int(bt_host.max()) > INT32_MAX else int(bt_host.min())
+            raise ValueError(f"block_table: got block id {bad}; supported ids that fit int32 (<= {INT32_MAX})")
         seq = [cq + cc for cq, cc in zip(q, c, strict=True)]
         maxima: list[int] = []
+        for b, s in enumerate(seq):
+            if s > INT32_MAX:
+                raise ValueError(f"context_lens[{b}]: got {c[b]} (+ query {q[b]} = {s} tokens) for request {b}; "
+                                 f"supported context + query <= {INT32_MAX} (int32 sequence lengths)")
+        if sum(q) > INT32_MAX:
+            raise ValueError(f"query_lens: got {sum(q)} tokens in all; supported <= {INT32_MAX} (int32 offsets)")
         for b, s in enumerate(seq):
             held = dcp_local_len(s, dcp_rank, dcp_size)
             need = -(-held // block_size)

@@ -10,7 +10,7 @@ from .device import device_info_for
 from .dtypes import MODEL_DTYPES, lse_dtype
 from .metadata import BatchMetadata
 from .reasons import Reason, ReasonKind, all_of_kinds, without_kinds
-from .validation import require_on_device, require_tensor
+from .validation import require_no_alias, require_on_device, require_scale, require_tensor
 
 __all__ = ["check_mqa_inputs", "check_declared_support"]
 
@@ -44,8 +44,7 @@ def check_mqa_inputs(
     require_tensor("q_rope", q_rope, shape=(T, H, cache.qk_rope_head_dim), dtypes=(q_latent.dtype,))
     if H < 1:
         raise ValueError(f"q_latent: got {H} heads; supported >= 1")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-        raise ValueError(f"scale: got {scale!r}; supported a positive float (the unabsorbed softmax scale)")
+    require_scale("scale", scale, what="a positive finite float (the unabsorbed softmax scale)")
     if topk_indices is not None:
         require_tensor("topk_indices", topk_indices, shape=(T, None), dtypes=(torch.int32, torch.int64))
         if topk_indices.shape[1] < 1:
@@ -57,6 +56,11 @@ def check_mqa_inputs(
     optional = {"topk_indices": topk_indices, "out": out, "lse_out": lse_out}
     require_on_device(cache.device, q_latent=q_latent, q_rope=q_rope, **{"meta.block_table": meta.block_table},
                       **{k: v for k, v in optional.items() if v is not None})
+    inputs = {"cache": cache.data, "q_latent": q_latent, "q_rope": q_rope, "topk_indices": topk_indices}
+    if out is not None:
+        require_no_alias("out", out, **inputs)
+    if lse_out is not None:
+        require_no_alias("lse_out", lse_out, out=out, **inputs)
     meta.check_cache(cache)  # host-side verdict from build, once per step (no device read)
     if check_values and topk_indices is not None and topk_indices.numel():
         limit = meta.token_positions[:, None]  # on the cache's device, as topk_indices (checked above)

@@ -9,6 +9,7 @@ import torch
 
 from .cache import LatentKVCache
 from .metadata import BatchMetadata
+from .validation import require_scale
 
 __all__ = ["expanded_decode"]
 
@@ -30,6 +31,7 @@ def expanded_decode(
     Returns:
         ``[B, H, v_head_dim]``.
     """
+    require_scale("scale", scale)
     if meta.max_query_len > 1:
         raise ValueError(f"meta: got query length {meta.max_query_len}; supported 1 (decode only)")
     r = cache.kv_lora_rank

@@ -7,6 +7,14 @@ wrong (import error, hook raising, duplicate name, malformed capabilities, bad p
 :class:`~mla_backends.registry.PluginProblem`; a broken *built-in* raises, because that is a bug here.
 
 ``MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD=1`` skips the entry points (the built-ins still load).
+
+Loading is re-entrant: while a plugin's import or hook runs, the read API (``get_registry``,
+``registered_backends``, ``get_backend``) answers from the registry being filled (the built-ins and the
+plugins loaded before it), and the write API (``register_backend``, ``add_plugin``, ``reset_registry``) is
+refused with a :class:`~mla_backends.registry.RegistrationError`, which becomes that plugin's recorded problem.
+Nothing a plugin calls can block the loader. A plugin registers through the ``register`` argument of its hook,
+during the hook: a later call raises and is recorded. Two plugins claiming one backend name: see
+:func:`run_plugin`.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ import importlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -64,6 +74,48 @@ def _resolve(target: Any) -> Any:
     return getattr(module, attr)
 
 
+# ---- re-entrancy: which registry this thread is filling (plugin code running) ---------------------------
+_LOADING = threading.local()
+
+
+def _filling() -> Registry | None:
+    """The registry a plugin's import or hook running in this thread is being loaded into, else None."""
+    stack = getattr(_LOADING, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextmanager
+def _plugin_code(registry: Registry) -> Iterator[None]:
+    """Mark plugin code (an entry point's import, a hook) as running in this thread, loading ``registry``."""
+    stack = getattr(_LOADING, "stack", None)
+    if stack is None:
+        stack = _LOADING.stack = []
+    stack.append(registry)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _refuse_while_loading(api: str) -> None:
+    """Raise when ``api`` (a registry-changing call) is made by a plugin while plugins load."""
+    if _filling() is not None:
+        raise RegistrationError(
+            f"{api}: got a call while plugins load (from a plugin's import or register_mla_backends hook); "
+            "supported the hook's register(...) argument during loading, or this call after loading")
+
+
+def _package(obj: object) -> str:
+    """Top-level package of a plugin object (a module or an instance) or of a class."""
+    if isinstance(obj, ModuleType):
+        module = obj.__name__
+    elif isinstance(obj, type):
+        module = obj.__module__
+    else:
+        module = type(obj).__module__
+    return (module or "").split(".")[0]
+
+
 @dataclass
 class _Staged:
     backend: Any
@@ -98,20 +150,33 @@ def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: 
         return fail("hook", "no @hookimpl register_mla_backends(register) found in the plugin")
 
     staged: list[_Staged] = []
+    hook_running = True
 
     def register(backend: Any, *, name: str | None = None, before: str | None = None,
                  after: str | None = None, archs: Any = None) -> None:
+        if not hook_running:
+            text = (f"register: got a call for {name or getattr(backend, '__name__', backend)!r} after the "
+                    "register_mla_backends hook returned; supported calls during the hook (or "
+                    "mla_backends.register_backend(...) after loading)")
+            registry.record(PluginProblem(plugin=plugin_name, stage="register", error=text))
+            raise RegistrationError(text)
         staged.append(_Staged(backend, name, before, after, archs))
 
     try:
-        pm.hook.register_mla_backends(register=register)
+        with _plugin_code(registry):
+            pm.hook.register_mla_backends(register=register)
     except Exception as exc:
         return fail("hook", exc)
+    finally:
+        hook_running = False
 
     clean = True
     for item in staged:
         try:
             cls = _resolve(item.backend)
+            if not strict and _settle_clash(registry, plugin_name, plugin, cls):
+                clean = False
+                continue
             registry.add(cls, source=plugin_name, name=item.name, before=item.before, after=item.after,
                          archs=item.archs)
             for text in contract_problems(cls):  # registered and working, but shown by `mla-backends list`
@@ -127,6 +192,34 @@ def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: 
             clean = False
     registry.mark_loaded(plugin_name)
     return clean
+
+
+def _settle_clash(registry: Registry, plugin_name: str, plugin: object, cls: type) -> bool:
+    """Resolve ``cls`` claiming a name another *plugin* already holds; True when ``cls`` must not be added.
+
+    The problem goes to the offender, not the victim. The owner is the plugin whose own package defines the
+    class: when the earlier plugin registered a class of this plugin's package, the name moves here and the
+    earlier plugin gets the problem. When both define their own class, load order keeps the first and the
+    problem is recorded against both (neither can be shown to be the owner). Built-in names are never moved
+    (:meth:`Registry.add` refuses them with the problem recorded against the newcomer).
+    """
+    name = getattr(cls, "name", None)
+    prev = registry.entry(name) if isinstance(name, str) else None
+    if prev is None or prev.source in (BUILTIN_PLUGIN, plugin_name) or prev.source not in registry.plugins:
+        return False
+    if _package(prev.cls) == _package(cls) == _package(plugin):  # the earlier plugin registered our class
+        registry.remove(prev.name)
+        registry.record(PluginProblem(plugin=prev.source, stage="register", error=(
+            f"{prev.name}: name: got a class of package {_package(cls)!r}, which plugin {plugin_name!r} "
+            f"registers itself; supported registering only your own backends (the name went to {plugin_name!r})")))
+        return False
+    registry.record(PluginProblem(plugin=plugin_name, stage="register", error=(
+        f"{cls.__name__}: RegistrationError: name: got {prev.name!r}, already registered by {prev.source!r}; "
+        "supported a unique name")))
+    registry.record(PluginProblem(plugin=prev.source, stage="register", error=(
+        f"{prev.name}: name: also claimed by plugin {plugin_name!r} (kept for {prev.source!r}, loaded first); "
+        "supported a unique name")))
+    return True
 
 
 def _entry_points() -> list[Any]:
@@ -152,7 +245,8 @@ def load_registry(*, autoload: bool | None = None) -> Registry:
         return registry
     for ep in _entry_points():
         try:
-            plugin = ep.load()
+            with _plugin_code(registry):
+                plugin = ep.load()
         except (Exception, SystemExit) as exc:
             log.warning("mla_backends plugin %r failed to import: %s: %s", ep.name, type(exc).__name__, exc)
             error = f"{type(exc).__name__}: {exc}"
@@ -167,6 +261,7 @@ def add_plugin(plugin: object, name: str | None = None) -> bool:
 
     For engines that ship backends without an entry point. Problems are recorded like entry-point ones.
     """
+    _refuse_while_loading("add_plugin")
     if name is None:
         name = plugin.__name__ if isinstance(plugin, ModuleType) else type(plugin).__name__
     return run_plugin(get_registry(), name, plugin)
@@ -178,8 +273,14 @@ _LOAD_LOCK = threading.Lock()
 
 
 def get_registry() -> Registry:
-    """The process-wide registry, filled on first use (built-ins, then entry-point plugins)."""
+    """The process-wide registry, filled on first use (built-ins, then entry-point plugins).
+
+    Called by a plugin while plugins load (its import or hook), it returns the registry being filled.
+    """
     global _REGISTRY
+    filling = _filling()
+    if filling is not None:
+        return filling
     reg = _REGISTRY
     if reg is None:
         with _LOAD_LOCK:
@@ -192,6 +293,7 @@ def get_registry() -> Registry:
 def reset_registry(registry: Registry | None = None) -> None:
     """Drop (or replace) the process-wide registry; the next use reloads plugins. Mainly for tests."""
     global _REGISTRY
+    _refuse_while_loading("reset_registry")
     with _LOAD_LOCK:
         _REGISTRY = registry
 
@@ -210,5 +312,7 @@ def get_backend(name: str | BackendName | type[MLABackend]) -> type[MLABackend]:
 
 def register_backend(cls: type[MLABackend], *, before: str | None = None, after: str | None = None,
                      archs: object = None, source: str = "api") -> RegisteredBackend:
-    """Register a backend class directly (no entry point); raises :class:`RegistrationError` when rejected."""
+    """Register a backend class directly (no entry point); raises :class:`RegistrationError` when rejected
+    (also when called by a plugin while plugins load: a plugin registers through its hook's ``register``)."""
+    _refuse_while_loading("register_backend")
     return get_registry().add(cls, source=source, before=before, after=after, archs=archs)

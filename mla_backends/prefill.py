@@ -36,7 +36,7 @@ from .prefill_kernels import (
     cuda_fused_attention,
     fused_prefill_kernel,
 )
-from .validation import require_int, require_on_device, require_tensor
+from .validation import require_int, require_no_alias, require_on_device, require_scale, require_tensor
 
 #: ``(chunk [(request, start, stop), ...], dtype) -> rows [n, R + P]``: a chunk's cached context rows
 ContextRows = Callable[[list[tuple[int, int, int]], torch.dtype], torch.Tensor]
@@ -144,6 +144,7 @@ def prefill_attention(
     """
     if fused is not None and not isinstance(fused, bool):
         raise TypeError(f"fused: got {type(fused).__name__}; supported None, True or False")
+    require_scale("scale", scale)
     if fused is False:
         return _plain_attention(q_nope, q_pe, k_nope, k_pe, v, scale, causal, budget)
     choice = prefill_kernel_for(q_nope, q_pe, v, k_nope.shape[0], causal)
@@ -323,6 +324,7 @@ def forward_mha(
         raise TypeError(f"cache: got {type(cache).__name__}; supported LatentKVCache")
     if not isinstance(meta, BatchMetadata):
         raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata")
+    require_scale("scale", scale, what="a positive finite float (the unabsorbed softmax scale)")
     R, P = cache.kv_lora_rank, cache.qk_rope_head_dim
     T = meta.num_tokens
     require_tensor("q", q, shape=(T, None, None), dtypes=(torch.bfloat16, torch.float16, torch.float32,
@@ -355,6 +357,7 @@ def forward_mha(
         out = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
     else:
         require_tensor("out", out, shape=(T, H, V), dtypes=(q.dtype,))
+        require_no_alias("out", out, cache=cache.data, q=q, kv_c=kv_c, k_pe=k_pe, kv_b_weight=kv_b_weight)
     if T == 0:
         return out
 

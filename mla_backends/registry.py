@@ -29,6 +29,7 @@ __all__ = [
     "PluginProblem",
     "Registry",
     "validate_backend_class",
+    "RESERVED_NAMES",
 ]
 
 
@@ -64,6 +65,8 @@ class RegistrationError(ValueError):
 
 
 _NAME_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
+#: names no backend may take: ``backend="auto"`` / ``MLA_BACKEND=auto`` mean automatic selection
+RESERVED_NAMES = ("AUTO",)
 _ARCH_RE = re.compile(r"^(cpu|sm\d{2,3})$")
 
 
@@ -126,8 +129,10 @@ def validate_backend_class(cls: object) -> list[str]:
         return [f"backend: got {cls!r}; supported an MLABackend subclass"]
     problems = []
     name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not _NAME_RE.match(name.strip().upper()) or name == MLABackend.name:
-        problems.append(f"name: got {name!r}; supported a new identifier such as 'MY_MLA'")
+    if (not isinstance(name, str) or not _NAME_RE.match(name.strip().upper()) or name == MLABackend.name
+            or name.strip().upper() in RESERVED_NAMES):
+        problems.append(f"name: got {name!r}; supported a new identifier such as 'MY_MLA' (not "
+                        f"{', '.join(RESERVED_NAMES)}: they mean 'let the selector choose')")
     caps = getattr(cls, "capabilities", None)
     if not isinstance(caps, Capabilities):
         problems.append(f"capabilities: got {type(caps).__name__}; supported a Capabilities instance")
@@ -201,6 +206,14 @@ class Registry:
             self._entries[key] = entry
             self.generation += 1
         return entry
+
+    def remove(self, name: str) -> RegisteredBackend | None:
+        """Drop the entry registered under ``name`` (case-insensitive); returns it, or None when absent."""
+        with self._lock:
+            entry = self._entries.pop(name.strip().upper(), None)
+            if entry is not None:
+                self.generation += 1
+            return entry
 
     def record(self, problem: PluginProblem) -> None:
         with self._lock:

@@ -21,7 +21,7 @@ import math
 import torch
 
 from .dims import MLADims, RopeScaling, yarn_mscale
-from .validation import require_int, require_tensor
+from .validation import require_finite, require_int, require_tensor
 
 __all__ = ["RotaryEmbedding", "rope_inv_freq"]
 
@@ -77,10 +77,14 @@ class RotaryEmbedding:
 
     def __init__(self, dim: int, base: float = 10000.0, scaling: RopeScaling | None = None,
                  interleave: bool = True) -> None:
+        if scaling is not None and not isinstance(scaling, RopeScaling):
+            raise TypeError(f"scaling: got {type(scaling).__name__}; supported RopeScaling or None")
+        if not isinstance(interleave, bool):
+            raise TypeError(f"interleave: got {interleave!r}; supported True or False")
         self.dim = dim
-        self.base = float(base)
+        self.base = require_finite("base", base, positive=True)
         self.scaling = scaling
-        self.interleave = bool(interleave)
+        self.interleave = interleave
         self.inv_freq, self.attention_factor = rope_inv_freq(dim, self.base, scaling)
 
     @classmethod

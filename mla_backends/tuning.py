@@ -46,11 +46,12 @@ from .dims import MLADims
 from .dtypes import dtype_name, parse_model_dtype
 from .hf_loading import random_hf_state_dict
 from .layer import MLAAttention
+from .memory import require_fits
 from .metadata import BatchMetadata
 from .plugins import get_backend, registered_backends
 from .progress import ProgressBar
 from .threshold_table import ContextThresholds, ThresholdTable
-from .validation import require_int
+from .validation import require_device, require_int
 
 __all__ = [
     "DEFAULT_QUERY_LENS",
@@ -66,6 +67,8 @@ __all__ = [
     "context_buckets",
     "tunable_backends",
     "PathTimer",
+    "timer_bytes",
+    "check_grid_fits",
     "ProgressBar",
     "tune",
 ]
@@ -181,6 +184,24 @@ def tunable_backends(
     return out
 
 
+def timer_bytes(dims: MLADims, max_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes a :class:`PathTimer` for ``max_tokens`` positions allocates (its cache and random rows, with their
+    float32 temporaries, and its queries ``[max_tokens, H, nope + rope]``): ``max_tokens`` times
+    ``W * (e + 8) + H * (N + P) * (e + 4)`` for an ``e``-byte dtype."""
+    e = torch.empty(0, dtype=dtype).element_size()
+    per_token = dims.cache_row_width * (e + 8) + dims.num_heads * dims.qk_head_dim * (e + 4)
+    return max_tokens * per_token
+
+
+def check_grid_fits(dims: MLADims, query_lens: Sequence[int], contexts: Sequence[int], dtype: torch.dtype,
+                    device: str | torch.device, *, name: str = "contexts") -> None:
+    """Raise ``ValueError`` naming ``name`` when the largest context plus the largest query length cannot be
+    timed in the memory free on ``device`` (checked before anything is allocated)."""
+    longest, widest = max(contexts), max(query_lens)
+    require_fits(name, f"{longest} (with query length {widest})", timer_bytes(dims, longest + widest, dtype),
+                 require_device("device", device), "the timing cache and queries")
+
+
 class PathTimer:
     """The two attention paths of one :class:`~mla_backends.layer.MLAAttention`, timed on one request.
 
@@ -211,7 +232,9 @@ class PathTimer:
         require_int("max_tokens", max_tokens, minimum=1)
         if block_size is not None:
             require_int("block_size", block_size, minimum=1)
-        self.device = torch.device(device)
+        self.device = require_device("device", device)
+        require_fits("max_tokens", max_tokens, timer_bytes(dims, max_tokens, parse_model_dtype(
+            dtype, default=torch.float32)), self.device, "the timing cache and queries")
         cls = get_backend(backend)
         self.block_size = block_size or cls.capabilities.preferred_page_size
         self.repeats = repeats
@@ -352,8 +375,9 @@ def tune(
     require_int("repeats", repeats, minimum=1)
     if block_size is not None:
         require_int("block_size", block_size, minimum=1)
-    dev = torch.device(device)
+    dev = require_device("device", device)
     model_dtype = parse_model_dtype(dtype, default=torch.float32 if dev.type == "cpu" else torch.bfloat16)
+    check_grid_fits(dims, qs, ss, model_dtype, dev)
     bar = ProgressBar(len(names) * len(qs) * len(ss) * repeats, enabled=progress)
     per_backend: dict[str, ContextThresholds] = {}
     results: dict[str, Any] = {}

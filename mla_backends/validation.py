@@ -6,13 +6,16 @@ a message naming the argument, what was given and what is accepted. They run bef
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 
 from .dtypes import dtype_name
 
-__all__ = ["require_tensor", "require_int", "require_on_device"]
+__all__ = ["require_tensor", "require_int", "require_on_device", "require_finite", "require_scale",
+           "require_device", "DEVICE_TYPES", "tensors_overlap", "require_no_alias"]
 
 
 def require_tensor(
@@ -56,3 +59,96 @@ def require_on_device(device: torch.device, owner: str = "the cache's", **tensor
     for name, t in tensors.items():
         if t.device != device:
             raise ValueError(f"{name}: got device {t.device}; supported {owner} device {device}")
+
+
+def require_finite(name: str, x: object, *, positive: bool = False, minimum: float | None = None,
+                   what: str = "a finite number") -> float:
+    """``x`` as a float: a real number (an int or a float, never a bool, a string or a tensor) that is finite, and
+    ``> 0`` with ``positive`` / ``>= minimum`` with ``minimum``; raises naming ``name`` otherwise."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: got {type(x).__name__} {x!r}; supported {what}")
+    value = float(x)
+    if not math.isfinite(value) or (positive and not value > 0) or (minimum is not None and value < minimum):
+        bound = " > 0" if positive else (f" >= {minimum:g}" if minimum is not None else "")
+        raise ValueError(f"{name}: got {x!r}; supported {what}{bound}")
+    return value
+
+
+def require_scale(name: str, x: object, *, tensor_ok: bool = False,
+                  what: str = "a positive finite float") -> float:
+    """A softmax or cache scale as a float: a real, finite number ``> 0``. Every fault is a ``ValueError``
+    naming ``name`` (a scale is a value: ``inf``, ``nan``, ``0``, negatives, bools, strings, None).
+
+    With ``tensor_ok`` a one-element real tensor is accepted too and read on the host (a sync on GPU
+    tensors; never on a hot path); a tensor of more elements (``tensor([2., 3.])``) is refused.
+    """
+    if isinstance(x, torch.Tensor) and tensor_ok:
+        if x.numel() != 1 or x.is_complex() or x.dtype == torch.bool:
+            raise ValueError(f"{name}: got a tensor of shape {list(x.shape)} dtype {dtype_name(x.dtype)}; "
+                             f"supported {what} (or a one-element real tensor)")
+        x = x.item()
+    try:
+        return require_finite(name, x, positive=True, what=what)
+    except TypeError as exc:
+        raise ValueError(str(exc)) from None
+
+
+#: torch device types the library places tensors on (``meta``: shapes only, for tests and dry runs)
+DEVICE_TYPES = ("cpu", "cuda", "meta")
+
+
+def require_device(name: str, device: object) -> torch.device:
+    """``device`` (a string such as ``"cpu"`` / ``"cuda:1"``, a ``torch.device`` or a CUDA index) as a
+    ``torch.device`` that exists on this machine.
+
+    Raises ``TypeError`` for another kind of object and ``ValueError`` for a string torch cannot parse
+    (``"bogus"``), a type outside :data:`DEVICE_TYPES`, ``"cuda"`` where CUDA is not available, or a CUDA
+    index past the last device, naming ``name`` instead of surfacing torch's own error later.
+    """
+    supported = "'cpu', 'cuda' or 'cuda:N' (a CUDA device present here)"
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"{name}: got {type(device).__name__} {device!r}; supported {supported}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"{name}: got {device!r}; supported {supported}") from None
+    if dev.type not in DEVICE_TYPES:
+        raise ValueError(f"{name}: got {device!r} (device type {dev.type}); supported {supported}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}: got {device!r}, but CUDA is not available on this machine; "
+                             "supported 'cpu'")
+        count = torch.cuda.device_count()
+        if dev.index is not None and not 0 <= dev.index < count:
+            raise ValueError(f"{name}: got {device!r}; supported cuda:0 .. cuda:{count - 1} ({count} CUDA "
+                             "device(s) here)")
+    return dev
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[start, end)`` bytes of memory ``t`` can touch (its first to last element, strides included)."""
+    start = t.data_ptr()
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (extent + 1) * t.element_size()
+
+
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` may share memory: same device, both non-empty, intersecting byte spans.
+
+    Host metadata only (pointers, shapes, strides; no device read). Conservative: two interleaved views whose
+    spans intersect count as overlapping. Meta tensors never overlap (they have no memory).
+    """
+    if a.device != b.device or a.device.type == "meta" or not a.numel() or not b.numel():
+        return False
+    a0, a1 = _byte_span(a)
+    b0, b1 = _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def require_no_alias(name: str, x: torch.Tensor, **others: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` when the output buffer ``x`` shares memory with one of ``others`` (inputs the
+    kernel reads while it writes ``x``; aliasing them corrupts results silently)."""
+    for other_name, other in others.items():
+        if other is not None and tensors_overlap(x, other):
+            raise ValueError(f"{name}: got a buffer sharing memory with {other_name}; supported a separate "
+                             "buffer (an output may not alias an input or another output)")

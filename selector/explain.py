@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from mla_backends.backend import AttentionSpec
 from mla_backends.device import DeviceInfo
 from mla_backends.dtypes import dtype_name
+from mla_backends.errors import error_dict
 from mla_backends.reasons import as_reason
 from mla_backends.registry import PluginProblem
 
@@ -134,8 +135,15 @@ def failure_dict(err: SelectionError) -> dict[str, Any]:
     return {"backend": None, "source": None, "block_size": None, "requested_block_size": err.spec.block_size,
             "device": device_dict(err.device), "candidates": _candidates(err.verdicts), "ladder": err.ladder,
             "forced_by": getattr(err, "forced_by", None), "request": _request_dict(err.spec),
-            "error": str(err).splitlines()[0], "hint": getattr(err, "hint", None), "notes": list(err.notes),
+            **error_dict(err, message=str(err).splitlines()[0], argument=_forced_argument(err)),
+            "hint": getattr(err, "hint", None), "notes": list(err.notes),
             "plugin_problems": [p.describe() for p in err.plugin_problems]}
+
+
+def _forced_argument(err: SelectionError) -> str | None:
+    """The argument that forced a backend that does not fit (``backend`` or ``MLA_BACKEND``), else None."""
+    forced_by = getattr(err, "forced_by", None)
+    return {"argument": "backend", "MLA_BACKEND": "MLA_BACKEND"}.get(forced_by or "") if forced_by else None
 
 
 def capability_summary(cls: type) -> dict[str, Any]:

@@ -17,6 +17,7 @@ import torch
 
 from mla_backends.aliases import alias_note, name_clash_note
 from mla_backends.backend import AttentionSpec, MLABackend
+from mla_backends.capabilities import environment_snapshot
 from mla_backends.device import DeviceInfo
 from mla_backends.dims import MLADims
 from mla_backends.dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, parse_model_dtype
@@ -252,13 +253,14 @@ def _dims(dims: object) -> MLADims:
     raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims or a preset name ('deepseek-v3')")
 
 
-def _override(backend: object) -> tuple[object, str] | None:
-    """(name or class, who forced it) or None; the argument beats ``MLA_BACKEND``; ``auto`` means none."""
+def _override(backend: object, env_value: str | None) -> tuple[object, str] | None:
+    """(name or class, who forced it) or None; the argument beats ``MLA_BACKEND`` (its value ``env_value``,
+    read once per call with the cache key); ``auto`` means none."""
     if backend is not None and not (isinstance(backend, str) and backend.strip().lower() in ("", "auto")):
         if not isinstance(backend, (str, BackendName, type)):
             raise TypeError(f"backend: got {type(backend).__name__}; supported a name, 'auto' or a class")
         return backend, "argument"
-    env = os.environ.get(MLA_BACKEND_ENV, "").strip()
+    env = (env_value or "").strip()
     if env and env.lower() != "auto":
         return env, MLA_BACKEND_ENV
     return None
@@ -308,8 +310,11 @@ def select_backend(
         key, hit = None, None
     if hit is not None:
         return hit
-    sel = _select(registry, dims, dtype, kv_cache_dtype, block_size, sparse, max_query_len, device, backend,
-                  uniform_query_len, need_lse)
+    # the environment is read once, above: the selection follows exactly what its cache key says
+    values = {k: (os.fsdecode(v) if isinstance(v, bytes) else v) for k, v in zip(_ENV_KEYS, env, strict=True)}
+    with environment_snapshot(values):
+        sel = _select(registry, dims, dtype, kv_cache_dtype, block_size, sparse, max_query_len, device, backend,
+                      uniform_query_len, need_lse, values[MLA_BACKEND_ENV])
     if key is not None:
         with _CACHE_LOCK:
             if len(_CACHE) >= _CACHE_MAX:
@@ -320,7 +325,7 @@ def select_backend(
 
 def _select(registry: Registry, dims: object, dtype: object, kv_cache_dtype: object, block_size: object,
             sparse: object, max_query_len: object, device: object, backend: object, uniform_query_len: object,
-            need_lse: object) -> Selection:
+            need_lse: object, env_backend: str | None) -> Selection:
     d = _dims(dims)
     model_dtype = parse_model_dtype(dtype)  # type: ignore[arg-type]
     kv = canonical_kv_cache_dtype(kv_cache_dtype)  # type: ignore[arg-type]
@@ -336,7 +341,7 @@ def _select(registry: Registry, dims: object, dtype: object, kv_cache_dtype: obj
                          block_size=bs, sparse=sparse, max_query_len=mql,
                          uniform_query_len=uniform_query_len, need_lse=need_lse, device=dev)
     problems = registry.problems
-    forced = _override(backend)
+    forced = _override(backend, env_backend)
     if forced is not None:
         return _forced(registry, spec, *forced, problems=problems)
 

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
-__all__ = ["main", "build_parser", "version_text"]
+__all__ = ["main", "build_parser", "version_text", "report_error", "UsageError"]
+
+log = logging.getLogger(__name__)
 
 #: sub-command modules, in the order ``--help`` lists them
 COMMAND_MODULES = (
@@ -41,8 +45,24 @@ def version_text() -> str:
     return f"mla-backends {version} (Python {platform.python_version()})"
 
 
+class UsageError(Exception):
+    """A command-line usage error (what argparse reports); raised instead of argparse's ``sys.exit(2)`` so that
+    :func:`main` reports every error in one place and one shape."""
+
+    def __init__(self, message: str, parser: argparse.ArgumentParser) -> None:
+        super().__init__(message)
+        self.parser = parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors raise :class:`UsageError` (sub-command parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, self)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mla-backends",
         description="Run, select, explain and size DeepSeek-style MLA attention backends.",
     )
@@ -55,21 +75,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def report_error(exc: BaseException, *, as_json: bool, command: str | None) -> int:
+    """Report ``exc`` as the one error of this run and return the exit status (2; 130 for Ctrl-C).
+
+    With ``--json``: ``{"error": {"type", "message", "argument"}}`` on stdout. Otherwise argparse's usage line
+    and ``mla-backends <command>: error: <message>`` on stderr. Never a traceback (``-vv`` logs one at debug
+    level).
+    """
+    from ..errors import error_dict
+
+    if isinstance(exc, KeyboardInterrupt):
+        exc_text, status = "interrupted", 130
+    else:
+        exc_text, status = str(exc) or type(exc).__name__, 2
+    log.debug("mla-backends %s failed", command or "", exc_info=exc)
+    type_name = "ArgumentError" if isinstance(exc, UsageError) else None
+    if as_json:
+        print(json.dumps(error_dict(exc, message=exc_text, type_name=type_name), indent=2))
+    elif isinstance(exc, UsageError):
+        exc.parser.print_usage(sys.stderr)
+        print(f"{exc.parser.prog}: error: {exc_text}", file=sys.stderr)
+    else:
+        kind = "" if isinstance(exc, (ValueError, TypeError, UsageError)) else f"{type(exc).__name__}: "
+        print(f"mla-backends {command or ''}: error: {kind}{exc_text}".replace("  ", " "), file=sys.stderr)
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "accepts_extra", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.extra = extra
-    logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2), format="%(levelname)s %(name)s: %(message)s")
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 1
+    """Run the command line; every error is reported by :func:`report_error` (exit status 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    command = None
     try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+        command = args.command
+        if extra and not getattr(args, "accepts_extra", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.extra = extra
+        as_json = bool(getattr(args, "json", as_json))
+        logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
+                            format="%(levelname)s %(name)s: %(message)s")
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 1
         return int(args.func(args) or 0)
-    except (ValueError, TypeError) as exc:
-        print(f"mla-backends {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as exc:
+        return report_error(exc, as_json=as_json, command=command)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["load_model_dims", "per_rank_dims", "int_list", "int_list_at_least", "int_at_least", "add_model_args",
-           "csv_text"]
+           "csv_text", "check_output_file"]
 
 
 def load_model_dims(spec: str) -> Any:
@@ -24,7 +24,10 @@ def load_model_dims(spec: str) -> Any:
             f"--model: got {spec!r}; supported a preset ({', '.join(PRESET_NAMES)}) or a config.json"
         )
     if os.path.exists(spec):
-        return MLADims.from_hf_config(spec)
+        try:
+            return MLADims.from_hf_config(spec)
+        except (ValueError, TypeError) as exc:  # the config's own error, under the option that named it
+            raise type(exc)(f"--model: {exc}") from None
     if spec.endswith(".json") or os.sep in spec:
         raise ValueError(
             f"--model: got {spec!r}, which does not exist; supported a preset "
@@ -106,3 +109,18 @@ def per_rank_dims(dims: Any, tp: int) -> Any:
         raise ValueError(
             f"--tp: got {tp}; supported a positive divisor of the model's {dims.num_heads} heads"
         ) from None
+
+
+def check_output_file(option: str, path: str | None) -> None:
+    """Refuse an output file that cannot be written, before any work: its folder must exist and be writable,
+    and ``path`` must not be a folder itself. ``ValueError`` naming ``option``."""
+    if path is None:
+        return
+    if not path or os.path.isdir(path):
+        raise ValueError(f"{option}: got {path!r}, which is a folder; supported a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{option}: got {path!r}, but the folder {folder} does not exist; supported a file in "
+                         "an existing folder")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{option}: got {path!r}, which cannot be written; supported a writable file")

@@ -52,19 +52,28 @@ def run(args: argparse.Namespace) -> int:
     from selector.explain import capability_summary, device_dict
 
     from ..plugins import get_registry
+    from ..registry import PluginProblem
 
     device = resolve_device(args.device)
     reg = get_registry()
-    entries = reg.entries()
-    rows = [_row(e, device) for e in entries]
-    problems = [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in reg.problems]
+    described = []  # (entry, row, capability summary) of every backend that could be described
+    shown = list(reg.problems)
+    for e in reg.entries():
+        try:  # a plugin's class that breaks while being described is shown as its problem, never raised
+            described.append((e, _row(e, device), capability_summary(e.cls)))
+        except Exception as exc:
+            if e.source == "builtin":
+                raise
+            shown.append(PluginProblem(plugin=e.source, stage="list",
+                                       error=f"{e.name}: {type(exc).__name__}: {exc}"))
+    problems = [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in shown]
+    rows = [r for _, r, _ in described]
     if args.json:
         print(json.dumps({"device": device_dict(device), "backends": rows, "plugin_problems": problems},
                          indent=2, default=str))
         return 0
     print(f"Device: {device.describe()} ('runs here' refers to it; --device to ask about another)")
-    for e, r in zip(entries, rows, strict=True):
-        c = capability_summary(e.cls)
+    for _, r, c in described:
         print(f"{r['name']}  [{r['source']}]  {_status(r, c['extra'])}")
         if r["description"]:
             print(f"    {r['description']}")
@@ -80,6 +89,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"    ladder: {r['ladder_placement'] or 'none (select it with --backend / MLA_BACKEND)'}")
     if problems:
         print("\nPlugin problems (ignored):")
-        for p in reg.problems:
+        for p in shown:
             print(f"  - {p.describe()}")
     return 0

@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from .args import add_model_args, csv_text, int_list, load_model_dims, per_rank_dims
+from .args import add_model_args, check_output_file, csv_text, int_list, load_model_dims, per_rank_dims
 
 __all__ = ["register", "run_tune", "DEFAULT_TP"]
 
@@ -88,6 +88,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
     from .. import tuning
 
+    check_output_file("--output", args.output)  # before minutes of measuring, not after
     dims = load_model_dims(args.model)
     for name in ("block_size", "repeats", "threads"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
@@ -127,6 +128,7 @@ def run_tune(args: argparse.Namespace) -> int:
     qs = args.query_lens or (tuning.QUICK_QUERY_LENS if args.quick else tuning.DEFAULT_QUERY_LENS)
     ss = args.context or (tuning.QUICK_CONTEXTS if args.quick else tuning.DEFAULT_CONTEXTS)
     repeats = args.repeats or (tuning.QUICK_REPEATS if args.quick else tuning.DEFAULT_REPEATS)
+    tuning.check_grid_fits(dims, qs, ss, dtype, device, name="--context")  # before allocating anything
     progress = not args.no_progress and not args.json
     table = tuning.tune(
         dims,

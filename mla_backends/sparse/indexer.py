@@ -35,7 +35,7 @@ from ..dims import IndexerDims, MLADims
 from ..dtypes import accumulate_dtype
 from ..metadata import BatchMetadata
 from ..rope import RotaryEmbedding
-from ..validation import require_int, require_on_device, require_tensor
+from ..validation import require_device, require_int, require_on_device, require_tensor
 from .indexer_cache import IndexerKeyCache
 
 __all__ = ["Indexer", "hadamard_matrix", "index_scores", "causal_topk"]
@@ -45,6 +45,7 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32,
                     device: str | torch.device = "cpu") -> torch.Tensor:
     """Orthonormal Sylvester-Hadamard matrix ``[n, n]`` (``n`` a power of two), symmetric, ``H @ H = I``."""
     require_int("n", n, minimum=1)
+    device = require_device("device", device)
     if n & (n - 1):
         raise ValueError(f"n: got {n}; supported a power of two")
     h = torch.ones(1, 1, dtype=torch.float64)
@@ -182,6 +183,7 @@ class Indexer(nn.Module):
         super().__init__()
         require_int("hidden_size", hidden_size, minimum=1)
         require_int("q_lora_rank", q_lora_rank, minimum=1)
+        device = require_device("device", device)
         if not isinstance(indexer, IndexerDims):
             raise TypeError(f"indexer: got {type(indexer).__name__}; supported IndexerDims")
         require_int("indexer.n_heads", indexer.n_heads, minimum=1)

@@ -23,7 +23,7 @@ import torch
 from ..cache import LatentKVCache, PagedRows
 from ..dims import MLADims
 from ..dtypes import FP8_E4M3_MAX, canonical_kv_cache_dtype, kv_cache_torch_dtype
-from ..validation import require_int, require_on_device, require_tensor
+from ..validation import require_device, require_int, require_on_device, require_tensor
 
 __all__ = [
     "IndexerKeyCache",
@@ -133,6 +133,7 @@ class IndexerKeyCache(PagedRows):
         require_int("num_blocks", num_blocks, minimum=1)
         require_int("block_size", block_size, minimum=1)
         require_int("head_dim", head_dim, minimum=1)
+        device = require_device("device", device)
         _check_scale_fmt(scale_fmt)
         self.storage = _storage_name(storage)
         self.num_blocks, self.block_size, self.head_dim = num_blocks, block_size, head_dim

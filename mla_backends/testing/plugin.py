@@ -8,14 +8,20 @@ Enable it with ``pytest -p mla_backends.testing.plugin``, or with
   ``backend`` unset (a registered name or ``package.module:Class``);
 - ``--conformance-quick``: the reduced matrix (about 15-25 small kernel calls);
 - ``--conformance-device {auto,cpu,cuda}``: where to run (``auto``: CUDA when present and declared, else CPU);
-- a report-header line naming the backend and the matrix.
+- a report-header line naming the backend and the matrix;
+- with ``--conformance-backend``, a run in which no output test ran (every output case skipped, say
+  ``--conformance-device cuda`` without CUDA, or deselected) fails with the reason: skipping everything is
+  not passing. A collection-only run (``--collect-only``) is exempt.
 """
 
 from __future__ import annotations
 
 import pytest
 
-__all__ = ["pytest_addoption", "pytest_configure", "pytest_report_header"]
+__all__ = ["pytest_addoption", "pytest_configure", "pytest_report_header", "OUTPUT_TEST", "ConformanceRun"]
+
+#: the test whose running (pass or fail) makes a conformance run count
+OUTPUT_TEST = "test_output_matches_reference"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,6 +48,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "conformance: the mla-backends conformance suite")
+    if config.getoption("conformance_backend", None):
+        config.pluginmanager.register(ConformanceRun(config), "mla-backends-conformance-run")
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
@@ -51,3 +59,40 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     matrix = "quick" if config.getoption("conformance_quick", False) else "full"
     device = config.getoption("conformance_device", "auto")
     return f"mla-backends conformance: backend {name}, {matrix} matrix, device {device}"
+
+
+class ConformanceRun:
+    """Registered for ``--conformance-backend`` runs: counts the output tests that ran (pass or fail) and
+    fails a run in which none did, with the reason (the first skip's), unless only collecting."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.ran = 0
+        self.skipped = 0
+        self.first_skip: str | None = None
+        self.failure: str | None = None
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if OUTPUT_TEST not in report.nodeid:
+            return
+        if report.skipped and report.when in ("setup", "call"):
+            self.skipped += 1
+            if self.first_skip is None:
+                longrepr = report.longrepr
+                self.first_skip = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr)
+        elif report.when == "call":
+            self.ran += 1
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if self.config.option.collectonly or exitstatus != 0 or self.ran:
+            return
+        why = (f"all {self.skipped} output case(s) were skipped, the first because: {self.first_skip}"
+               if self.skipped else "no output case was selected")
+        self.failure = (f"no output test ran ({why}); a conformance run must check at least one output "
+                        "against the reference (--collect-only only lists the cases)")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
+        if self.failure:
+            terminalreporter.write_line(f"mla-backends conformance: FAILED: {self.failure}", red=True)

@@ -1,0 +1,134 @@
+"""Typed, range-checked reads of a model config's fields (a ``config.json``, a dict or a transformers config).
+
+Every reader raises ``TypeError`` (wrong kind of value: a string where an int belongs, a bool as an int, a
+string ``"false"`` as a bool, a list where a mapping belongs) or ``ValueError`` (right kind, wrong value: a
+non-integral or out-of-range number, NaN or infinity), worded
+``"config.<field>: got <value>; supported <what> (<source>)"``, where the source names the file when there is
+one. Nothing is truncated or coerced: ``16.7`` heads is an error, not 16; ``True`` is not 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .validation import require_finite
+
+__all__ = ["ConfigFields", "read_config_json"]
+
+_ABSENT = object()
+
+
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed ``config.json`` at ``path``, or inside ``path`` when it is a folder (a checkpoint's).
+
+    Raises ``ValueError`` naming the file when it is missing or not valid JSON, ``TypeError`` when it holds
+    something other than a JSON object.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"config: got {type(path).__name__}; supported a path to a config.json or its folder")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"config: got path {path!r}; supported a config.json file or a folder holding one")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"config: got invalid JSON in {path} ({exc}); supported a JSON object") from None
+    if not isinstance(data, dict):
+        raise TypeError(f"config: got a JSON {type(data).__name__} in {path}; supported a JSON object "
+                        "(a mapping of config keys)")
+    return data
+
+
+class ConfigFields:
+    """Reads fields of one config mapping ``d``; ``source`` (a file path, ``"dict"`` ...) goes into errors.
+
+    Absent keys and keys holding ``null`` give the default. ``prefix`` qualifies nested blocks
+    (``"rope_scaling."``).
+    """
+
+    def __init__(self, d: Mapping[str, Any], source: str, prefix: str = "") -> None:
+        self.d = d
+        self.source = source
+        self.prefix = prefix
+
+    def _name(self, key: str) -> str:
+        return f"config.{self.prefix}{key}"
+
+    def _where(self) -> str:
+        return f" ({self.source})"
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        value = self.d.get(key)
+        return default if value is None else value
+
+    def integer(self, key: str, default: Any = _ABSENT, *, minimum: int = 1) -> int:
+        """An int ``>= minimum``; an integral float (``4096.0``) is accepted, ``16.7``, ``True`` and ``"16"``
+        are not."""
+        value = self.raw(key, None)
+        if value is None:
+            if default is _ABSENT:
+                raise ValueError(f"{self._name(key)}: missing; supported an int >= {minimum}{self._where()}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{self._name(key)}: got {type(value).__name__} {value!r}; supported an int"
+                            f"{self._where()}")
+        if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+            raise ValueError(f"{self._name(key)}: got {value!r}; supported a whole number (no truncation)"
+                             f"{self._where()}")
+        if value < minimum:
+            raise ValueError(f"{self._name(key)}: got {value!r}; supported an int >= {minimum}{self._where()}")
+        return int(value)
+
+    def optional_int(self, key: str, *, minimum: int = 1) -> int | None:
+        return None if self.raw(key) is None else self.integer(key, minimum=minimum)
+
+    def number(self, key: str, default: float, *, positive: bool = False,
+              minimum: float | None = None) -> float:
+        """A finite real number (``> 0`` with ``positive``, ``>= minimum`` with ``minimum``)."""
+        value = self.raw(key, None)
+        if value is None:
+            return default
+        try:
+            return require_finite(self._name(key), value, positive=positive, minimum=minimum)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{exc}{self._where()}") from None
+
+    def flag(self, key: str, default: bool) -> bool:
+        """JSON ``true``/``false`` only (a string ``"false"`` or the int 1 is refused, not guessed)."""
+        value = self.raw(key, None)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise TypeError(f"{self._name(key)}: got {type(value).__name__} {value!r}; supported true or false"
+                            f"{self._where()}")
+        return value
+
+    def text(self, key: str, default: str) -> str:
+        value = self.raw(key, None)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise TypeError(f"{self._name(key)}: got {type(value).__name__} {value!r}; supported a string"
+                            f"{self._where()}")
+        return value
+
+    def mapping(self, key: str) -> Mapping[str, Any] | None:
+        """A nested block (``rope_scaling``) or None; anything but a mapping is a ``TypeError``."""
+        value = self.raw(key, None)
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{self._name(key)}: got {type(value).__name__} {value!r}; supported a mapping "
+                            f"(JSON object) or null{self._where()}")
+        return value
+
+    def nested(self, block: Mapping[str, Any], key: str) -> ConfigFields:
+        """A reader of the nested ``block`` found under ``key``, with the same source."""
+        return ConfigFields(block, self.source, prefix=f"{self.prefix}{key}.")
