@@ -14,6 +14,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _configurations(cls: type) -> list[dict[str, object]] | None:
+    """A backend's launch-configuration table (``cls.configurations()``, when it declares one) as data."""
+    fn = getattr(cls, "configurations", None)
+    if not callable(fn):
+        return None
+    try:
+        return list(fn())
+    except Exception as exc:  # a plugin's table must not break the listing
+        return [{"archs": "?", "heads": "?", "operands": "?", "attention": "?", "option": "",
+                 "candidates": [f"error: {exc}"]}]
+
+
 def run(args: argparse.Namespace) -> int:
     from selector.explain import capability_summary
 
@@ -26,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"name": e.name, "source": e.source, "class": f"{e.cls.__module__}.{e.cls.__qualname__}",
                      "available": not missing, "missing": missing,
                      "ladder_placement": None if e.placement is None else e.placement.describe(),
-                     "description": e.cls.description, "capabilities": capability_summary(e.cls)})
+                     "description": e.cls.description, "capabilities": capability_summary(e.cls),
+                     "configurations": _configurations(e.cls)})
     problems = [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in reg.problems]
     if args.json:
         print(json.dumps({"backends": rows, "plugin_problems": problems}, indent=2, default=str))
@@ -46,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
         lse = "yes" if c["returns_lse"] else "no"
         print(f"    dims: {c['dims']}   heads: {c['num_heads']}   query: {c['query_len']} "
               f"(decode threshold {c['decode_threshold']})   {c['attention']}   LSE: {lse}")
+        for row in r.get("configurations") or ():
+            print(f"    config: {row['archs']:9s} heads {row['heads']:5s} {row['operands']:5s} {row['attention']:12s}"
+                  f"{(' [' + row['option'] + ']') if row['option'] else ''} -> {', '.join(row['candidates'])}")
         if r["source"] != "builtin":
             print(f"    ladder: {r['ladder_placement'] or 'none (select it with --backend / MLA_BACKEND)'}")
     if problems:
