@@ -211,6 +211,8 @@ def choose_config(
         major = 0  # portable rules only
     if major != 9:
         qk_fp8 = False  # fp8 score products exist only in the Hopper rows kernel
+    elif kernel == "auto" and cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and not qk_fp8:
+        major = 0  # fp8 cache with 16-bit products: the rows kernel's in-register dequant spills (ptxas)
     candidates: tuple[KernelConfig, ...] = ()
     for rule in CONFIG_TABLE:
         if rule.matches(major, num_heads, operands, sparse, qk_fp8):
