@@ -1,10 +1,11 @@
 """The ``TRITON_MLA`` kernels compile for real GPU targets, without a GPU.
 
-The interpreter runs the kernels' arithmetic but skips everything the GPU compiler checks (``tl.dot``
-shape and dtype rules, fp8 conversions, register and shared-memory budgets). This test compiles stage 1 and
-stage 2 to cubins for SM80/SM89/SM90/SM120 with the ``ptxas`` shipped in the triton wheel, in a subprocess
-where ``TRITON_INTERPRET`` is unset, using the launch configuration the backend would choose on that device,
-and checks the shared memory fits the device and the registers do not spill (ptxas's stack frame).
+The interpreter runs the kernels' arithmetic but skips everything the GPU compiler checks (``tl.dot`` shape
+and dtype rules, fp8 conversions, register and shared-memory budgets). ``benchmarks/triton_compile_report.py``
+compiles every configuration the configuration table can choose for an architecture, through Triton's own
+argument binder on the arguments ``launch.build_launches`` passes (so int32 strides with 16-divisibility and
+``== 1`` specialisation, as a real launch compiles), with the ptxas in the triton wheel. This test runs it for
+SM90a and SM80 (and SM89, a 99 KiB part) and checks shared memory, spills and ``wgmma``.
 """
 
 from __future__ import annotations
@@ -13,117 +14,81 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-SCRIPT = textwrap.dedent(
-    r"""
-    import json, os, subprocess, sys
-    os.environ.pop("TRITON_INTERPRET", None)
-    import torch
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from mla_backends.triton_mla import backend as B
-    from mla_backends.triton_mla import kernels as K
-
-    assert not K.INTERPRET
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    S1 = ["QL", "QR", "KV", "KV_SCALE", "BT", "TOK_REQ", "TOK_POS", "TOPK", "PART_O", "PART_LSE",
-          "sm_scale_log2", "num_heads", "topk_width", "num_splits"]
-    S1_STRIDES = ["s_ql_t", "s_ql_h", "s_qr_t", "s_qr_h", "s_kv_b", "s_kv_p", "s_bt_b", "s_topk_t",
-                  "s_topk_k", "s_po_t", "s_po_h", "s_po_s", "s_pl_t", "s_pl_h"]
-    SMEM = {80: 166912, 89: 101376, 90: 232448, 120: 101376}
-    TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-             "fp8e4nv": torch.float8_e4m3fn, "fp8e5": torch.float8_e5m2}
-
-    def build(fn, sig, consts, cc, warps, stages):
-        full = dict(sig)
-        full.update({k: "constexpr" for k in consts})
-        names = list(full)
-        src = ASTSource(fn=fn, signature=full, constexprs={(names.index(k),): v for k, v in consts.items()})
-        opts = dict(num_warps=warps, num_stages=stages)
-        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=opts)
-        path = f"/tmp/_mla_triton_{os.getpid()}.cubin"
-        with open(path, "wb") as f:
-            f.write(k.asm["cubin"])
-        res = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
-        os.unlink(path)
-        line = next(l for l in res.splitlines() if "REG:" in l)
-        fields = dict(x.split(":") for x in line.split() if ":" in x)
-        return {"shared": k.metadata.shared, "regs": int(fields["REG"]), "stack": int(fields["STACK"])}
-
-    out = []
-    for cc, q, kv, sparse, rank, rope, heads in json.loads(sys.argv[1]):
-        B._smem_bytes = lambda device, cc=cc: SMEM[cc]
-        rp, pp = max(16, B.next_pow2(rank)), max(16, B.next_pow2(rope))
-        cfg = B.TritonMLABackend._launch_config(TORCH[q], TORCH[kv], rp, pp, heads, torch.device("cuda"), K)
-        sig = dict(zip(S1, [f"*{q}", f"*{q}", f"*{kv}", "*fp32", "*i32", "*i64", "*i64", "*i32", "*fp32",
-                            "*fp32", "fp32", "i32", "i32", "i32"]))
-        sig.update({s: "i64" for s in S1_STRIDES})
-        consts = dict(PAGE_SIZE=64, RANK=rank, RANK_PAD=rp, ROPE=rope, ROPE_PAD=pp, BLOCK_H=cfg.block_h,
-                      BLOCK_N=cfg.block_n, SPARSE=sparse, IS_FP8=kv.startswith("fp8"),
-                      DOT_DTYPE=cfg.dot_dtype, DOT_PRECISION=cfg.precision)
-        r = build(K.mla_decode_stage1, sig, consts, cc, cfg.num_warps, cfg.num_stages)
-        out.append({"case": [cc, q, kv, sparse, rank, rope, heads, cfg.block_h], "smem_limit": SMEM[cc], **r})
-    s2 = dict(zip(["PART_O", "PART_LSE", "OUT", "LSE", "num_heads", "num_splits"],
-                  ["*fp32", "*fp32", "*bf16", "*fp32", "i32", "i32"]))
-    s2.update({s: "i64" for s in ["s_po_t", "s_po_h", "s_po_s", "s_pl_t", "s_pl_h", "s_o_t", "s_o_h",
-                                  "s_lse_t", "s_lse_h"]})
-    r = build(K.mla_decode_stage2, s2, dict(RANK=512, RANK_PAD=512, BLOCK_H=B.BLOCK_H), 90, 4, 2)
-    out.append({"case": ["stage2", 90], "smem_limit": SMEM[90], **r})
-    print("RESULT " + json.dumps(out))
-    """
-)
-
-#: (SM, query dtype, cache dtype, sparse, kv_lora_rank, qk_rope_head_dim, heads)
-CASES = [
-    (90, "bf16", "bf16", False, 512, 64, 128),
-    (90, "bf16", "fp8e4nv", True, 512, 64, 16),
-    (80, "bf16", "bf16", False, 512, 64, 128),
-    (80, "fp32", "fp32", False, 512, 64, 128),
-    (89, "fp16", "fp8e5", False, 256, 64, 32),
-    (120, "bf16", "bf16", False, 160, 48, 128),
-]
+REPORT = os.path.join(ROOT, "benchmarks", "triton_compile_report.py")
 
 
 def _toolchain_reason() -> str | None:
     try:
-        import triton
         from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia.compiler import get_ptxas
         from triton.compiler import ASTSource  # noqa: F401
+        from triton.runtime.jit import create_function_from_signature  # noqa: F401
+
+        if not os.path.exists(get_ptxas(90).path):
+            return "the triton wheel ships no ptxas (needed to compile without a GPU)"
     except Exception as exc:  # pragma: no cover - depends on the installed triton
         return f"triton's compiler API is not importable here ({exc})"
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    for tool in ("ptxas", "cuobjdump"):
-        if not os.path.exists(os.path.join(bindir, tool)):
-            return f"the triton wheel ships no {tool} (needed to compile cubins without a GPU)"
     return None
 
 
-@pytest.mark.skipif(_toolchain_reason() is not None, reason=str(_toolchain_reason()))
-def test_kernels_compile_for_gpu_targets_without_spills():
+def _report(arch: str, tmp_path, *extra: str) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    res = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    path = tmp_path / f"{arch}.json"
+    res = subprocess.run([sys.executable, REPORT, "--arch", arch, "--json", str(path), *extra], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    line = next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))
-    results = json.loads(line[len("RESULT ") :])
-    assert len(results) == len(CASES) + 1
-    for r in results:
-        assert 0 < r["shared"] <= r["smem_limit"], r
-        # a few bytes of stack can hold conversion temporaries; the spilling configurations this guards
-        # against (4 warps, or 64 heads a program) need 40-1400 bytes
-        assert r["stack"] <= 16, f"register spills (stack frame {r['stack']} bytes): {r}"
-        assert r["regs"] <= 255, r
+    doc = json.loads(path.read_text())
+    assert doc["arch"] == arch and doc["configs"]
+    return doc["configs"]
+
+
+def _check(configs: list[dict]) -> None:
+    for c in configs:
+        assert 0 < c["shared_bytes"] <= c["shared_limit"], c
+        assert c["registers"] <= 255, c
+        # every stride that a real launch passes as int32 is int32 here too (not the i64 of a hand signature)
+        assert all(v != "i64" for k, v in c["signature"].items() if k.startswith("s_")), c["signature"]
+
+
+pytestmark = pytest.mark.skipif(_toolchain_reason() is not None, reason=str(_toolchain_reason()))
+
+
+def test_sm90a_report(tmp_path):
+    configs = _report("sm90a", tmp_path)
+    _check(configs)
+    kernels = {c["kernel"] for c in configs}
+    assert {"mla_decode_rows", "mla_decode_merge", "mla_decode_stage1", "mla_decode_stage2"} <= kernels
+    rows128 = [c for c in configs if c["kernel"] == "mla_decode_rows" and 128 in [c["heads"], *c["also_heads"]]
+               and c["kv_cache_dtype"] == "bfloat16"]
+    assert rows128 and all(c["uses_wgmma"] and c["heads_per_program"] >= 64 for c in rows128), rows128
+    portable = [c for c in configs if c["kernel"] != "mla_decode_rows"]
+    assert all(c["spills"] == 0 for c in portable), [c for c in portable if c["spills"]]
+
+
+_TRITON = __import__("triton").__version__ if _toolchain_reason() is None else ""
+
+
+@pytest.mark.xfail(_TRITON.startswith("3.9"), strict=True,
+                   reason="Triton 3.9: the rows kernel's two [64, 256] fp32 accumulators plus a 16-row tile still "
+                   "spill 16 bytes on SM90 (0 under Triton 3.6, the device image's); see docs/triton.md")
+def test_sm90a_rows_kernel_does_not_spill(tmp_path):
+    configs = _report("sm90a", tmp_path, "--heads", "128", "--kv-cache-dtype", "bfloat16")
+    assert all(c["spills"] == 0 for c in configs if c["kernel"] == "mla_decode_rows"), configs
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm89"])
+def test_portable_archs_report(arch, tmp_path):
+    configs = _report(arch, tmp_path)
+    _check(configs)
+    assert {c["kernel"] for c in configs} == {"mla_decode_stage1", "mla_decode_stage2"}  # no rows off SM90
+    assert not any(c["uses_wgmma"] for c in configs)
+    # SM80: none. SM89: the sparse fp8 16-head stage 1 spills 8 bytes (as before this change; <= 16 allowed)
+    limit = 0 if arch == "sm80" else 16
+    assert all(c["spills"] <= limit for c in configs), [c for c in configs if c["spills"]]
+    if arch == "sm89":  # 99 KiB: float32 at > 16 heads falls back to 16 heads a program
+        assert {c["heads_per_program"] for c in configs if c["dtype"] == "float32" and c["heads"] > 16} == {16}

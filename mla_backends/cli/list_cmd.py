@@ -35,7 +35,8 @@ def _row(entry: Any, device: Any) -> dict[str, Any]:
             "importable": not missing, "missing": missing, "runs_here": not missing and not device_reasons,
             "device_reasons": device_reasons,
             "ladder_placement": None if entry.placement is None else entry.placement.describe(),
-            "description": cls.description, "capabilities": capability_data(cls)}
+            "description": cls.description, "capabilities": capability_data(cls),
+            "configurations": _configurations(cls)}
 
 
 def _status(r: dict[str, Any], extra: str | None) -> str:
@@ -45,6 +46,18 @@ def _status(r: dict[str, Any], extra: str | None) -> str:
     if r["runs_here"]:
         return "importable, runs here"
     return "importable; does not run here: " + "; ".join(r["device_reasons"])
+
+
+def _configurations(cls: type) -> list[dict[str, object]] | None:
+    """A backend's launch-configuration table (``cls.configurations()``, when it declares one) as data."""
+    fn = getattr(cls, "configurations", None)
+    if not callable(fn):
+        return None
+    try:
+        return list(fn())
+    except Exception as exc:  # a plugin's table must not break the listing
+        return [{"archs": "?", "heads": "?", "operands": "?", "attention": "?", "option": "",
+                 "candidates": [f"error: {exc}"]}]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
         lse = "yes" if c["returns_lse"] else "no"
         print(f"    dims: {c['dims']}   heads: {c['num_heads']}   query: {c['query_len']} "
               f"(decode threshold {c['decode_threshold']})   {c['attention']}   LSE: {lse}")
+        for row in r.get("configurations") or ():
+            print(f"    config: {row['archs']:9s} heads {row['heads']:5s} {row['operands']:5s} {row['attention']:12s}"
+                  f"{(' [' + row['option'] + ']') if row['option'] else ''} -> {', '.join(row['candidates'])}")
         if r["source"] != "builtin":
             print(f"    ladder: {r['ladder_placement'] or 'none (select it with --backend / MLA_BACKEND)'}")
     if problems:

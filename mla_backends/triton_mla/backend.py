@@ -6,38 +6,36 @@ so importing this module (and selecting backends) never imports triton. See ``do
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, ClassVar, NamedTuple
+import importlib
+from typing import ClassVar
 
 import torch
 
-from ..backend import Capabilities, MLABackend, QueryLenSupport
+from ..backend import Capabilities, MLABackend, QueryLenSupport, Tolerance
 from ..cache import LatentKVCache
 from ..device import cuda_device_index
 from ..metadata import BatchMetadata
+from .configs import KERNELS, KernelConfig, choose_config, table_rows
 from .interpreter import interpreter_enabled, launch_guard
-from .plan import BLOCK_H, MAX_KV_SPLITS, SCRATCH, block_h_for, choose_num_kv_splits, next_pow2, sm_count
+from .launch import build_launches
+from .plan import MAX_KV_SPLITS, MIN_SPLIT_LEN, choose_num_kv_splits, next_pow2, sm_count
 
-__all__ = ["TritonMLABackend", "interpreter_enabled", "PAGE_SIZES"]
+__all__ = ["TritonMLABackend", "interpreter_enabled", "PAGE_SIZES", "DEFAULT_SMEM_BYTES", "FP8_QK_TOLERANCES"]
 
 #: page sizes the tests cover (the kernel maps every position through the block table, so any size works)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-#: positions per stage-1 tile on a GPU / under the interpreter (bigger tiles mean fewer interpreted steps)
-BLOCK_N_GPU = 32
-BLOCK_N_INTERPRET = 64
-
-
-class LaunchConfig(NamedTuple):
-    """Stage 1 compile-time choices: dot operand dtype (a ``tl`` dtype), dot precision, tile rows, pipeline
-    stages, warps, heads per program."""
-
-    dot_dtype: Any
-    precision: str
-    block_n: int
-    num_stages: int
-    num_warps: int
-    block_h: int
-
+#: shared memory assumed when the device does not say (99 KiB, the smallest SM80+ opt-in limit)
+DEFAULT_SMEM_BYTES = 99 * 1024
+#: accuracy of the ``fp8_qk`` option (queries quantised to fp8 e4m3 per token and head: each element carries up
+#: to 2**-4 relative error into the scores); measured worst case on unit-variance data ~0.16 absolute
+FP8_QK_TOLERANCES: dict[str, Tolerance] = {
+    "bfloat16/fp8_e4m3": Tolerance(0.3, 0.1),
+    "float16/fp8_e4m3": Tolerance(0.3, 0.1),
+}
+#: the limit configurations are chosen against under the interpreter (SM90's opt-in 227 KiB)
+INTERPRET_SMEM_BYTES = 227 * 1024
 
 _CPU_TAIL = "requires a CUDA device — set TRITON_INTERPRET=1 to run interpreted, for testing only"
 
@@ -45,12 +43,22 @@ _CPU_TAIL = "requires a CUDA device — set TRITON_INTERPRET=1 to run interprete
 @functools.cache
 def _smem_bytes_cached(index: int) -> int:
     props = torch.cuda.get_device_properties(index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or DEFAULT_SMEM_BYTES)
 
 
 def _smem_bytes(device: torch.device) -> int:
     """Shared memory one program may use (opt-in limit; 99 KiB, the smallest SM80+ value, when unknown)."""
     return _smem_bytes_cached(cuda_device_index(device))
+
+
+@functools.cache
+def _compute_capability_cached(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))  # type: ignore[return-value]
+
+
+def _compute_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of a CUDA device (a host query, read once per device)."""
+    return _compute_capability_cached(cuda_device_index(device))
 
 
 class TritonMLABackend(MLABackend):
@@ -59,7 +67,17 @@ class TritonMLABackend(MLABackend):
     Args:
         num_kv_splits: pin the number of KV splits (1..64) instead of the heuristic
             (:func:`~mla_backends.triton_mla.plan.choose_num_kv_splits`). Pin it for CUDA-graph capture so the
-            eager and captured paths launch the same grid.
+            eager and captured paths launch the same grid. With the ``rows`` kernel it is the most a request
+            gets: each request takes ``ceil(seq_len / min_split_len)`` of them, read from the device.
+        kernel: ``"auto"`` (the configuration table, :data:`~mla_backends.triton_mla.configs.CONFIG_TABLE`:
+            the ``rows`` kernel on SM90 for dense 16-bit calls with >= 16 heads, else the portable ``heads``
+            kernel), ``"heads"`` or ``"rows"`` (force one, whatever the device: for testing the Hopper
+            configuration under the interpreter; ``rows`` still falls back to ``heads`` for sparse calls and
+            float32 or mixed operands).
+        fp8_qk: with the ``rows`` kernel and an fp8 e4m3 cache, quantise the queries to fp8 per (token, head)
+            and run the score product fp8 x fp8 (the output product stays bf16/fp16). Off by default; its
+            accuracy is declared in :meth:`variant`'s capabilities (:data:`FP8_QK_TOLERANCES`).
+        min_split_len: ``rows`` kernel: positions a split covers before a request gets another (default 512).
     """
 
     name: ClassVar[str] = "TRITON_MLA"
@@ -90,13 +108,55 @@ class TritonMLABackend(MLABackend):
         cuda_graphs=True,  # lengths and block ids read on the device; pin num_kv_splits for a fixed grid
     )
 
-    def __init__(self, num_kv_splits: int | None = None) -> None:
+    def __init__(
+        self,
+        num_kv_splits: int | None = None,
+        *,
+        kernel: str = "auto",
+        fp8_qk: bool = False,
+        min_split_len: int = MIN_SPLIT_LEN,
+    ) -> None:
         if num_kv_splits is not None:
             if isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int):
                 raise TypeError(f"num_kv_splits: got {type(num_kv_splits).__name__}; supported int or None")
             if not 1 <= num_kv_splits <= MAX_KV_SPLITS:
                 raise ValueError(f"num_kv_splits: got {num_kv_splits}; supported 1..{MAX_KV_SPLITS} or None")
+        if not isinstance(kernel, str) or kernel not in ("auto", *KERNELS):
+            raise ValueError(f"kernel: got {kernel!r}; supported 'auto', 'heads' or 'rows'")
+        if not isinstance(fp8_qk, bool):
+            raise TypeError(f"fp8_qk: got {type(fp8_qk).__name__}; supported bool")
+        if isinstance(min_split_len, bool) or not isinstance(min_split_len, int) or min_split_len < 1:
+            raise ValueError(f"min_split_len: got {min_split_len!r}; supported an int >= 1")
         self.num_kv_splits = num_kv_splits
+        self.kernel = kernel
+        self.fp8_qk = fp8_qk
+        self.min_split_len = min_split_len
+
+    @classmethod
+    def variant(cls, **options: object) -> type[TritonMLABackend]:
+        """A subclass whose constructor defaults to ``options`` (``kernel``, ``fp8_qk``, ``min_split_len``,
+        ``num_kv_splits``) and whose capabilities declare that configuration's accuracy: with
+        ``fp8_qk=True`` the fp8 e4m3 cache tolerances are :data:`FP8_QK_TOLERANCES`. For the conformance
+        suite (which builds backends with no arguments) and for engines that construct by class."""
+        cls(**options)  # type: ignore[arg-type]  # validates the options now
+        tolerances = dict(cls.capabilities.tolerances)
+        if options.get("fp8_qk"):
+            tolerances.update(FP8_QK_TOLERANCES)
+        caps = dataclasses.replace(cls.capabilities, tolerances=tolerances)
+        base = cls
+
+        def __init__(self: TritonMLABackend, **kw: object) -> None:
+            base.__init__(self, **{**options, **kw})  # type: ignore[arg-type]
+
+        label = "_".join(f"{k}_{v}" for k, v in sorted(options.items()))
+        return type(f"{cls.__name__}_{label}", (cls,), {"__init__": __init__, "capabilities": caps,
+                                                        "__module__": cls.__module__})
+
+    @classmethod
+    def configurations(cls) -> list[dict[str, object]]:
+        """The configuration table as rows (architecture, heads, operands, candidates), for
+        ``mla-backends list``."""
+        return table_rows()
 
     # ---- planning -----------------------------------------------------------------------------------------
     def plan_num_kv_splits(
@@ -125,7 +185,7 @@ class TritonMLABackend(MLABackend):
         ``lse_out [T, H]`` (float32, natural log); inputs validated by :meth:`MLABackend.forward_mqa`."""
         assert lse_out is not None  # returns_lse: forward_mqa always provides it
         self._check_layout(q_latent, q_rope, cache, out)
-        T, H, R = q_latent.shape
+        H, R = q_latent.shape[1], q_latent.shape[2]
         from . import kernels  # first call only: imports triton
 
         if cache.device.type != "cuda" and not kernels.INTERPRET:
@@ -136,99 +196,18 @@ class TritonMLABackend(MLABackend):
         sparse = topk_indices is not None
         K = int(topk_indices.shape[1]) if sparse else 0
         splits = self.plan_num_kv_splits(meta, H, cache.device, K if sparse else None)
-        part_o, part_lse = SCRATCH.get(cache.device, T, H, splits, R)  # per call: safe across threads/streams
-        P = cache.qk_rope_head_dim
-        rank_pad, rope_pad = max(16, next_pow2(R)), max(16, next_pow2(P))
-        cfg = self._launch_config(
-            q_latent.dtype, cache.data.dtype, rank_pad, rope_pad, H, cache.device, kernels
+        cfg = self.launch_config(q_latent.dtype, cache.data.dtype, R, cache.qk_rope_head_dim, H, cache.device,
+                                 sparse=sparse, interpret=kernels.INTERPRET)
+        launches = build_launches(
+            q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out, lse_out=lse_out,
+            cfg=cfg, splits=splits, interpret=kernels.INTERPRET, min_split_len=self.min_split_len,
         )
-        topk = topk_indices if sparse else meta.token_positions  # any int tensor; unused when dense
         interpreted = cache.device.type != "cuda"
-        with launch_guard(interpreted):
-            self._stage1(kernels, cfg, q_latent, q_rope, cache, meta, topk, part_o, part_lse, scale, H, K, splits,
-                         sparse, rank_pad, rope_pad)
-        with launch_guard(interpreted):
-            self._stage2(kernels, part_o, part_lse, out, lse_out, H, splits, R, rank_pad)
-
-    @staticmethod
-    def _stage1(kernels: Any, cfg: LaunchConfig, q_latent: torch.Tensor, q_rope: torch.Tensor,
-                cache: LatentKVCache, meta: BatchMetadata, topk: torch.Tensor, part_o: torch.Tensor,
-                part_lse: torch.Tensor, scale: float, H: int, K: int, splits: int, sparse: bool, rank_pad: int,
-                rope_pad: int) -> None:
-        """Launch stage 1 over the grid ``(head blocks, tokens, splits)``."""
-        T, _, R = q_latent.shape
-        P = cache.qk_rope_head_dim
-        kv = cache.data
-        kernels.mla_decode_stage1[(-(-H // cfg.block_h), T, splits)](
-            q_latent,
-            q_rope,
-            kv,
-            cache.scale,
-            meta.block_table,
-            meta.token_request,
-            meta.token_positions,
-            topk,
-            part_o,
-            part_lse,
-            float(scale) * 1.4426950408889634,
-            H,
-            K,
-            splits,
-            q_latent.stride(0),
-            q_latent.stride(1),
-            q_rope.stride(0),
-            q_rope.stride(1),
-            kv.stride(0),
-            kv.stride(1),
-            meta.block_table.stride(0),
-            topk.stride(0),
-            topk.stride(-1),
-            part_o.stride(0),
-            part_o.stride(1),
-            part_o.stride(2),
-            part_lse.stride(0),
-            part_lse.stride(1),
-            PAGE_SIZE=cache.block_size,
-            RANK=R,
-            RANK_PAD=rank_pad,
-            ROPE=P,
-            ROPE_PAD=rope_pad,
-            BLOCK_H=cfg.block_h,
-            BLOCK_N=cfg.block_n,
-            SPARSE=sparse,
-            IS_FP8=cache.is_fp8,
-            DOT_DTYPE=cfg.dot_dtype,
-            DOT_PRECISION=cfg.precision,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-
-    @staticmethod
-    def _stage2(kernels: Any, part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                lse_out: torch.Tensor, H: int, splits: int, R: int, rank_pad: int) -> None:
-        """Launch stage 2 (the merge of the splits) over the grid ``(head blocks, tokens)``."""
-        T = out.shape[0]
-        kernels.mla_decode_stage2[(-(-H // BLOCK_H), T)](
-            part_o,
-            part_lse,
-            out,
-            lse_out,
-            H,
-            splits,
-            part_o.stride(0),
-            part_o.stride(1),
-            part_o.stride(2),
-            part_lse.stride(0),
-            part_lse.stride(1),
-            out.stride(0),
-            out.stride(1),
-            lse_out.stride(0),
-            lse_out.stride(1),
-            RANK=R,
-            RANK_PAD=rank_pad,
-            BLOCK_H=BLOCK_H,
-            num_warps=4,
-        )
+        for launch in launches:
+            module = kernels if launch.module == "kernels" else importlib.import_module(f".{launch.module}",
+                                                                                          __package__)
+            with launch_guard(interpreted):  # interpreted launches: one at a time per process
+                getattr(module, launch.kernel)[launch.grid](*launch.args, **launch.options)
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @staticmethod
@@ -244,42 +223,26 @@ class TritonMLABackend(MLABackend):
             if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
                 raise ValueError(f"{name}: got last-dim stride {t.stride(-1)}; supported 1 (rows contiguous)")
 
-    @staticmethod
-    def _launch_config(
+    def launch_config(
+        self,
         q_dtype: torch.dtype,
         cache_dtype: torch.dtype,
-        rank_pad: int,
-        rope_pad: int,
+        rank: int,
+        rope: int,
         num_heads: int,
         device: torch.device,
-        kernels,
-    ) -> LaunchConfig:
-        """Stage 1's launch configuration for these dtypes on ``device``.
-
-        On a GPU the dot operands are the query's 16-bit dtype (fp8 rows convert to it exactly), or float32
-        ("ieee", not TF32) for float32 queries or caches and for a bf16/fp16 mix (no lossy conversion).
-        ``BLOCK_N`` is 32 (16 for float32) when the tiles fit the device's shared memory, else 16. Heads per
-        program: :func:`~mla_backends.triton_mla.plan.block_h_for`. 8 warps: with 4, the ``[16, 512]`` fp32
-        accumulator plus the tiles need 255 registers and spill (ptxas, SM80/SM90); with 8, 160-255 and none.
-        Under the interpreter the operands are always float32 (its bf16 dot is wrong) and the tile is 64 rows
-        (fewer interpreted steps).
-        """
-        import triton.language as tl
-
-        if kernels.INTERPRET:
-            return LaunchConfig(tl.float32, "ieee", BLOCK_N_INTERPRET, 1, 4, block_h_for(num_heads))
-        mixed_16bit = cache_dtype in (torch.bfloat16, torch.float16) and cache_dtype != q_dtype
-        if q_dtype == torch.float32 or cache_dtype == torch.float32 or mixed_16bit:
-            # float32 tiles are twice as wide: 16 rows keep the registers unspilled (SM80 spills at 32)
-            dot_dtype, precision, elem, sizes = tl.float32, "ieee", 4, (16,)
-        else:
-            dot_dtype, precision, elem = (tl.bfloat16 if q_dtype == torch.bfloat16 else tl.float16), "tf32", 2
-            sizes = (BLOCK_N_GPU, 16)
-        limit = _smem_bytes(device)
-        block_h = block_h_for(num_heads)
-        for block_n in sizes:
-            # query block + one row tile, +25% for layout conversions (matches ptxas within that margin)
-            need = 1.25 * elem * (block_h + block_n) * (rank_pad + rope_pad)
-            if need <= limit:
-                break
-        return LaunchConfig(dot_dtype, precision, block_n, 2, 8, block_h)
+        *,
+        sparse: bool = False,
+        interpret: bool = False,
+    ) -> KernelConfig:
+        """The :class:`~mla_backends.triton_mla.configs.KernelConfig` a call with these dtypes and dims
+        launches on ``device`` (:func:`~mla_backends.triton_mla.configs.choose_config` over the table, with
+        this instance's ``kernel`` and ``fp8_qk`` options; under the interpreter the device has no
+        architecture, so ``kernel="auto"`` gives the portable kernel)."""
+        cc = None if interpret or device.type != "cuda" else _compute_capability(device)
+        # the interpreter has no shared memory: a forced configuration runs as the table lists it
+        smem = _smem_bytes(device) if cc is not None else INTERPRET_SMEM_BYTES
+        return choose_config(
+            cc, num_heads, q_dtype, cache_dtype, sparse=sparse, rank_pad=max(16, next_pow2(rank)),
+            rope_pad=max(16, next_pow2(rope)), smem_limit=smem, kernel=self.kernel, fp8_qk=self.fp8_qk,
+        )

@@ -2,7 +2,7 @@
 
 Imported only on the first ``forward_mqa`` call (``import mla_backends`` never imports triton).
 
-Stage 1 (:func:`mla_decode_stage1`), grid ``(head_blocks, tokens, num_kv_splits)``: one program takes
+Stage 1 (:func:`mla_decode_stage1`), grid ``(tokens * head_blocks, num_kv_splits)``: one program takes
 ``BLOCK_H`` heads of one query token and one contiguous slice of that token's visible positions (dense) or of
 its top-k list (sparse). It walks the slice ``BLOCK_N`` positions at a time, maps positions to cache rows
 through the block table, loads each ``[BLOCK_N, kv_lora_rank]`` latent tile once (it is K for the score and V
@@ -10,11 +10,13 @@ for the output) plus the ``[BLOCK_N, qk_rope_head_dim]`` rope tile, and keeps an
 It writes the slice's normalised partial output ``[BLOCK_H, kv_lora_rank]`` (fp32) and its base-2 LSE
 (``-inf`` for an empty slice) to the scratch buffers.
 
-Stage 2 (:func:`mla_decode_stage2`), grid ``(head_blocks, tokens)``: merges the splits of each token by their
+Stage 2 (:func:`mla_decode_stage2`), grid ``(tokens * head_blocks,)``: merges the splits of each token by their
 LSE and writes the output in the output's dtype plus the natural-log LSE (float32).
 
-Head blocks are the fastest grid axis so the programs that read the same cache rows (same token, same split,
-different heads) are launched together and share those rows through L2.
+Tokens and head blocks share grid axis 0 (CUDA allows ``2**31 - 1`` programs there, 65,535 on axes 1 and 2),
+head block fastest, so the programs that read the same cache rows (same token, same split, different heads)
+are launched together and share those rows through L2. Head offsets are int64 before they multiply a stride:
+a head-strided view can have ``(H - 1) * stride >= 2**31`` while every stride fits the int32 a launch passes.
 
 Interpreter (``TRITON_INTERPRET=1``) workarounds, active only when ``INTERPRET`` is set: dot operands are
 upcast to float32 (the interpreter multiplies bf16 as integers). Compiled code keeps bf16/fp16 dot operands.
@@ -49,6 +51,7 @@ def mla_decode_stage1(
     num_heads,
     topk_width,
     num_splits,
+    head_blocks,
     s_ql_t,
     s_ql_h,
     s_qr_t,
@@ -75,9 +78,10 @@ def mla_decode_stage1(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    hb = tl.program_id(0)
-    t = tl.program_id(1)
-    split = tl.program_id(2)
+    pid = tl.program_id(0)
+    hb = pid % head_blocks
+    t = pid // head_blocks
+    split = tl.program_id(1)
     req = tl.load(TOK_REQ + t).to(tl.int64)
     pos = tl.load(TOK_POS + t).to(tl.int32)  # positions fit in int32; row offsets below are int64
     if SPARSE:
@@ -90,11 +94,12 @@ def mla_decode_stage1(
 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
+    h64 = offs_h.to(tl.int64)  # (H - 1) * head stride can pass 2**31
     offs_d = tl.arange(0, RANK_PAD)
     mask_d = offs_d < RANK
     t64 = t.to(tl.int64)
     q = tl.load(
-        QL + t64 * s_ql_t + offs_h[:, None] * s_ql_h + offs_d[None, :],
+        QL + t64 * s_ql_t + h64[:, None] * s_ql_h + offs_d[None, :],
         mask=mask_h[:, None] & mask_d[None, :],
         other=0.0,
     ).to(DOT_DTYPE)
@@ -102,7 +107,7 @@ def mla_decode_stage1(
         offs_r = tl.arange(0, ROPE_PAD)
         mask_r = offs_r < ROPE
         qr = tl.load(
-            QR + t64 * s_qr_t + offs_h[:, None] * s_qr_h + offs_r[None, :],
+            QR + t64 * s_qr_t + h64[:, None] * s_qr_h + offs_r[None, :],
             mask=mask_h[:, None] & mask_r[None, :],
             other=0.0,
         ).to(DOT_DTYPE)
@@ -121,7 +126,7 @@ def mla_decode_stage1(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         if SPARSE:
-            kpos = tl.load(TOPK + t64 * s_topk_t + offs_n * s_topk_k, mask=mask_n, other=-1).to(tl.int32)
+            kpos = tl.load(TOPK + t64 * s_topk_t + offs_n.to(tl.int64) * s_topk_k, mask=mask_n, other=-1).to(tl.int32)
             mask_n = mask_n & (kpos >= 0)
             kpos = tl.where(mask_n, kpos, 0)
         else:
@@ -152,9 +157,9 @@ def mla_decode_stage1(
     if IS_FP8:
         o = o * kv_scale
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
-    po = PART_O + t64 * s_po_t + offs_h[:, None] * s_po_h + split * s_po_s + offs_d[None, :]
+    po = PART_O + t64 * s_po_t + h64[:, None] * s_po_h + split * s_po_s + offs_d[None, :]
     tl.store(po, o, mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(PART_LSE + t64 * s_pl_t + offs_h * s_pl_h + split, lse2, mask=mask_h)
+    tl.store(PART_LSE + t64 * s_pl_t + h64 * s_pl_h + split, lse2, mask=mask_h)
 
 
 @triton.jit
@@ -165,6 +170,7 @@ def mla_decode_stage2(
     LSE,
     num_heads,
     num_splits,
+    head_blocks,
     s_po_t,
     s_po_h,
     s_po_s,
@@ -178,19 +184,21 @@ def mla_decode_stage2(
     RANK_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    hb = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0)
+    hb = pid % head_blocks
+    t = (pid // head_blocks).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < num_heads
+    h64 = offs_h.to(tl.int64)
     offs_d = tl.arange(0, RANK_PAD)
     mask = mask_h[:, None] & (offs_d < RANK)[None, :]
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, RANK_PAD], tl.float32)
     for s in range(0, num_splits):
-        lse_s = tl.load(PART_LSE + t * s_pl_t + offs_h * s_pl_h + s, mask=mask_h, other=float("-inf"))
+        lse_s = tl.load(PART_LSE + t * s_pl_t + h64 * s_pl_h + s, mask=mask_h, other=float("-inf"))
         o_s = tl.load(
-            PART_O + t * s_po_t + offs_h[:, None] * s_po_h + s * s_po_s + offs_d[None, :],
+            PART_O + t * s_po_t + h64[:, None] * s_po_h + s * s_po_s + offs_d[None, :],
             mask=mask,
             other=0.0,
         )
@@ -206,6 +214,6 @@ def mla_decode_stage2(
     out = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m + tl.log2(l_safe)) * 0.6931471805599453)
     tl.store(
-        OUT + t * s_o_t + offs_h[:, None] * s_o_h + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask
+        OUT + t * s_o_t + h64[:, None] * s_o_h + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask
     )
-    tl.store(LSE + t * s_lse_t + offs_h * s_lse_h, lse, mask=mask_h)
+    tl.store(LSE + t * s_lse_t + h64 * s_lse_h, lse, mask=mask_h)

@@ -1,0 +1,195 @@
+"""Compile every ``TRITON_MLA`` attention configuration the configuration table can choose, without a GPU.
+
+    python benchmarks/triton_compile_report.py --arch sm90a --json FILE
+    python benchmarks/triton_compile_report.py --arch sm80 --json FILE
+
+For the architecture, every (heads, query dtype, cache dtype, dense/sparse, ``fp8_qk``) point of
+:data:`POINTS` goes through :func:`mla_backends.triton_mla.configs.choose_config` with that architecture's
+shared memory; each distinct resulting launch is compiled once. The launches come from
+:func:`mla_backends.triton_mla.launch.build_launches` on example CPU tensors of the real dims (576-wide
+rows, page 64), and Triton's own argument binder turns them into the signature a real launch compiles
+(int32 strides, 16-divisibility and ``== 1`` specialisation). PTX and cubin come from the installed Triton
+and the ptxas in its wheel; ``ptxas -v`` gives registers and spills.
+
+FILE gets ``{"arch": ..., "triton": ..., "configs": [...]}``, one entry per compiled kernel with ``kernel``,
+``config``, ``arch``, ``heads``, ``dtype``, ``kv_cache_dtype``, ``sparse``, ``heads_per_program`` (rows a
+program holds: heads x query tokens), ``uses_wgmma`` (``wgmma`` instructions in the PTX), ``registers`` (per
+thread), ``spills`` (spill store + load bytes; 0 = none), ``shared_bytes`` and ``shared_limit``.
+A few minutes on 2 cores. Triton's private ``JITFunction._pack_args`` is used (same in 3.6 and 3.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter: before any triton import
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+#: architecture name -> (compute capability, opt-in shared memory per block in bytes)
+ARCHS = {
+    "sm80": (80, 166_912),
+    "sm86": (86, 101_376),
+    "sm89": (89, 101_376),
+    "sm90a": (90, 232_448),
+    "sm120": (120, 101_376),
+}
+#: (heads, query dtype, cache dtype, sparse, fp8_qk) points the table is asked about
+POINTS = [
+    (h, q, kv, sparse, fp8_qk)
+    for h in (128, 64, 16)
+    for q, kv in (("bfloat16", "bfloat16"), ("bfloat16", "fp8_e4m3"), ("float32", "float32"))
+    for sparse in (False, True)
+    for fp8_qk in (False, True)
+    if not (fp8_qk and (kv != "fp8_e4m3" or sparse)) and not (sparse and q == "float32")
+]
+PAGE = 64
+RANK, ROPE = 512, 64
+
+
+def _example(heads: int, q_name: str, kv_name: str, sparse: bool):
+    """CPU tensors shaped like a real call (2 requests, query lengths 1 and 4, context 200)."""
+    import torch
+
+    from mla_backends.cache import LatentKVCache
+    from mla_backends.dtypes import parse_model_dtype as torch_dtype
+    from mla_backends.metadata import BatchMetadata
+
+    q_dtype = torch_dtype(q_name)
+    cache = LatentKVCache(16, PAGE, RANK, ROPE, kv_cache_dtype=kv_name, model_dtype=q_dtype, device="cpu")
+    bt = torch.arange(16, dtype=torch.int32).view(2, 8)
+    meta = BatchMetadata.build([1, 4], [200, 200], bt, PAGE, num_blocks=16)
+    T = meta.num_tokens
+    ql = torch.zeros(T, heads, RANK, dtype=q_dtype)
+    qr = torch.zeros(T, heads, ROPE, dtype=q_dtype)
+    out = torch.empty_like(ql)
+    lse = torch.empty(T, heads, dtype=torch.float32)
+    topk = torch.zeros(T, 128, dtype=torch.int32) if sparse else None
+    return ql, qr, cache, meta, out, lse, topk
+
+
+def _ptxas_usage(ptx: str, cc: int) -> tuple[int, int]:
+    """``(registers, spill bytes)`` of the kernel in ``ptx`` from ``ptxas -v``."""
+    from triton.backends.nvidia.compiler import get_ptxas  # the ptxas Triton itself uses for this arch
+
+    ptxas = get_ptxas(cc).path
+    arch = f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                             capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"ptxas failed: {res.stderr[-2000:]}")
+    log = res.stdout + res.stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    return regs, spills
+
+
+def _compile(launch, cc: int) -> dict[str, object]:
+    """Compile one launch for ``sm_<cc>`` through Triton's binder: shared bytes, PTX, registers, spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from mla_backends.triton_mla import kernels, kernels_rows
+
+    fn = getattr(kernels if launch.module == "kernels" else kernels_rows, launch.kernel)
+    target = GPUTarget("cuda", cc, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = dict(launch.options)
+    bound_args, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    ptx = compiled.asm["ptx"]
+    regs, spills = _ptxas_usage(ptx, cc)
+    return {"shared_bytes": int(compiled.metadata.shared), "uses_wgmma": "wgmma.mma_async" in ptx,
+            "registers": regs, "spills": spills, "signature": {k: v for k, v in signature.items()
+                                                              if v != "constexpr"}}
+
+
+def report(arch: str, heads_filter: tuple[int, ...] | None = None, kv_filter: str | None = None
+           ) -> dict[str, object]:
+    """Compile every configuration the table chooses on ``arch``; the JSON document described above."""
+    import torch
+    import triton
+
+    from mla_backends.dtypes import parse_model_dtype as torch_dtype
+    from mla_backends.triton_mla import kernels
+    from mla_backends.triton_mla.configs import choose_config, rows_layout
+    from mla_backends.triton_mla.launch import build_launches
+
+    assert not kernels.INTERPRET, "TRITON_INTERPRET must be unset for compiling"
+    cc, smem = ARCHS[arch]
+    seen: dict[tuple, dict[str, object]] = {}
+    configs: list[dict[str, object]] = []
+    for heads, q_name, kv_name, sparse, fp8_qk in POINTS:
+        if (heads_filter and heads not in heads_filter) or (kv_filter and kv_name != kv_filter):
+            continue
+        if kv_name.startswith("fp8") and cc < 89:  # fp8 caches need SM89+ (declared by the backend)
+            continue
+        ql, qr, cache, meta, out, lse, topk = _example(heads, q_name, kv_name, sparse)
+        cfg = choose_config((cc // 10, cc % 10), heads, torch_dtype(q_name), cache.data.dtype, sparse=sparse,
+                            rank_pad=RANK, rope_pad=ROPE, smem_limit=smem, fp8_qk=fp8_qk)
+        launches = build_launches(ql, qr, cache, meta, scale=0.1, topk_indices=topk, out=out, lse_out=lse,
+                                  cfg=cfg, splits=2, interpret=False)
+        for launch in launches:
+            consts = tuple(sorted((k, str(v)) for k, v in launch.options.items()))
+            key = (launch.kernel, consts, q_name, kv_name)
+            if key in seen:  # the same compiled kernel serves this head count too
+                seen[key]["also_heads"].append(heads)
+                continue
+            t0 = time.time()
+            res = _compile(launch, cc)
+            if launch.kernel == "mla_decode_rows":
+                rows = rows_layout(heads)[0] * rows_layout(heads)[1]
+            elif launch.kernel == "mla_decode_stage1":
+                rows = cfg.block_h
+            else:
+                rows = launch.options["BLOCK_H"]
+            configs.append({
+                "kernel": launch.kernel, "config": cfg.name if launch.kernel.startswith("mla_decode_") and
+                launch.kernel not in ("mla_decode_stage2", "mla_decode_merge") else "merge",
+                "arch": arch, "heads": heads, "dtype": q_name, "kv_cache_dtype": kv_name, "sparse": sparse,
+                "fp8_qk": cfg.qk_fp8, "heads_per_program": rows, "block_n": launch.options.get("BLOCK_N"),
+                "num_warps": launch.options.get("num_warps"), "num_stages": launch.options.get("num_stages"),
+                "shared_limit": smem, "compile_s": round(time.time() - t0, 1), "also_heads": [], **res,
+            })
+            seen[key] = configs[-1]
+            print(f"{arch} {launch.kernel:18s} {configs[-1]['config']:24s} H={heads:<3d} {q_name}/{kv_name}"
+                  f"{' sparse' if sparse else ''}: regs {res['registers']} spills {res['spills']} "
+                  f"smem {res['shared_bytes']} wgmma {res['uses_wgmma']} ({configs[-1]['compile_s']} s)",
+                  flush=True)
+    del torch
+    return {"arch": arch, "triton": triton.__version__, "configs": configs}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", choices=sorted(ARCHS), required=True, help="target architecture")
+    p.add_argument("--json", metavar="FILE", help="write the report to FILE")
+    p.add_argument("--heads", type=int, nargs="*", help="only these head counts (default: 16, 64, 128)")
+    p.add_argument("--kv-cache-dtype", help="only this cache dtype")
+    args = p.parse_args(argv)
+    doc = report(args.arch, tuple(args.heads or ()), args.kv_cache_dtype)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
