@@ -189,20 +189,23 @@ def context_rows(dcp: DCPGroup, cache: LatentKVCache, meta: BatchMetadata) -> Co
 
     def read(chunk: list[tuple[int, int, int]], dtype: torch.dtype) -> torch.Tensor:
         dev = cache.device
-        pos = torch.cat([torch.arange(a, z, device=dev) for _, a, z in chunk])
-        req = torch.cat([torch.full((z - a,), b, dtype=torch.long, device=dev) for b, a, z in chunk])
+        # positions, requests and owners are host data (the chunk is): index tensors are made on the host and
+        # copied over, so nothing here reads the device or has a data-dependent shape
+        pos = torch.cat([torch.arange(a, z) for _, a, z in chunk])
+        req = torch.cat([torch.full((z - a,), b, dtype=torch.long) for b, a, z in chunk])
         owner = pos % D
         counts = [sum(dcp_local_len(z, j, D) - dcp_local_len(a, j, D) for _, a, z in chunk) for j in range(D)]
+        where = [torch.nonzero(owner == j).squeeze(1) for j in range(D)]  # host: chunk rows each rank holds
         share = torch.zeros(max(counts), cache.row_width, dtype=dtype, device=dev)
-        mine = owner == r
         if counts[r]:
-            slots = position_slots(bt, req[mine], pos[mine] // D, cache.block_size)
+            mine = where[r]
+            slots = position_slots(bt, req[mine].to(dev), (pos[mine] // D).to(dev), cache.block_size)
             share[: counts[r]] = cache.read_slots(slots, dtype)
         gathered = _all_gather(share, dcp)  # [D, max share, R + P]
         rows = torch.empty(pos.numel(), cache.row_width, dtype=dtype, device=dev)
         for j in range(D):
             if counts[j]:
-                rows[owner == j] = gathered[j, : counts[j]]
+                rows.index_copy_(0, where[j].to(dev), gathered[j, : counts[j]])
         return rows
 
     return read

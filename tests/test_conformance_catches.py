@@ -35,6 +35,8 @@ EXPECTED = {
         "test_undeclared_combinations_rejected",
     ),
     "TestHostSync": ("HostSyncBackend", "no_host_sync", "test_no_host_sync"),
+    # a base-2 LSE weights the shares of a context split wrongly, so their merge misses the reference
+    "TestBase2LseSplit": ("Base2LseBackend", "context_split", "test_context_split_merge"),
 }
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ..backend import MLABackend
-from . import checks
+from . import checks, context_split
 from .cases import Case, DeclaredProbe, Plan, UnsupportedProbe
 from .matrix import build_plan
 
@@ -53,6 +53,8 @@ class BackendConformance:
     - ``test_deterministic``: two runs on the same inputs agree bitwise (unless declared non-deterministic);
     - ``test_declared_values_accepted`` / ``test_undeclared_combinations_rejected``: honest declarations;
     - ``test_rejects_bad_inputs``: mismatched arguments raise ``ValueError``/``TypeError``;
+    - ``test_context_split_merge``: decode outputs and LSEs over interleaved shares of each sequence (decode
+      context parallelism's layout, a share of a short request holding no row) merge by LSE to the reference;
     - ``test_no_host_sync``: backends declaring ``host_sync_free`` run dense calls under
       :func:`mla_backends.testing.no_host_sync` (skipped for the others and for sparse cases, whose top-k
       window check reads device values).
@@ -130,6 +132,16 @@ class BackendConformance:
     ) -> None:
         self._require_runnable(conformance_backend, repeat_case, conformance_device)
         checks.check_deterministic(conformance_backend, repeat_case, conformance_device)
+
+    # ---- decode context parallelism: partials over shares of the cache merge by LSE ------------------------
+    def test_context_split_merge(
+        self, conformance_backend: type[MLABackend], conformance_device: torch.device, guard_case: Case
+    ) -> None:
+        why = context_split.context_split_skip_reason(conformance_backend, guard_case)
+        if why:
+            pytest.skip(why)
+        self._require_runnable(conformance_backend, guard_case, conformance_device)
+        context_split.check_context_split(conformance_backend, guard_case, conformance_device)
 
     # ---- no host sync --------------------------------------------------------------------------------------
     def test_no_host_sync(
