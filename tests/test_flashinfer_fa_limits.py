@@ -211,13 +211,13 @@ def test_the_declared_fp8_tolerance_covers_the_scale_rounding_on_the_conformance
     from mla_backends.backend import DEFAULT_TOLERANCES, Tolerance
     from mla_backends.testing.checks import tolerance_for
     from mla_backends.testing.inputs import expected, prepare
-    from mla_backends.testing.matrix import build_plan
+    from mla_backends.testing.matrix import build_matrix
 
     key, declared = tolerance_for(FlashInferMLABackend, torch.bfloat16, "fp8_e4m3")
     base = DEFAULT_TOLERANCES["bfloat16"]
     assert key == "bfloat16/fp8_e4m3"
     room = Tolerance(declared.atol - base.atol, declared.rtol - base.rtol)
-    cases = [c for c in build_plan(FlashInferMLABackend).output if c.kv_cache_dtype == "fp8_e4m3"]
+    cases = [c for c in build_matrix(FlashInferMLABackend).output if c.kv_cache_dtype == "fp8_e4m3"]
     assert {c.fp8_scale for c in cases} >= {0.37}
     for case in cases:
         p = prepare(case, torch.device("cpu"))
