@@ -334,9 +334,9 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
-def plan(torch: Any, args: argparse.Namespace, device: Any, gpu_key: str, spec: Any, bw: float | None,
-         fl: float | None) -> tuple[list[tuple[dict[str, Any], list[tuple[str, type]]]], list[dict[str, Any]],
-                                    list[dict[str, Any]]]:
+def runnable_points(torch: Any, args: argparse.Namespace, device: Any, gpu_key: str, spec: Any, bw: float | None,
+                    fl: float | None) -> tuple[list[tuple[dict[str, Any], list[tuple[str, type]]]],
+                                               list[dict[str, Any]], list[dict[str, Any]]]:
     """(points with their runnable backends, records without timings, skipped (backend, point, reasons))."""
     backends = candidate_backends(args.backends)
     todo, records, skipped = [], [], []
@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         "records": [], "skipped": [], "errors": [], "not_run": [],
     }
     if args.dry_run:
-        todo, records, skipped = plan(torch, args, device, gpu_key, spec, bw, fl)
+        todo, records, skipped = runnable_points(torch, args, device, gpu_key, spec, bw, fl)
         payload.update(records=records, skipped=skipped)
         est = estimate_seconds(records, args) if (bw and fl) else None
         payload["estimate_s"] = est
@@ -417,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{(f'{bw / 1e9:.0f} GB/s, {fl / 1e12:.0f} bf16 TFLOP/s') if (bw and fl) else 'unknown'}")
     print(f"{'backend':<24} {'kv':<9} {'batch':>5} {'ctx':>6} {'heads':>5} {'roofline_us':>11} {'bound':<8} "
           f"{'time_us':>9} {'frac':>6}")
-    todo, records, skipped = plan(torch, args, device, gpu_key, spec, bw, fl)
+    todo, records, skipped = runnable_points(torch, args, device, gpu_key, spec, bw, fl)
     payload["skipped"] = skipped
     by_key = {(r["backend"], r["batch"], r["context"], r["heads"], r["kv_cache_dtype"]): r for r in records}
     instances: dict[str, Any] = {}

@@ -31,6 +31,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 GiB = costs.GiB
 
 
+def _label(ax, *, xlabel: str | None, ylabel: str, title: str, grid_axis: str = "both", **legend) -> None:
+    """Axis labels, title, a light grid (``grid_axis``: ``both``, ``x`` or ``y``) and a small legend."""
+    if xlabel is not None:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", axis=grid_axis, alpha=0.25)
+    ax.legend(**{"fontsize": 8, **legend})
+
+
+def _save(fig, path: str) -> None:
+    """Lay out, write ``path`` at 120 dpi and close the figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_bytes(path: str) -> None:
     v3, v32 = MLADims.deepseek_v3(), MLADims.deepseek_v32()
     ctx = np.logspace(np.log10(1024), np.log10(163_840), 60)
@@ -66,14 +83,10 @@ def plot_bytes(path: str) -> None:
         ax.text(ctx[0], gib * 1.08, f"{gib} GiB", color="grey", fontsize=8)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens, one sequence)")
-    ax.set_ylabel("KV cache for the sequence, all layers (GiB, one rank at TP=1)")
-    ax.set_title("Cache per sequence: MLA latent vs expanded heads vs GQA")
-    ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _label(ax, xlabel="context length (tokens, one sequence)",
+           ylabel="KV cache for the sequence, all layers (GiB, one rank at TP=1)",
+           title="Cache per sequence: MLA latent vs expanded heads vs GQA", loc="lower right")
+    _save(fig, path)
 
 
 #: the shapes a threshold table records under "model" (``tuning.tune``); the modelled curves use exactly these
@@ -140,11 +153,8 @@ def plot_crossover(path: str, table_path: str) -> bool:
             [asym * 1.3] + [c["threshold"] * 1.2 for r in table["backends"].values() for c in r["crossovers"]]
         ),
     )
-    ax.set_xlabel("cached context S (tokens)")
-    ax.set_ylabel("query length Q where both paths cost the same")
-    ax.set_title("Absorbed/expanded crossover: absorbed wins below the line")
-    ax.grid(True, which="both", alpha=0.25)
-    ax.legend(fontsize=8, loc="lower right")
+    _label(ax, xlabel="cached context S (tokens)", ylabel="query length Q where both paths cost the same",
+           title="Absorbed/expanded crossover: absorbed wins below the line", loc="lower right")
 
     name = "REF_TORCH" if "REF_TORCH" in table["backends"] else next(iter(table["backends"]))
     res = table["backends"][name]
@@ -170,11 +180,8 @@ def plot_crossover(path: str, table_path: str) -> bool:
     ax2.axhline(1.0, color="black", lw=1)
     ax2.set_xscale("log")
     ax2.set_yscale("log")
-    ax2.set_xlabel("query length Q")
-    ax2.set_ylabel("absorbed / expanded (time or FLOPs)")
-    ax2.set_title(f"{name}: below 1 the absorbed path is cheaper")
-    ax2.grid(True, which="both", alpha=0.25)
-    ax2.legend(fontsize=7, ncol=2)
+    _label(ax2, xlabel="query length Q", ylabel="absorbed / expanded (time or FLOPs)",
+           title=f"{name}: below 1 the absorbed path is cheaper", fontsize=7, ncol=2)
     dev = table["device"]
     fig.suptitle(
         f"{m['name']} at TP={m['tp']} ({m['num_heads']} heads), {m['dtype']}, on {dev['name']} "
@@ -182,9 +189,7 @@ def plot_crossover(path: str, table_path: str) -> bool:
         f"{table['date'][:10]}",
         fontsize=10,
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
     return True
 
 
@@ -202,13 +207,9 @@ def plot_dcp(path: str) -> None:
         bars = ax.bar(x + (k - 0.5) * 0.38, np.array(tokens) / 1e6, 0.38, color=color, label=f"{cache} cache")
         ax.bar_label(bars, [f"{t / 1e6:.2f}M" for t in tokens], fontsize=7)
     ax.set_xticks(x, [name for name, _, _ in layouts])
-    ax.set_ylabel("tokens of context the deployment holds (millions)")
-    ax.set_title("DeepSeek-V3 on 8 x H200, TP=8, fp8 weights: cluster_tokens")
-    ax.grid(True, axis="y", alpha=0.25)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _label(ax, xlabel=None, ylabel="tokens of context the deployment holds (millions)",
+           title="DeepSeek-V3 on 8 x H200, TP=8, fp8 weights: cluster_tokens", grid_axis="y", loc="upper left")
+    _save(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,6 +68,20 @@ class ConfigFields:
         value = self.d.get(key)
         return default if value is None else value
 
+    def _type_error(self, key: str, value: Any, accepted: str) -> TypeError:
+        return TypeError(f"{self._name(key)}: got {type(value).__name__} {value!r}; supported {accepted}"
+                         f"{self._where()}")
+
+    def _of_type(self, key: str, default: Any, kind: type | tuple[type, ...], accepted: str) -> Any:
+        """The value under ``key`` when it is a ``kind`` (``default`` when absent or null); else a TypeError
+        naming ``accepted``."""
+        value = self.raw(key, None)
+        if value is None:
+            return default
+        if not isinstance(value, kind):
+            raise self._type_error(key, value, accepted)
+        return value
+
     def integer(self, key: str, default: Any = _ABSENT, *, minimum: int = 1) -> int:
         """An int ``>= minimum``; an integral float (``4096.0``) is accepted, ``16.7``, ``True`` and ``"16"``
         are not."""
@@ -77,8 +91,7 @@ class ConfigFields:
                 raise ValueError(f"{self._name(key)}: missing; supported an int >= {minimum}{self._where()}")
             return default
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{self._name(key)}: got {type(value).__name__} {value!r}; supported an int"
-                            f"{self._where()}")
+            raise self._type_error(key, value, "an int")
         if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
             raise ValueError(f"{self._name(key)}: got {value!r}; supported a whole number (no truncation)"
                              f"{self._where()}")
@@ -102,32 +115,15 @@ class ConfigFields:
 
     def flag(self, key: str, default: bool) -> bool:
         """JSON ``true``/``false`` only (a string ``"false"`` or the int 1 is refused, not guessed)."""
-        value = self.raw(key, None)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise TypeError(f"{self._name(key)}: got {type(value).__name__} {value!r}; supported true or false"
-                            f"{self._where()}")
-        return value
+        return self._of_type(key, default, bool, "true or false")
 
     def text(self, key: str, default: str) -> str:
-        value = self.raw(key, None)
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            raise TypeError(f"{self._name(key)}: got {type(value).__name__} {value!r}; supported a string"
-                            f"{self._where()}")
-        return value
+        """A JSON string (a number is refused, not converted)."""
+        return self._of_type(key, default, str, "a string")
 
     def mapping(self, key: str) -> Mapping[str, Any] | None:
         """A nested block (``rope_scaling``) or None; anything but a mapping is a ``TypeError``."""
-        value = self.raw(key, None)
-        if value is None:
-            return None
-        if not isinstance(value, Mapping):
-            raise TypeError(f"{self._name(key)}: got {type(value).__name__} {value!r}; supported a mapping "
-                            f"(JSON object) or null{self._where()}")
-        return value
+        return self._of_type(key, None, Mapping, "a mapping (JSON object) or null")
 
     def nested(self, block: Mapping[str, Any], key: str) -> ConfigFields:
         """A reader of the nested ``block`` found under ``key``, with the same source."""

@@ -8,10 +8,10 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from .generated_doc import generated_doc_main
 from .gpus import GPU_TABLE, GpuSpec
 
 __all__ = ["GPUS_DOC_PATH", "render_gpus_doc", "main"]
@@ -66,20 +66,11 @@ def render_gpus_doc() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/gpus.md is out of date")
-    parser.add_argument("--path", type=Path, default=GPUS_DOC_PATH)
-    args = parser.parse_args(argv)
-    text = render_gpus_doc()
-    if args.check:
-        current = args.path.read_text() if args.path.exists() else ""
-        if current != text:
-            print(f"{args.path} is out of date: run python -m mla_backends.gpus_doc", file=sys.stderr)
-            return 1
-        return 0
-    args.path.write_text(text)
-    print(f"wrote {args.path}")
-    return 0
+    """Write the page, or with ``--check`` exit 1 when the committed file differs."""
+    return generated_doc_main(
+        argv, render=render_gpus_doc, default_path=GPUS_DOC_PATH,
+        command="python -m mla_backends.gpus_doc", description=__doc__.splitlines()[0],
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

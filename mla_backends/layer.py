@@ -163,7 +163,7 @@ class MLAAttention(torch.nn.Module):
                              + "; ".join(map(str, reasons)))
         self.backend_cls = backend_cls
         self.backend = backend_cls()
-        self.backend.configure(self._spec(), self.scale)  # what prepare(meta) may plan for
+        self.backend.configure(self._spec(), self.scale)  # what prepare(meta) sets up per step
         # the policy named by `dispatch`, or a measured threshold table's (argument or the environment)
         self.dispatch: DispatchPolicy = layer_policy(dispatch, threshold_table, backend_cls.name)
 

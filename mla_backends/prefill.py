@@ -32,6 +32,7 @@ from .metadata import BatchMetadata
 from .prefill_kernels import (
     KernelChoice,
     PrefillKernel,
+    blocked_attention,
     choose_prefill_kernel,
     cuda_fused_attention,
     fused_prefill_kernel,
@@ -205,28 +206,16 @@ def _fused_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Ten
         vv = pad(v[k0:k1].to(f32), (0, D - V))
         return pad(k, (0, D - N - P)).transpose(0, 1).unsqueeze(0), vv.transpose(0, 1).unsqueeze(0)
 
-    o_all = torch.empty(n, H, V, dtype=f32, device=q_nope.device)
-    lse_all = torch.empty(n, H, dtype=f32, device=q_nope.device)
-    for i0 in range(0, n, block):
-        i1 = min(n, i0 + block)
+    def queries(i0: int, i1: int) -> torch.Tensor:
         q = pad(torch.cat([q_nope[i0:i1].to(f32), q_pe[i0:i1].to(f32)], dim=-1), (0, D - N - P))
-        q = q.transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
-        parts = [(k0, min(k0 + block, i0 if causal else m), False) for k0 in range(0, i0 if causal else m, block)]
-        if causal:
-            parts.append((i0, i1, True))  # the diagonal block: these queries are these keys
-        o_acc: torch.Tensor | None = None
-        lse_acc: torch.Tensor | None = None
-        for k0, k1, masked in parts:
-            o, lse = kernel(q, *keys(k0, k1), 0.0, masked, scale=scale)
-            o, lse = o[0, :, :, :V].transpose(0, 1), lse[0].transpose(0, 1)  # [rows, H, V], [rows, H]
-            if o_acc is None or lse_acc is None:
-                o_acc, lse_acc = o, lse
-            else:
-                o_acc, lse_acc = merge_attention_states(o_acc, lse_acc, o, lse)
-        assert o_acc is not None and lse_acc is not None
-        o_all[i0:i1] = o_acc
-        lse_all[i0:i1] = lse_acc
-    return o_all, lse_all
+        return q.transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
+
+    def attend(q: torch.Tensor, k0: int, k1: int, masked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        o, lse = kernel(q, *keys(k0, k1), 0.0, masked, scale=scale)
+        return o[0, :, :, :V].transpose(0, 1), lse[0].transpose(0, 1)  # [rows, H, V], [rows, H]
+
+    return blocked_attention(n, m, block, causal, heads=H, v_dim=V, device=q_nope.device, queries=queries,
+                             attend=attend)
 
 
 def _plain_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,

@@ -41,6 +41,7 @@ import torch
 from .attention_math import merge_attention_states
 
 __all__ = [
+    "blocked_attention",
     "PrefillKernel",
     "KernelChoice",
     "TORCH_OPS",
@@ -226,11 +227,39 @@ def cuda_fused_attention(kernel: PrefillKernel, q_nope: torch.Tensor, q_pe: torc
         o, lse = res[0], res[1]
         return o[0, :, :, :V].transpose(0, 1).to(f32), lse[0, :, :rows].transpose(0, 1).to(f32)
 
-    o_all = torch.empty(n, H, V, dtype=f32, device=q_nope.device)
-    lse_all = torch.empty(n, H, dtype=f32, device=q_nope.device)
+    def queries(i0: int, i1: int) -> torch.Tensor:
+        return torch.cat([q_nope[i0:i1], q_pe[i0:i1]], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
+
+    return blocked_attention(n, m, block, causal, heads=H, v_dim=V, device=q_nope.device, queries=queries,
+                             attend=lambda q, k0, k1, masked: call(q, *keys(k0, k1), masked))
+
+
+def blocked_attention(
+    n: int,
+    m: int,
+    block: int,
+    causal: bool,
+    *,
+    heads: int,
+    v_dim: int,
+    device: torch.device,
+    queries: Callable[[int, int], torch.Tensor],
+    attend: Callable[[torch.Tensor, int, int, bool], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``n`` queries over ``m`` keys in ``block``-row query blocks and key chunks, merged by LSE.
+
+    ``queries(i0, i1)`` gives the kernel's query operand for queries ``i0 .. i1 - 1``; ``attend(q, k0, k1,
+    masked)`` runs the kernel on it over keys ``k0 .. k1 - 1`` and returns ``(o [rows, H, V], lse [rows, H])``
+    in float32 (``masked``: the kernel's top-left causal mask). Causal (queries are the keys, ``n == m``): a
+    query block attends the keys before it unmasked and its own diagonal block masked.
+    Returns ``(o [n, heads, v_dim], lse [n, heads])`` float32 on ``device``.
+    """
+    f32 = torch.float32
+    o_all = torch.empty(n, heads, v_dim, dtype=f32, device=device)
+    lse_all = torch.empty(n, heads, dtype=f32, device=device)
     for i0 in range(0, n, block):
         i1 = min(n, i0 + block)
-        q = torch.cat([q_nope[i0:i1], q_pe[i0:i1]], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, rows, D]
+        q = queries(i0, i1)
         stop = i0 if causal else m
         parts = [(k0, min(k0 + block, stop), False) for k0 in range(0, stop, block)]
         if causal:
@@ -238,7 +267,7 @@ def cuda_fused_attention(kernel: PrefillKernel, q_nope: torch.Tensor, q_pe: torc
         o_acc: torch.Tensor | None = None
         lse_acc: torch.Tensor | None = None
         for k0, k1, masked in parts:
-            o, lse = call(q, *keys(k0, k1), masked)
+            o, lse = attend(q, k0, k1, masked)
             if o_acc is None or lse_acc is None:
                 o_acc, lse_acc = o, lse
             else:

@@ -9,12 +9,12 @@ installed. ``tests/test_selector_docs.py`` fails when the committed page and the
 
 from __future__ import annotations
 
-import argparse
 import sys
 import textwrap
 from pathlib import Path
 
 from mla_backends.aliases import BACKEND_ALIASES, NAME_CLASHES, NOT_PROVIDED
+from mla_backends.generated_doc import generated_doc_main
 from mla_backends.registry import BackendName
 
 from .explain import capability_summary
@@ -159,20 +159,11 @@ def render_selection_doc() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 when docs/selection.md is out of date")
-    parser.add_argument("--path", type=Path, default=DOC_PATH)
-    args = parser.parse_args(argv)
-    text = render_selection_doc()
-    if args.check:
-        current = args.path.read_text() if args.path.exists() else ""
-        if current != text:
-            print(f"{args.path} is out of date: run python -m selector.docs_gen", file=sys.stderr)
-            return 1
-        return 0
-    args.path.write_text(text)
-    print(f"wrote {args.path}")
-    return 0
+    """Write the page, or with ``--check`` exit 1 when the committed file differs."""
+    return generated_doc_main(
+        argv, render=render_selection_doc, default_path=DOC_PATH,
+        command="python -m selector.docs_gen", description=__doc__.splitlines()[0],
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

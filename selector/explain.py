@@ -67,7 +67,7 @@ def format_problems(problems: Iterable[PluginProblem]) -> list[str]:
 
 
 def format_selection(sel: Selection) -> str:
-    """Header (device, request, ladder), the verdict table, the choice, page-size notes, plugin problems."""
+    """Header (device, request, ladder), the verdict per candidate, the choice, page-size notes, plugin problems."""
     asked = replace(sel.spec, block_size=sel.requested_block_size)
     lines = [f"Device:  {_device_line(sel.device)}", f"Request: {_request_line(asked)}",
              f"Ladder:  {sel.ladder}"]

@@ -116,7 +116,7 @@ class Selection:
         return self.backend.name.upper()
 
     def explain(self) -> str:
-        """A readable table of every candidate, why it was or was not chosen, and plugin problems."""
+        """A readable report of every candidate, why it was or was not chosen, and plugin problems."""
         from .explain import format_selection
 
         return format_selection(self)

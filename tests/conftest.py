@@ -36,3 +36,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """The selector fakes' registry (``tests/selector_fakes.py``) made the process-wide one for a test."""
+    from selector_fakes import fake_registry, install
+
+    return install(monkeypatch, fake_registry())

@@ -69,3 +69,11 @@ def install(monkeypatch, registry: Registry) -> Registry:
     monkeypatch.setattr(reg_mod, "_REGISTRY", registry)
     clear_cache()
     return registry
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    """``mla-backends ARGV...`` in-process: ``(exit status, captured stdout)``."""
+    from mla_backends.cli import main
+
+    code = main(list(argv))
+    return code, capsys.readouterr().out

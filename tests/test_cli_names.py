@@ -10,7 +10,7 @@ import types
 from pathlib import Path
 
 import pytest
-from selector_fakes import FakeCutlass, fake_registry, install
+from selector_fakes import FakeCutlass, run_cli
 
 from mla_backends.aliases import BACKEND_ALIASES, NOT_PROVIDED, alias_target
 from mla_backends.cli import build_parser, main
@@ -24,16 +24,6 @@ from selector.select import BackendNotSupportedError, select_backend
 ROOT = Path(__file__).resolve().parent.parent
 DIMS = MLADims.deepseek_v3().tensor_parallel(8)
 BROKEN = "mla_backends.testing.broken:LatentScaleBackend"
-
-
-@pytest.fixture
-def fakes(monkeypatch):
-    return install(monkeypatch, fake_registry())
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str]:
-    code = main(list(argv))
-    return code, capsys.readouterr().out
 
 
 # ---- aliases ------------------------------------------------------------------------------------------------

@@ -6,19 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from selector_fakes import fake_registry, install
+from selector_fakes import install, run_cli
 
 from mla_backends.cli import main
-
-
-@pytest.fixture
-def fakes(monkeypatch):
-    return install(monkeypatch, fake_registry())
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str]:
-    code = main(list(argv))
-    return code, capsys.readouterr().out
 
 
 def test_select_json_document(fakes, capsys):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.testing import broken, build_plan, checks
+from mla_backends.testing import broken, build_matrix, checks
 
 # class in the generated module -> (broken backend, tests to run (-k), the test that must fail)
 EXPECTED = {
@@ -154,14 +154,14 @@ def test_guard_bugs_leave_the_output_correct(suite_results: dict[str, tuple[str,
 
 def test_checks_raise_assertion_error_directly() -> None:
     """The check functions are usable without pytest collection and raise AssertionError with a diagnosis."""
-    plan = build_plan(RefTorchBackend, True)
-    case = plan.guard[0]
+    matrix = build_matrix(RefTorchBackend, True)
+    case = matrix.guard[0]
     cpu = torch.device("cpu")
     checks.check_output(RefTorchBackend, case, cpu)
     with pytest.raises(AssertionError, match=r"output \(latent space\).*worst at index"):
         checks.check_output(broken.LatentScaleBackend, case, cpu)
     with pytest.raises(AssertionError, match="differ bitwise"):
-        checks.check_deterministic(broken.NondeterministicBackend, plan.determinism[0], cpu)
+        checks.check_deterministic(broken.NondeterministicBackend, matrix.determinism[0], cpu)
 
 
 def test_reference_is_independent_of_ref_torch() -> None:

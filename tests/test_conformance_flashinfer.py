@@ -12,7 +12,7 @@ import torch
 
 from mla_backends.plugins import registered_backends
 from mla_backends.reasons import ReasonKind
-from mla_backends.testing import BackendConformance, build_plan
+from mla_backends.testing import BackendConformance, build_matrix
 from mla_backends.testing.checks import pick_device, run_reasons
 
 FLASHINFER_NAMES = sorted(n for n in registered_backends() if n.startswith("FLASHINFER"))
@@ -26,10 +26,10 @@ for _name in FLASHINFER_NAMES:
 @pytest.mark.parametrize("name", FLASHINFER_NAMES)
 def test_gpu_only_backend_skips_with_its_reason_on_cpu(name: str) -> None:
     cls = registered_backends()[name]
-    plan = build_plan(cls, False)
+    matrix = build_matrix(cls, False)
     device = pick_device(cls, "auto")
     assert device.type == "cpu"
-    for case in plan.output:
+    for case in matrix.output:
         reasons = run_reasons(cls, case, device)
         assert reasons, f"{name} would run {case.id} on the CPU"
         assert any(r.kind in (ReasonKind.DEVICE, ReasonKind.PACKAGE) for r in reasons), reasons

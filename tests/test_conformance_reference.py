@@ -10,7 +10,7 @@ import torch
 
 from mla_backends.backend import Capabilities, MLABackend, QueryLenSupport
 from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.testing import build_plan
+from mla_backends.testing import build_matrix
 from mla_backends.testing.cases import declared_reasons
 from mla_backends.testing.checks import tolerance_for
 from mla_backends.testing.inputs import TRAILING, expected, prepare
@@ -56,8 +56,8 @@ def test_reference_equals_plain_absorbed_attention() -> None:
 
 
 def test_prepared_inputs_use_scattered_tables_with_trailing_entries() -> None:
-    plan = build_plan(RefTorchBackend, True)
-    case = next(c for c in plan.output if c.name == "ctx-sweep")
+    matrix = build_matrix(RefTorchBackend, True)
+    case = next(c for c in matrix.output if c.name == "ctx-sweep")
     p = prepare(case, torch.device("cpu"))
     P = case.block_size
     bt = p.meta.block_table[torch.argsort(p.meta.order)]  # back to caller order
@@ -74,8 +74,8 @@ def test_prepared_inputs_use_scattered_tables_with_trailing_entries() -> None:
 
 
 def test_fp8_reference_rows_apply_the_scale() -> None:
-    plan = build_plan(RefTorchBackend, True)
-    case = next(c for c in plan.output if c.kv_cache_dtype == "fp8_e4m3")
+    matrix = build_matrix(RefTorchBackend, True)
+    case = next(c for c in matrix.output if c.kv_cache_dtype == "fp8_e4m3")
     assert case.fp8_scale != 1.0
     p = prepare(case, torch.device("cpu"))
     bt = p.meta.block_table[torch.argsort(p.meta.order)]
@@ -92,7 +92,7 @@ def _backend(**caps: object) -> type[MLABackend]:
 
 
 def test_cases_follow_declarations() -> None:
-    single = build_plan(
+    single = build_matrix(
         _backend(
             query_len=QueryLenSupport.SINGLE,
             page_sizes=(32,),
@@ -106,7 +106,7 @@ def test_cases_follow_declarations() -> None:
     assert {c.num_heads for c in single.output} == {16, 128}
     labels = {p.label for p in single.unsupported}
     assert {"query-len-2", "sparse", "page3", "heads3", "dtype-float16", "kv-float16"} <= labels
-    sparse_only = build_plan(_backend(dense=False, sparse=True), True)
+    sparse_only = build_matrix(_backend(dense=False, sparse=True), True)
     assert all(c.topk is not None for c in sparse_only.output + sparse_only.guard)
     assert "dense" in {p.label for p in sparse_only.unsupported}
 
@@ -114,14 +114,23 @@ def test_cases_follow_declarations() -> None:
 def test_quick_matrix_is_small_and_full_covers_every_declared_value() -> None:
     caps = dataclasses.replace(RefTorchBackend.capabilities, cpu=False, min_compute_capability=(8, 0))
     triton_like = type("TritonLike", (RefTorchBackend,), {"name": "TRITON_LIKE", "capabilities": caps})
-    quick = build_plan(triton_like, True)
+    quick = build_matrix(triton_like, True)
     assert 12 <= quick.count_kernel_calls() <= 25
-    full = build_plan(RefTorchBackend, False)
+    full = build_matrix(RefTorchBackend, False)
     assert len(full.output) > len(quick.output)
     for probe in full.declared:
         assert not probe.case.rejected and not declared_reasons(RefTorchBackend, probe.case.spec())
     lens = {s for c in full.output if c.block_size == 16 for s in c.seq_lens}
     assert {1, 15, 16, 17} <= lens and max(lens) > 1000
+
+
+def test_build_plan_is_a_deprecated_alias_of_build_matrix() -> None:
+    import mla_backends.testing as testing
+
+    with pytest.warns(DeprecationWarning, match="build_matrix"):
+        old = testing.build_plan
+    assert old is build_matrix
+    assert "build_plan" not in testing.__all__
 
 
 def test_tolerance_lookup_order() -> None:

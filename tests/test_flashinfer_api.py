@@ -23,6 +23,7 @@ import typing
 
 import pytest
 import torch
+from flashinfer_fakes import use_wrapper
 
 from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
 from mla_backends.backend import AttentionSpec
@@ -238,35 +239,9 @@ def test_trtllm_launch_reaches_the_device_query():
 
 
 # ---- plan caching, views and metadata (recording stand-in for the wrapper) ---------------------------------
-class RecordingWrapper:
-    """Stands in for BatchMLAPagedAttentionWrapper: records plan()/run() keywords, writes per-head outputs."""
-
-    instances: list = []
-
-    def __init__(self, float_workspace_buffer, backend="auto"):
-        self.backend = backend
-        self.workspace = float_workspace_buffer
-        self.plans: list[dict] = []
-        self.runs: list[dict] = []
-        RecordingWrapper.instances.append(self)
-
-    def plan(self, **kwargs):
-        self.plans.append(kwargs)
-
-    def run(self, *, query, kv_cache, out, lse=None, **kwargs):
-        self.runs.append(dict(query=query, kv_cache=kv_cache, out=out, lse=lse, **kwargs))
-        heads = out.shape[1]
-        out.copy_(torch.arange(heads, dtype=torch.float32)[None, :, None].expand(out.shape).to(out.dtype))
-        if lse is not None:
-            lse.fill_(1.5)
-        return (out, lse) if kwargs.get("return_lse") else out
-
-
 @pytest.fixture
 def recording(monkeypatch):
-    monkeypatch.setattr(api, "load_wrapper_class", lambda: RecordingWrapper)
-    RecordingWrapper.instances = []
-    return RecordingWrapper
+    return use_wrapper(monkeypatch)
 
 
 def test_fa_plans_once_per_batch_and_replans_when_another_batch_intervenes(recording):

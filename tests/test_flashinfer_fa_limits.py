@@ -17,6 +17,7 @@ import importlib
 
 import pytest
 import torch
+from flashinfer_fakes import RecordingWrapper, use_wrapper
 
 from mla_backends.backend import AttentionSpec
 from mla_backends.cache import LatentKVCache
@@ -150,35 +151,23 @@ def test_split_groups_fit_flashinfer_s_own_work_count():
 
 
 # ---- the split call (recording stand-in) -----------------------------------------------------------------
-class Recorder:
-    instances: list = []
+class Recorder(RecordingWrapper):
+    """Each row's output is its own query's first columns; the LSE is the number of wrappers made so far."""
 
-    def __init__(self, float_workspace_buffer, backend="auto"):
-        self.workspace = float_workspace_buffer
-        self.plans: list[dict] = []
-        self.runs: list[dict] = []
-        Recorder.instances.append(self)
-
-    def plan(self, **kwargs):
-        self.plans.append(kwargs)
-
-    def run(self, *, query, kv_cache, out, lse=None, **kwargs):
-        self.runs.append(dict(query=query, out=out, lse=lse))
+    def write(self, query, out, lse):
         out.copy_(query[0][..., :out.shape[-1]])  # each row's own query: shows which rows a group wrote
         lse.fill_(float(len(Recorder.instances)))
-        return out, lse
 
 
 def test_an_over_capacity_batch_is_planned_and_run_per_request_group(monkeypatch):
     pytest.importorskip("flashinfer", reason="flashinfer-python is not installed (MLAPlanMetadata)")
-    from mla_backends.flashinfer_mla import _common, api, paged
+    from mla_backends.flashinfer_mla import _common, paged
 
     monkeypatch.setattr(_common, "_WORKSPACES", {})
     monkeypatch.setattr(_common, "WORKSPACE_BYTES", 1 << 16)
     monkeypatch.setattr(paged, "_SLOTS", {})
-    monkeypatch.setattr(api, "load_wrapper_class", lambda: Recorder)
+    use_wrapper(monkeypatch, Recorder)
     monkeypatch.setattr(fa_limits, "FA_MAX_WORK_ITEMS", 1)  # 16 heads x 8 tokens: one 128-row tile
-    Recorder.instances = []
     q_lens, ctx = [8, 0, 8, 8], [5, 9, 20, 0]
     cache = LatentKVCache(12, 16, model_dtype=torch.bfloat16)
     table = [[0, 1, -1], [2, -1, -1], [3, 4, 5], [6, -1, -1]]
@@ -222,13 +211,13 @@ def test_the_declared_fp8_tolerance_covers_the_scale_rounding_on_the_conformance
     from mla_backends.backend import DEFAULT_TOLERANCES, Tolerance
     from mla_backends.testing.checks import tolerance_for
     from mla_backends.testing.inputs import expected, prepare
-    from mla_backends.testing.matrix import build_plan
+    from mla_backends.testing.matrix import build_matrix
 
     key, declared = tolerance_for(FlashInferMLABackend, torch.bfloat16, "fp8_e4m3")
     base = DEFAULT_TOLERANCES["bfloat16"]
     assert key == "bfloat16/fp8_e4m3"
     room = Tolerance(declared.atol - base.atol, declared.rtol - base.rtol)
-    cases = [c for c in build_plan(FlashInferMLABackend).output if c.kv_cache_dtype == "fp8_e4m3"]
+    cases = [c for c in build_matrix(FlashInferMLABackend).output if c.kv_cache_dtype == "fp8_e4m3"]
     assert {c.fp8_scale for c in cases} >= {0.37}
     for case in cases:
         p = prepare(case, torch.device("cpu"))

@@ -64,11 +64,6 @@ def expected_rejections(arch: str, kv: str, page: int | None) -> dict[str, list[
     return out
 
 
-@pytest.fixture
-def fakes(monkeypatch):
-    return install(monkeypatch, fake_registry())
-
-
 @pytest.mark.parametrize("page", PAGES)
 @pytest.mark.parametrize("kv", ["auto", "fp8"])
 @pytest.mark.parametrize("arch", ARCHS)

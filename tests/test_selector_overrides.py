@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from selector_fakes import fake_registry, install
 
 from mla_backends.dims import MLADims
 from mla_backends.registry import BackendName, UnknownBackendError
 from selector.select import BackendNotSupportedError, select_backend
 
 V3 = MLADims.deepseek_v3().tensor_parallel(8)
-
-
-@pytest.fixture
-def fakes(monkeypatch):
-    return install(monkeypatch, fake_registry())
 
 
 def test_argument_forces_and_takes_the_preferred_page(fakes):

@@ -17,7 +17,7 @@ from mla_backends.cache import LatentKVCache
 from mla_backends.device import CPU_DEVICE, DeviceInfo
 from mla_backends.metadata import BatchMetadata
 from mla_backends.triton_mla import TritonMLABackend, choose_num_kv_splits
-from mla_backends.triton_mla.plan import MAX_KV_SPLITS, block_h_for, next_pow2
+from mla_backends.triton_mla.splits import MAX_KV_SPLITS, block_h_for, next_pow2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100 = DeviceInfo(kind="cuda", name="NVIDIA H100 80GB HBM3", compute_capability=(9, 0), sm_count=132)

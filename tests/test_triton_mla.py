@@ -21,7 +21,7 @@ from mla_backends.backend import DEFAULT_TOLERANCES
 from mla_backends.cache import LatentKVCache
 from mla_backends.metadata import BatchMetadata
 from mla_backends.triton_mla import SCRATCH, TritonMLABackend, choose_num_kv_splits
-from mla_backends.triton_mla.plan import sm_count
+from mla_backends.triton_mla.splits import sm_count
 
 SCALE = (128 + 64) ** -0.5
 CUDA = torch.cuda.is_available()
@@ -153,7 +153,7 @@ def test_split_boundary_inside_page_and_empty_split():
 def test_heuristic_uses_several_splits():
     cache, meta, ql, qr = make_case([1, 1], [1200, 300], page=64, seed=3)
     backend = TritonMLABackend()
-    splits = backend.plan_num_kv_splits(meta, 16, cache.device)
+    splits = backend.kv_splits_for(meta, 16, cache.device)
     assert splits > 1
     assert splits == choose_num_kv_splits(meta.max_seq_len, 2, 16, sm_count(cache.device))
     run_case(backend, cache, meta, ql, qr)

@@ -62,14 +62,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int_list,
         default=None,
         metavar="S[,S...]",
-        help=f"context lengths for the table (default {csv_text(reports.DEFAULT_CONTEXTS)})",
+        help=f"context lengths of the report (default {csv_text(reports.DEFAULT_CONTEXTS)})",
     )
     c.add_argument(
         "--query-lens",
         type=int_list,
         default=None,
         metavar="Q[,Q...]",
-        help=f"query-block lengths for the table (default {csv_text(reports.DEFAULT_QUERY_LENS)})",
+        help=f"query-block lengths of the report (default {csv_text(reports.DEFAULT_QUERY_LENS)})",
     )
     c.add_argument(
         "--causal",

@@ -129,9 +129,9 @@ def _print_text(rep: dict[str, Any]) -> None:
     print("GPUs (NVML):" if rep["gpus"] else "GPUs (NVML):  none found (the selector uses the CPU)")
     for g in rep["gpus"]:
         major, minor = g["compute_capability"]
-        table = f", GPU table row {g['gpu_table_key']}" if g["gpu_table_key"] else ", not in the GPU table"
+        gpu_row = f", GPU table row {g['gpu_table_key']}" if g["gpu_table_key"] else ", not in the GPU table"
         print(f"  cuda:{g['index']}  {g['name']}  SM{major}{minor}  {g['total_memory'] / 2**30:.1f} GiB  "
-              f"{g['sm_count']} SMs{table}")
+              f"{g['sm_count']} SMs{gpu_row}")
     print("plugins:")
     for p in rep["plugins"]:
         print(f"  {p['plugin']}: {', '.join(p['backends']) or '(no backend)'}")

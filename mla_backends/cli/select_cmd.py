@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="force a backend (beats MLA_BACKEND): a registered name, vLLM's or SGLang's name for "
                         "it (CUTLASS_MLA, trtllm_mla, ...) or package.module:Class (an uninstalled plugin); "
                         "'auto' = no override from this flag (MLA_BACKEND may still force one)")
-    p.add_argument("--json", action="store_true", help="print a JSON document instead of the table")
+    p.add_argument("--json", action="store_true", help="print a JSON document instead of the text report")
     p.set_defaults(func=run)
 
 

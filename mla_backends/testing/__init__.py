@@ -5,7 +5,7 @@ Subclass :class:`BackendConformance` in a pytest module (``backend = "MY_BACKEND
 
 - :mod:`.reference`: an independent float64 naive *expanded* MLA (the expected values);
 - :mod:`.cases`: the case types; :mod:`.matrix`: the cases generated from the backend's declared
-  capabilities (full and quick matrices, :func:`build_plan`);
+  capabilities (full and quick matrices, :func:`build_matrix`);
 - :mod:`.inputs`: a case's inputs on a device and its expected values;
 - :mod:`.checks`: the checks as plain functions raising ``AssertionError``;
 - :mod:`.suite`: :class:`BackendConformance`, the pytest test class (needs pytest);
@@ -21,9 +21,10 @@ Importing this package (or ``reference``, ``cases``, ``checks``) does not import
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
-__all__ = ["BackendConformance", "resolve_backend", "build_plan", "reference_mqa", "no_host_sync",
+__all__ = ["BackendConformance", "resolve_backend", "build_matrix", "reference_mqa", "no_host_sync",
            "HostSyncError", "host_sync_allowed"]
 
 _LAZY = {
@@ -32,12 +33,21 @@ _LAZY = {
     "host_sync_allowed": "..host_sync",
     "BackendConformance": ".suite",
     "resolve_backend": ".suite",
-    "build_plan": ".matrix",
+    "build_matrix": ".matrix",
     "reference_mqa": ".reference",
 }
 
 
+#: names kept importable for code written against earlier releases: old name -> current name
+_DEPRECATED = {"build_plan": "build_matrix"}  # docs/conformance.md named it before the "plan" rename (issue 13)
+
+
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        new = _DEPRECATED[name]
+        warnings.warn(f"mla_backends.testing.{name} is deprecated; use {new} (the same function)",
+                      DeprecationWarning, stacklevel=2)
+        return __getattr__(new)
     mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'mla_backends.testing' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""Conformance case types (:class:`Case`, the probes, :class:`Plan`) and the declaration helpers; the cases
+"""Conformance case types (:class:`Case`, the probes, :class:`Matrix`) and the declaration helpers; the cases
 themselves are generated from a backend's declared :class:`~mla_backends.backend.Capabilities` in :mod:`.matrix`.
 
 A backend is tested on everything it claims and only that. Each declared value of each axis (query dtype,
@@ -29,7 +29,7 @@ from ..reasons import Reason, ReasonKind, without_kinds
 
 __all__ = [
     "Case",
-    "Plan",
+    "Matrix",
     "UnsupportedProbe",
     "DeclaredProbe",
     "HEAD_COUNTS",
@@ -144,7 +144,7 @@ class UnsupportedProbe:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Matrix:
     """Everything the suite runs for one backend."""
 
     backend: type[MLABackend]
@@ -156,7 +156,7 @@ class Plan:
     unsupported: tuple[UnsupportedProbe, ...]
 
     def count_kernel_calls(self) -> int:
-        """Kernel calls the plan makes when every case runs (guard: two checks; determinism: two runs)."""
+        """Kernel calls the matrix makes when every case runs (guard: two checks; determinism: two runs)."""
         return len(self.output) + 2 * len(self.guard) + 2 * len(self.determinism)
 
 

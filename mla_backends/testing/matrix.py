@@ -1,5 +1,5 @@
 """The conformance matrix: which :class:`~mla_backends.testing.cases.Case` values a backend must run, built
-from its declared :class:`~mla_backends.backend.Capabilities` (:func:`build_plan`; full and ``quick``).
+from its declared :class:`~mla_backends.backend.Capabilities` (:func:`build_matrix`; full and ``quick``).
 
 Every declared dtype, cache dtype, page size, head count and dims pair gets cases, crossed where it matters;
 each case is placed on a (simulated) device whose declaration accepts it, or recorded as *rejected* when no
@@ -25,13 +25,13 @@ from .cases import (
     HEAD_COUNTS,
     Case,
     DeclaredProbe,
-    Plan,
+    Matrix,
     UnsupportedProbe,
     declaration_devices,
     declared_reasons,
 )
 
-__all__ = ["build_plan"]
+__all__ = ["build_matrix"]
 
 #: query dtypes in order of preference for the base case
 _DTYPE_PREFERENCE = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -421,12 +421,12 @@ class _Builder:
 
 
 @functools.lru_cache(maxsize=64)
-def build_plan(cls: type[MLABackend], quick: bool = False) -> Plan:
+def build_matrix(cls: type[MLABackend], quick: bool = False) -> Matrix:
     """All cases and probes for ``cls`` (cached per backend class and matrix size)."""
     b = _Builder(cls, quick)
     output = b.output_cases()
     base = next((c for c in output if not c.rejected), output[0])
-    return Plan(
+    return Matrix(
         backend=cls,
         quick=quick,
         output=tuple(output),

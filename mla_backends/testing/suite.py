@@ -20,8 +20,8 @@ import torch
 
 from ..backend import MLABackend
 from . import checks, context_split
-from .cases import Case, DeclaredProbe, Plan, UnsupportedProbe
-from .matrix import build_plan
+from .cases import Case, DeclaredProbe, Matrix, UnsupportedProbe
+from .matrix import build_matrix
 
 __all__ = ["BackendConformance", "resolve_backend"]
 
@@ -73,18 +73,18 @@ class BackendConformance:
         return resolve_backend(backend), quick, device
 
     @classmethod
-    def conformance_plan(cls, config: pytest.Config) -> Plan:
+    def conformance_matrix(cls, config: pytest.Config) -> Matrix:
         backend, quick, _ = cls._settings(config)
-        return build_plan(backend, quick)
+        return build_matrix(backend, quick)
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
-        plan = self.conformance_plan(metafunc.config)
+        matrix = self.conformance_matrix(metafunc.config)
         params: dict[str, tuple[Case, ...] | tuple[DeclaredProbe, ...] | tuple[UnsupportedProbe, ...]] = {
-            "output_case": plan.output,
-            "guard_case": plan.guard,
-            "repeat_case": plan.determinism,
-            "declared_probe": plan.declared,
-            "unsupported_probe": plan.unsupported,
+            "output_case": matrix.output,
+            "guard_case": matrix.guard,
+            "repeat_case": matrix.determinism,
+            "declared_probe": matrix.declared,
+            "unsupported_probe": matrix.unsupported,
         }
         for name, values in params.items():
             if name in metafunc.fixturenames:
@@ -174,6 +174,6 @@ class BackendConformance:
         conformance_backend: type[MLABackend],
         conformance_device: torch.device,
     ) -> None:
-        case = self.conformance_plan(request.config).guard[0]
+        case = self.conformance_matrix(request.config).guard[0]
         self._require_runnable(conformance_backend, case, conformance_device)
         checks.check_rejects_bad_inputs(conformance_backend, case, conformance_device)

@@ -4,6 +4,6 @@ Importing this package does not import triton; the kernels load on the first ``f
 """
 
 from .backend import TritonMLABackend, interpreter_enabled
-from .plan import SCRATCH, choose_num_kv_splits
+from .splits import SCRATCH, choose_num_kv_splits
 
 __all__ = ["TritonMLABackend", "choose_num_kv_splits", "interpreter_enabled", "SCRATCH"]

@@ -20,7 +20,7 @@ from ..metadata import BatchMetadata
 from .configs import KERNELS, KernelConfig, choose_config, table_rows
 from .interpreter import interpreter_enabled, launch_guard
 from .launch import build_launches
-from .plan import MAX_KV_SPLITS, MIN_SPLIT_LEN, choose_num_kv_splits, next_pow2, sm_count
+from .splits import MAX_KV_SPLITS, MIN_SPLIT_LEN, choose_num_kv_splits, next_pow2, sm_count
 
 __all__ = ["TritonMLABackend", "interpreter_enabled", "PAGE_SIZES", "DEFAULT_SMEM_BYTES", "FP8_QK_TOLERANCES"]
 
@@ -66,7 +66,7 @@ class TritonMLABackend(MLABackend):
 
     Args:
         num_kv_splits: pin the number of KV splits (1..64) instead of the heuristic
-            (:func:`~mla_backends.triton_mla.plan.choose_num_kv_splits`). Pin it for CUDA-graph capture so the
+            (:func:`~mla_backends.triton_mla.splits.choose_num_kv_splits`). Pin it for CUDA-graph capture so the
             eager and captured paths launch the same grid. With the ``rows`` kernel it is the most a request
             gets: each request takes ``ceil(seq_len / min_split_len)`` of them, read from the device.
         kernel: ``"auto"`` (the configuration table, :data:`~mla_backends.triton_mla.configs.CONFIG_TABLE`:
@@ -158,8 +158,8 @@ class TritonMLABackend(MLABackend):
         ``mla-backends list``."""
         return table_rows()
 
-    # ---- planning -----------------------------------------------------------------------------------------
-    def plan_num_kv_splits(
+    # ---- KV splits ----------------------------------------------------------------------------------------
+    def kv_splits_for(
         self, meta: BatchMetadata, num_heads: int, device: torch.device, topk_width: int | None = None
     ) -> int:
         """Splits this call would use (host values only: ``meta.max_seq_len`` or the top-k width)."""
@@ -195,7 +195,7 @@ class TritonMLABackend(MLABackend):
             )
         sparse = topk_indices is not None
         K = int(topk_indices.shape[1]) if sparse else 0
-        splits = self.plan_num_kv_splits(meta, H, cache.device, K if sparse else None)
+        splits = self.kv_splits_for(meta, H, cache.device, K if sparse else None)
         cfg = self.launch_config(q_latent.dtype, cache.data.dtype, R, cache.qk_rope_head_dim, H, cache.device,
                                  sparse=sparse, interpret=kernels.INTERPRET)
         launches = build_launches(

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .interpreter import interpreter_enabled
+from .kernel_parts import kv_dequant_scale, load_2d, merge_splits, softmax_finish, softmax_step, store_2d
 
 __all__ = ["INTERPRET", "mla_decode_stage1", "mla_decode_stage2"]
 
@@ -98,25 +99,14 @@ def mla_decode_stage1(
     offs_d = tl.arange(0, RANK_PAD)
     mask_d = offs_d < RANK
     t64 = t.to(tl.int64)
-    q = tl.load(
-        QL + t64 * s_ql_t + h64[:, None] * s_ql_h + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)
+    q = load_2d(QL + t64 * s_ql_t + h64 * s_ql_h, offs_d, mask_h, mask_d).to(DOT_DTYPE)
     if ROPE > 0:
         offs_r = tl.arange(0, ROPE_PAD)
         mask_r = offs_r < ROPE
-        qr = tl.load(
-            QR + t64 * s_qr_t + h64[:, None] * s_qr_h + offs_r[None, :],
-            mask=mask_h[:, None] & mask_r[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)
+        qr = load_2d(QR + t64 * s_qr_t + h64 * s_qr_h, offs_r, mask_h, mask_r).to(DOT_DTYPE)
 
-    qk_scale = sm_scale_log2
-    if IS_FP8:
-        # stored = value / scale: fold the scale into the scores and the output instead of each element
-        kv_scale = tl.load(KV_SCALE)
-        qk_scale = qk_scale * kv_scale
+    kv_scale = kv_dequant_scale(KV_SCALE, IS_FP8)
+    qk_scale = sm_scale_log2 * kv_scale
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -132,33 +122,19 @@ def mla_decode_stage1(
         else:
             kpos = offs_n
         page = tl.load(bt_row + kpos // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
-        row = page * s_kv_b + (kpos % PAGE_SIZE) * s_kv_p
-        kv = tl.load(
-            KV + row[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0
-        ).to(DOT_DTYPE)
+        row = KV + page * s_kv_b + (kpos % PAGE_SIZE) * s_kv_p
+        kv = load_2d(row, offs_d, mask_n, mask_d).to(DOT_DTYPE)
         qk = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
         if ROPE > 0:
-            kr = tl.load(
-                KV + row[:, None] + RANK + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0
-            ).to(DOT_DTYPE)
+            kr = load_2d(row + RANK, offs_r, mask_n, mask_r).to(DOT_DTYPE)
             qk += tl.dot(qr, tl.trans(kr), input_precision=DOT_PRECISION)
         qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row must not give NaN
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i, l_i, alpha, p = softmax_step(m_i, l_i, qk)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv, input_precision=DOT_PRECISION)
-        m_i = m_new
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    o = acc / l_safe[:, None]
-    if IS_FP8:
-        o = o * kv_scale
-    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
-    po = PART_O + t64 * s_po_t + h64[:, None] * s_po_h + split * s_po_s + offs_d[None, :]
-    tl.store(po, o, mask=mask_h[:, None] & mask_d[None, :])
+    l_safe, lse2 = softmax_finish(m_i, l_i)
+    o = acc / l_safe[:, None] * kv_scale
+    store_2d(PART_O + t64 * s_po_t + h64 * s_po_h + split * s_po_s, offs_d, o, mask_h, mask_d)
     tl.store(PART_LSE + t64 * s_pl_t + h64 * s_pl_h + split, lse2, mask=mask_h)
 
 
@@ -184,36 +160,11 @@ def mla_decode_stage2(
     RANK_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
+    """Merge of :func:`mla_decode_stage1`'s ``num_splits`` splits, grid ``(tokens * head_blocks,)``."""
     pid = tl.program_id(0)
     hb = pid % head_blocks
-    t = (pid // head_blocks).to(tl.int64)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < num_heads
-    h64 = offs_h.to(tl.int64)
-    offs_d = tl.arange(0, RANK_PAD)
-    mask = mask_h[:, None] & (offs_d < RANK)[None, :]
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, RANK_PAD], tl.float32)
-    for s in range(0, num_splits):
-        lse_s = tl.load(PART_LSE + t * s_pl_t + h64 * s_pl_h + s, mask=mask_h, other=float("-inf"))
-        o_s = tl.load(
-            PART_O + t * s_po_t + h64[:, None] * s_po_h + s * s_po_s + offs_d[None, :],
-            mask=mask,
-            other=0.0,
-        )
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse_s - m_safe)  # 0 for an empty split
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        l_sum = l_sum * alpha + w
-        m = m_new
-    empty = l_sum == 0.0
-    l_safe = tl.where(empty, 1.0, l_sum)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m + tl.log2(l_safe)) * 0.6931471805599453)
-    tl.store(
-        OUT + t * s_o_t + h64[:, None] * s_o_h + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask
+    merge_splits(
+        PART_O, PART_LSE, OUT, LSE, (pid // head_blocks).to(tl.int64), offs_h, offs_h < num_heads, num_splits,
+        s_po_t, s_po_h, s_po_s, s_pl_t, s_pl_h, s_o_t, s_o_h, s_lse_t, s_lse_h, RANK, RANK_PAD, BLOCK_H,
     )
-    tl.store(LSE + t * s_lse_t + h64 * s_lse_h, lse, mask=mask_h)

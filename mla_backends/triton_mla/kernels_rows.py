@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .kernel_parts import kv_dequant_scale, load_2d, merge_splits, softmax_finish, softmax_step, store_2d
+
 __all__ = ["mla_decode_rows", "mla_decode_merge"]
 
 
@@ -122,26 +124,17 @@ def mla_decode_rows(
     mask_d0 = offs_d < RANK
     mask_d1 = (offs_d + HALF) < RANK
     q_row = QL + tok64 * s_ql_t + h64 * s_ql_h
-    q0 = tl.load(q_row[:, None] + offs_d[None, :], mask=mask_m[:, None] & mask_d0[None, :], other=0.0)
-    q1 = tl.load(q_row[:, None] + HALF + offs_d[None, :], mask=mask_m[:, None] & mask_d1[None, :], other=0.0)
-    q0 = q0.to(QK_DTYPE)
-    q1 = q1.to(QK_DTYPE)
+    q0 = load_2d(q_row, offs_d, mask_m, mask_d0).to(QK_DTYPE)
+    q1 = load_2d(q_row + HALF, offs_d, mask_m, mask_d1).to(QK_DTYPE)
     if ROPE > 0:
         offs_r = tl.arange(0, ROPE_PAD)
         mask_r = offs_r < ROPE
-        qr = tl.load(
-            QR + (tok64 * s_qr_t + h64 * s_qr_h)[:, None] + offs_r[None, :],
-            mask=mask_m[:, None] & mask_r[None, :],
-            other=0.0,
-        ).to(QK_DTYPE)
+        qr = load_2d(QR + tok64 * s_qr_t + h64 * s_qr_h, offs_r, mask_m, mask_r).to(QK_DTYPE)
 
-    qk_scale = tl.full([BLOCK_M], 1.0, tl.float32) * sm_scale_log2
+    kv_scale = kv_dequant_scale(KV_SCALE, IS_FP8)
+    qk_scale = tl.full([BLOCK_M], 1.0, tl.float32) * (sm_scale_log2 * kv_scale)
     if QK_FP8:
         qk_scale = qk_scale * tl.load(QSCALE + tok64 * num_heads + h64, mask=mask_m, other=1.0)
-    if IS_FP8:
-        # stored = value / scale: fold the scale into the scores and the output instead of each element
-        kv_scale = tl.load(KV_SCALE)
-        qk_scale = qk_scale * kv_scale
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -156,60 +149,44 @@ def mla_decode_rows(
             page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)  # the tile lies in one page: one lookup
         else:
             page = tl.load(bt_row + offs_c // PAGE_SIZE).to(tl.int64)
-        row = page * s_kv_b + (offs_c % PAGE_SIZE) * s_kv_p
+        row = KV + page * s_kv_b + (offs_c % PAGE_SIZE) * s_kv_p
         if RANK == RANK_PAD:
             # unmasked loads (fewer registers): rows past the end read a valid row of the same tile's page
             # walk (clamped below), and their scores are masked
-            kv0 = tl.load(KV + row[:, None] + offs_d[None, :])
-            kv1 = tl.load(KV + row[:, None] + HALF + offs_d[None, :])
+            kv0 = tl.load(row[:, None] + offs_d[None, :])
+            kv1 = tl.load(row[:, None] + HALF + offs_d[None, :])
         else:
-            kv0 = tl.load(KV + row[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d0[None, :], other=0.0)
-            kv1 = tl.load(
-                KV + row[:, None] + HALF + offs_d[None, :], mask=mask_n[:, None] & mask_d1[None, :], other=0.0
-            )
+            kv0 = load_2d(row, offs_d, mask_n, mask_d0)
+            kv1 = load_2d(row + HALF, offs_d, mask_n, mask_d1)
         qk = tl.dot(q0, tl.trans(kv0.to(QK_DTYPE)), input_precision=DOT_PRECISION)
         qk = tl.dot(q1, tl.trans(kv1.to(QK_DTYPE)), qk, input_precision=DOT_PRECISION)
         if ROPE > 0:
             if ROPE == ROPE_PAD:
-                kr = tl.load(KV + row[:, None] + RANK + offs_r[None, :])
+                kr = tl.load(row[:, None] + RANK + offs_r[None, :])
             else:
-                kr = tl.load(
-                    KV + row[:, None] + RANK + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0
-                )
+                kr = load_2d(row + RANK, offs_r, mask_n, mask_r)
             qk = tl.dot(qr, tl.trans(kr.to(QK_DTYPE)), qk, input_precision=DOT_PRECISION)
         visible = mask_n[None, :] & (offs_n[None, :] <= row_pos[:, None])
         qk = tl.where(visible, qk * qk_scale[:, None], float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row must not give NaN
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(qk - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i, l_i, alpha, p = softmax_step(m_i, l_i, qk)
         p16 = p.to(DOT_DTYPE)
         acc0 = tl.dot(p16, kv0.to(DOT_DTYPE), acc0 * alpha[:, None], input_precision=DOT_PRECISION)
         acc1 = tl.dot(p16, kv1.to(DOT_DTYPE), acc1 * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    inv = 1.0 / l_safe
-    if IS_FP8:
-        inv = inv * kv_scale
-    o0 = acc0 * inv[:, None]
-    o1 = acc1 * inv[:, None]
-    lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(l_safe))
+    l_safe, lse2 = softmax_finish(m_i, l_i)
+    inv = kv_scale / l_safe
     keep = mask_m & ((offs_m * 0 + split) < n_split)  # vector compare: the interpreter's scalar bools are int
-    if n_split == 1:
+    if n_split == 1:  # one split: the output and its natural-log LSE directly
         o_row = OUT + tok64 * s_o_t + h64 * s_o_h
-        o_ty = OUT.dtype.element_ty
-        tl.store(o_row[:, None] + offs_d[None, :], o0.to(o_ty), mask=keep[:, None] & mask_d0[None, :])
-        tl.store(o_row[:, None] + HALF + offs_d[None, :], o1.to(o_ty), mask=keep[:, None] & mask_d1[None, :])
-        tl.store(LSE + tok64 * s_lse_t + h64 * s_lse_h, lse2 * 0.6931471805599453, mask=keep)
-    else:
-        p_row = PART_O + tok64 * s_po_t + h64 * s_po_h + split * s_po_s
-        p_ty = PART_O.dtype.element_ty
-        tl.store(p_row[:, None] + offs_d[None, :], o0.to(p_ty), mask=keep[:, None] & mask_d0[None, :])
-        tl.store(p_row[:, None] + HALF + offs_d[None, :], o1.to(p_ty), mask=keep[:, None] & mask_d1[None, :])
-        tl.store(PART_LSE + tok64 * s_pl_t + h64 * s_pl_h + split, lse2, mask=keep)
+        lse_row = LSE + tok64 * s_lse_t + h64 * s_lse_h
+        lse_out = lse2 * 0.6931471805599453
+    else:  # a partial (output dtype) and its base-2 LSE, for the merge
+        o_row = PART_O + tok64 * s_po_t + h64 * s_po_h + split * s_po_s
+        lse_row = PART_LSE + tok64 * s_pl_t + h64 * s_pl_h + split
+        lse_out = lse2
+    store_2d(o_row, offs_d, acc0 * inv[:, None], keep, mask_d0)
+    store_2d(o_row + HALF, offs_d, acc1 * inv[:, None], keep, mask_d1)
+    tl.store(lse_row, lse_out, mask=keep)
 
 
 @triton.jit
@@ -247,29 +224,7 @@ def mla_decode_merge(
     n_split = _split_count(tl.load(SEQ_LENS + req), min_split_len, max_splits)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = (offs_h < num_heads) & ((offs_h * 0 + n_split) > 1)
-    h64 = offs_h.to(tl.int64)
-    offs_d = tl.arange(0, RANK_PAD)
-    mask = mask_h[:, None] & (offs_d < RANK)[None, :]
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, RANK_PAD], tl.float32)
-    for s in range(0, tl.where(n_split > 1, n_split, 0)):
-        lse_s = tl.load(PART_LSE + t * s_pl_t + h64 * s_pl_h + s, mask=mask_h, other=float("-inf"))
-        o_s = tl.load(
-            PART_O + t * s_po_t + h64[:, None] * s_po_h + s * s_po_s + offs_d[None, :], mask=mask, other=0.0
-        ).to(tl.float32)
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse_s - m_safe)  # 0 for an empty split
-        acc = acc * alpha[:, None] + w[:, None] * o_s
-        l_sum = l_sum * alpha + w
-        m = m_new
-    empty = l_sum == 0.0
-    l_safe = tl.where(empty, 1.0, l_sum)
-    out = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m + tl.log2(l_safe)) * 0.6931471805599453)
-    tl.store(
-        OUT + t * s_o_t + h64[:, None] * s_o_h + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=mask
+    merge_splits(
+        PART_O, PART_LSE, OUT, LSE, t, offs_h, mask_h, tl.where(n_split > 1, n_split, 0),
+        s_po_t, s_po_h, s_po_s, s_pl_t, s_pl_h, s_o_t, s_o_h, s_lse_t, s_lse_h, RANK, RANK_PAD, BLOCK_H,
     )
-    tl.store(LSE + t * s_lse_t + h64 * s_lse_h, lse, mask=mask_h)

@@ -18,7 +18,7 @@ from ..cache import LatentKVCache
 from ..dtypes import FP8_E4M3_MAX
 from ..metadata import BatchMetadata
 from .configs import INTERPRET_BLOCK_N, KernelConfig, merge_grid, rows_layout, stage1_grid
-from .plan import BLOCK_H, MIN_SPLIT_LEN, SCRATCH, next_pow2
+from .splits import BLOCK_H, MIN_SPLIT_LEN, SCRATCH, next_pow2
 
 __all__ = ["Launch", "build_launches", "quantize_queries_fp8"]
 

@@ -1,4 +1,4 @@
-"""Host-side planning for ``TRITON_MLA`` (no triton import): the split heuristic and the per-call scratch.
+"""Host-side KV splits for ``TRITON_MLA`` (no triton import): the split heuristic and the per-call scratch.
 
 Split heuristic (:func:`choose_num_kv_splits`). Stage 1 runs ``tokens * head_blocks * splits`` programs,
 ``head_blocks = ceil(heads / block_h)`` (:func:`block_h_for`: 16 or 32 heads a program). More splits fill
