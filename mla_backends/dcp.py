@@ -40,7 +40,7 @@ from .reasons import Reason, ReasonKind
 from .validation import require_int
 
 __all__ = ["DCPGroup", "dcp_group_for", "dispatch_capabilities", "check_dcp_metadata", "absorbed_attention",
-           "context_rows", "LSE_REASON"]
+           "context_rows", "local_decode_metadata", "LSE_REASON"]
 
 #: why a backend that returns no LSE cannot run under DCP
 LSE_REASON = Reason(ReasonKind.LSE, "LSE", text="decode context parallelism needs the softmax LSE")
@@ -148,10 +148,16 @@ def _local_decode(meta: BatchMetadata, dcp: DCPGroup) -> tuple[BatchMetadata | N
     local = None
     if rows:
         local = BatchMetadata.build([1] * len(rows), ctx, meta.block_table[rows], meta.block_size,
-                                    num_blocks=meta.num_blocks, reorder=False, device=meta.device)
+                                    num_blocks=meta.num_blocks, reorder=False, device=meta.device, read_only=True)
     result = (local, torch.tensor(tokens, dtype=torch.long, device=meta.device))
     meta.step_plan.dcp[key] = result
     return result
+
+
+def local_decode_metadata(meta: BatchMetadata, dcp: DCPGroup) -> BatchMetadata | None:
+    """This rank's local decode metadata for ``meta``'s absorbed requests (what it runs ``forward_mqa`` on;
+    None when it holds no row of any), built once per step and kept in ``meta.step_plan``."""
+    return _local_decode(meta, dcp)[0]
 
 
 def absorbed_attention(dcp: DCPGroup, backend: MLABackend, q_latent: torch.Tensor, q_rope: torch.Tensor,
@@ -189,23 +195,32 @@ def context_rows(dcp: DCPGroup, cache: LatentKVCache, meta: BatchMetadata) -> Co
 
     def read(chunk: list[tuple[int, int, int]], dtype: torch.dtype) -> torch.Tensor:
         dev = cache.device
-        # positions, requests and owners are host data (the chunk is): index tensors are made on the host and
-        # copied over, so nothing here reads the device or has a data-dependent shape
-        pos = torch.cat([torch.arange(a, z) for _, a, z in chunk])
-        req = torch.cat([torch.full((z - a,), b, dtype=torch.long) for b, a, z in chunk])
-        owner = pos % D
-        counts = [sum(dcp_local_len(z, j, D) - dcp_local_len(a, j, D) for _, a, z in chunk) for j in range(D)]
-        where = [torch.nonzero(owner == j).squeeze(1) for j in range(D)]  # host: chunk rows each rank holds
+        # which chunk rows each rank holds, and this rank's (request, local index) of its own: arithmetic on the
+        # chunk's host bounds (ranges with step D), so nothing reads the device or has a data-dependent shape
+        where: list[list[torch.Tensor]] = [[] for _ in range(D)]
+        mine_req: list[torch.Tensor] = []
+        mine_local: list[torch.Tensor] = []
+        off = 0
+        for b, a, z in chunk:
+            for j in range(D):
+                first = a + (j - a) % D  # the chunk's first position rank j holds
+                if first < z:
+                    where[j].append(torch.arange(off + first - a, off + z - a, D))
+                    if j == r:
+                        n = len(range(first, z, D))
+                        mine_req.append(torch.full((n,), b, dtype=torch.long))
+                        mine_local.append(torch.arange(first // D, first // D + n))
+            off += z - a
+        counts = [sum(t.numel() for t in w) for w in where]
         share = torch.zeros(max(counts), cache.row_width, dtype=dtype, device=dev)
         if counts[r]:
-            mine = where[r]
-            slots = position_slots(bt, req[mine].to(dev), (pos[mine] // D).to(dev), cache.block_size)
+            slots = position_slots(bt, torch.cat(mine_req).to(dev), torch.cat(mine_local).to(dev), cache.block_size)
             share[: counts[r]] = cache.read_slots(slots, dtype)
         gathered = _all_gather(share, dcp)  # [D, max share, R + P]
-        rows = torch.empty(pos.numel(), cache.row_width, dtype=dtype, device=dev)
+        rows = torch.empty(off, cache.row_width, dtype=dtype, device=dev)
         for j in range(D):
             if counts[j]:
-                rows.index_copy_(0, where[j].to(dev), gathered[j, : counts[j]])
+                rows.index_copy_(0, torch.cat(where[j]).to(dev), gathered[j, : counts[j]])
         return rows
 
     return read

@@ -61,6 +61,7 @@ class DecodeGraphMetadata:
                              f"{block_size}, one token left for the new one)")
         B, dev = max_batch, torch.device(device)
         ar = torch.arange(B, dtype=torch.int64, device=dev)
+        table = torch.zeros(B, max_blocks, dtype=torch.int32, device=dev)
         self.meta = BatchMetadata(
             block_size=block_size,
             order=ar.clone(),
@@ -69,13 +70,14 @@ class DecodeGraphMetadata:
             context_lens=torch.zeros(B, dtype=torch.int32, device=dev),
             seq_lens=torch.ones(B, dtype=torch.int32, device=dev),
             query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=dev),
-            block_table=torch.zeros(B, max_blocks, dtype=torch.int32, device=dev),
+            block_table=table,
             slot_mapping=torch.full((B,), -1, dtype=torch.int64, device=dev),
             token_request=ar.clone(),
             token_positions=torch.zeros(B, dtype=torch.int64, device=dev),
             query_lens_list=(1,) * B,
             context_lens_list=(self.max_context,) * B,
             num_blocks=num_blocks,
+            verified_block_table=table,  # every update() validates the step with build() first
         )
         self.num_requests = 0
 

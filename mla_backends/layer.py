@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from . import checkpoint
+from . import dcp as parallel
 from .backend import AttentionSpec, MLABackend
 from .cache import LatentKVCache
-from .dcp import LSE_REASON, check_dcp_metadata, context_rows, dcp_group_for, dispatch_capabilities
 from .dcp import absorbed_attention as dcp_absorbed_attention
 from .device import cuda_device_index, device_info_for
 from .dims import MLADims, read_config_json
@@ -81,7 +81,7 @@ def _blocking_reasons(backend_cls: type[MLABackend], spec: AttentionSpec) -> lis
     """Why ``backend_cls`` cannot run ``spec``, less missing packages (those fail when the backend runs);
     a refused LSE (the layer asks for one only under DCP) is worded as DCP's need."""
     reasons = without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
-    return [LSE_REASON if r.kind is ReasonKind.LSE else r for r in reasons]
+    return [parallel.LSE_REASON if r.kind is ReasonKind.LSE else r for r in reasons]
 
 
 class MLAAttention(torch.nn.Module):
@@ -132,7 +132,7 @@ class MLAAttention(torch.nn.Module):
             raise ValueError(f"tp_rank: got {tp_rank}; supported 0..{dims.tp_size - 1} "
                              f"(tp_size {dims.tp_size})")
         #: this rank's decode-context-parallel place (None: no DCP); see mla_backends.dcp
-        self.dcp = dcp_group_for(tp_rank, dims.tp_size, dcp_size, dcp_group, sparse=dims.is_sparse)
+        self.dcp = parallel.dcp_group_for(tp_rank, dims.tp_size, dcp_size, dcp_group, sparse=dims.is_sparse)
         if workspace_rows is not None:
             require_int("workspace_rows", workspace_rows, minimum=1)
         if max_model_len is not None:
@@ -297,13 +297,29 @@ class MLAAttention(torch.nn.Module):
     def decode_threshold(self) -> int:
         """Largest query length run absorbed (build the step's metadata with it and the split is one cut):
         :func:`mla_backends.dispatch.decode_threshold` of this layer's policy and backend."""
-        return decode_threshold(self.dispatch, dispatch_capabilities(self.backend_cls.capabilities, self.dcp))
+        return decode_threshold(self.dispatch, parallel.dispatch_capabilities(self.backend_cls.capabilities, self.dcp))
 
     def runs(self, meta: BatchMetadata, *, sparse: bool = False) -> tuple[Run, ...]:
         """This step's runs ``Run(absorbed, start, stop)`` of processing-order requests, as dispatch cuts them
         (:func:`mla_backends.dispatch.step_runs`; kept in ``meta.step_plan``)."""
-        return step_runs(meta, self.dispatch, dispatch_capabilities(self.backend_cls.capabilities, self.dcp),
+        return step_runs(meta, self.dispatch, parallel.dispatch_capabilities(self.backend_cls.capabilities, self.dcp),
                          sparse=sparse)
+
+    def prepare(self, meta: BatchMetadata, *, sparse: bool = False) -> None:
+        """Run the backend's per-step preparation (its ``prepare(meta)``: FlashInfer's ``plan()``) for exactly
+        the batches this layer's forward hands to ``forward_mqa`` this step (the absorbed runs; under DCP the
+        rank's local decode metadata). The engine's one call per step, before the first layer and outside any
+        CUDA-graph capture; idempotent, and shared by every layer of the same backend class and configuration,
+        so one layer's call prepares them all. Without it the first layer's forward prepares, lazily."""
+        starts = meta.query_starts_list
+        for absorbed, b0, b1 in self.runs(meta, sparse=sparse):
+            if not absorbed or starts[b0] == starts[b1]:
+                continue
+            sub = meta if (b0, b1) == (0, meta.num_requests) else meta.select_requests(b0, b1)
+            if self.dcp is not None:
+                sub = parallel.local_decode_metadata(sub, self.dcp)
+            if sub is not None:
+                sub.prepare(self.backend)
 
     # ---- forward -------------------------------------------------------------------------------------------
     def _check_inputs(self, hidden_states: torch.Tensor, positions: torch.Tensor | None, cache: LatentKVCache,
@@ -312,7 +328,7 @@ class MLAAttention(torch.nn.Module):
             raise RuntimeError("MLAAttention: weights not loaded; call load_hf_state_dict(state_dict) first")
         check_step_inputs(self.dims, self.dtype, self.weight_device, hidden_states, positions, cache, meta,
                           topk_indices, reuses_topk=self.indexer is None, layer_idx=self.layer_idx)
-        check_dcp_metadata(self.dcp, meta)
+        parallel.check_dcp_metadata(self.dcp, meta)
         meta.check_cache(cache)  # the whole step against this cache, before anything is written (host only)
 
     @property
@@ -354,7 +370,7 @@ class MLAAttention(torch.nn.Module):
         with the new tokens' ``latent [n, R]`` and roped ``k_pe [n, rope]`` (already in ``cache``) ->
         ``[n, H, v_head_dim]`` (into ``out`` when given), using this layer's ``kv_b_proj`` and workspace."""
         self._check_query(q, meta)
-        reader = None if self.dcp is None else context_rows(self.dcp, cache, meta)  # DCP: rows all-gathered
+        reader = None if self.dcp is None else parallel.context_rows(self.dcp, cache, meta)  # DCP: rows all-gathered
         return forward_mha(q, latent, k_pe, cache, meta, self.kv_b_proj.weight, scale=self.scale,
                            workspace=self.workspace_for(cache.block_size), out=out, context_rows=reader)
 

@@ -116,6 +116,10 @@ class BatchMetadata:
             when the table is on a GPU); :meth:`check_cache` compares it with a cache's ``num_blocks``, so no
             layer reads the table again. None on metadata made by hand: then the first check reads the table
             once (one sync) and the verdict is kept for the step.
+        verified_block_table: the ``block_table`` object that ``num_blocks`` and ``max_block_ids`` describe
+            (set by :meth:`build` and :meth:`select_requests`). A copy whose table was swapped
+            (``dataclasses.replace(meta, block_table=...)``) no longer matches it, so :meth:`check_cache` reads
+            the new table instead of trusting verdicts about the old one.
         step_plan: the :class:`~mla_backends.step_plan.StepPlan` of this step: runs, block-id verdicts,
             sub-batches and each backend's prepared state, worked out once and reused by every layer; never
             copied (``dataclasses.replace`` starts a new one).
@@ -138,6 +142,7 @@ class BatchMetadata:
     dcp_rank: int = 0
     dcp_size: int = 1
     max_block_ids: tuple[int, ...] | None = None
+    verified_block_table: torch.Tensor | None = field(default=None, repr=False, compare=False)
     step_plan: StepPlan = field(default_factory=StepPlan, init=False, repr=False)
 
     # ---- construction ----------------------------------------------------------------------------------
@@ -155,6 +160,7 @@ class BatchMetadata:
         reorder: bool = True,
         dcp_rank: int = 0,
         dcp_size: int = 1,
+        read_only: bool = False,
     ) -> BatchMetadata:
         """Validate one step's requests and derive everything backends need.
 
@@ -171,6 +177,9 @@ class BatchMetadata:
             dcp_rank / dcp_size: decode context parallelism (default none). The lengths stay global; row
                 ``b`` of ``block_table`` maps this rank's local tokens (``dcp_local_len(seq_len, dcp_rank,
                 dcp_size)`` of them), and new tokens stored on other ranks get slot -1.
+            read_only: the step writes nothing (a view over rows already cached, such as a DCP rank's local
+                decode metadata, whose last local row of each request stands in for its token): every slot is
+                -1 and the one-writer-per-slot check is skipped.
         """
         require_int("block_size", block_size, minimum=1)
         require_int("decode_threshold", decode_threshold, minimum=0)
@@ -247,7 +256,11 @@ class BatchMetadata:
             slots = position_slots(bt_proc, req, pos, block_size)
         else:
             slots = torch.zeros(0, dtype=torch.int64)
-        clash = duplicate_slot(slots)
+        if not isinstance(read_only, bool):
+            raise TypeError(f"read_only: got {type(read_only).__name__}; supported bool")
+        if read_only:
+            slots = torch.full_like(pos, -1)
+        clash = None if read_only else duplicate_slot(slots)
         if clash is not None:
             first, second = clash
             raise ValueError(
@@ -262,6 +275,7 @@ class BatchMetadata:
         def i64(vals: Sequence[int] | torch.Tensor) -> torch.Tensor:
             return torch.as_tensor(vals, dtype=torch.int64).to(dev)
 
+        table = bt_proc.to(dev, torch.int32).contiguous()
         return cls(
             block_size=block_size,
             order=i64(order),
@@ -270,7 +284,7 @@ class BatchMetadata:
             context_lens=i32(co),
             seq_lens=i32([a + b for a, b in zip(qo, co, strict=True)]),
             query_start_loc=i32(list(accumulate(qo, initial=0))),
-            block_table=bt_proc.to(dev, torch.int32).contiguous(),
+            block_table=table,
             slot_mapping=i64(slots),
             token_request=i64(token_request),
             token_positions=i64(pos),
@@ -280,6 +294,7 @@ class BatchMetadata:
             dcp_rank=dcp_rank,
             dcp_size=dcp_size,
             max_block_ids=tuple(maxima[b] for b in order),
+            verified_block_table=table,
         )
 
     # ---- validation against a cache (host only) ---------------------------------------------------------
@@ -289,18 +304,21 @@ class BatchMetadata:
         The step is checked whole, before any layer writes: the host maxima from :meth:`build` are compared
         with ``cache.num_blocks`` (no device read); slots then lie in range too, since each is ``block *
         block_size + offset`` with ``offset < block_size``. The verdict is kept in ``step_plan`` per cache
-        size, so the layers of a step check once. Metadata without ``max_block_ids`` (made by hand) is read
-        from the device once (one sync).
+        size, so the layers of a step check once. Metadata whose table :meth:`build` did not verify (made by
+        hand, or a copy with another table: :attr:`verified_block_table`) is read from the device once (one
+        sync).
         """
         if self.block_size != cache.block_size:
             raise ValueError(f"meta.block_size: got {self.block_size}; supported the cache's {cache.block_size}")
         n = cache.num_blocks
         if n in self.step_plan.block_ids_checked or not self.num_requests:
             return
-        if self.num_blocks is not None and self.num_blocks > n:
+        verified = self.verified_block_table is self.block_table  # build's verdicts describe this table
+        if verified and self.num_blocks is not None and self.num_blocks > n:
             raise ValueError(f"meta.num_blocks: got {self.num_blocks}; supported <= the cache's {n}")
-        if self.num_blocks is None:
-            hi = max(self.max_block_ids) if self.max_block_ids is not None else self._device_max_block_id()
+        if not verified or self.num_blocks is None:
+            hi = (max(self.max_block_ids) if verified and self.max_block_ids is not None
+                  else self._device_max_block_id())
             if hi >= n:
                 raise ValueError(f"meta.block_table: got block id {hi}; supported [0, {n - 1}] for this cache "
                                  f"({n} blocks)")
@@ -308,7 +326,8 @@ class BatchMetadata:
 
     def _device_max_block_id(self) -> int:
         """Largest live block id read from ``block_table`` (one sync; hand-made metadata only)."""
-        used = [-(-s // self.block_size) for s in self.seq_lens_list]
+        held = [dcp_local_len(s, self.dcp_rank, self.dcp_size) for s in self.seq_lens_list]  # local under DCP
+        used = [-(-h // self.block_size) for h in held]
         width = max(used, default=0)
         if not width:
             return -1
@@ -399,6 +418,7 @@ class BatchMetadata:
         starts = self.query_starts_list
         tok0, tok1 = starts[start], starts[stop]
         dev = self.device
+        sub_table = self.block_table[start:stop]
         sub = BatchMetadata(
             block_size=self.block_size,
             order=torch.arange(stop - start, device=dev),
@@ -407,7 +427,7 @@ class BatchMetadata:
             context_lens=self.context_lens[start:stop],
             seq_lens=self.seq_lens[start:stop],
             query_start_loc=torch.tensor([s - tok0 for s in starts[start:stop + 1]], dtype=torch.int32, device=dev),
-            block_table=self.block_table[start:stop],
+            block_table=sub_table,
             slot_mapping=self.slot_mapping[tok0:tok1],
             token_request=self.token_request[tok0:tok1] - start,
             token_positions=self.token_positions[tok0:tok1],
@@ -417,6 +437,7 @@ class BatchMetadata:
             dcp_rank=self.dcp_rank,
             dcp_size=self.dcp_size,
             max_block_ids=None if self.max_block_ids is None else self.max_block_ids[start:stop],
+            verified_block_table=sub_table if self.verified_block_table is self.block_table else None,
         )
         self.step_plan.sub_batches[key] = sub
         return sub

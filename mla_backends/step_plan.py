@@ -98,6 +98,7 @@ class StepPlan:
         self.sub_batches.clear()
         self.accepted.clear()
         self.prepared.clear()
+        self.dcp.clear()
 
     def is_prepared(self, backend: MLABackend) -> bool:
         """Whether ``backend``'s class (and configuration, ``backend.prepare_key()``) already prepared this step."""

@@ -20,6 +20,7 @@ from layer_cases import hf_attention, scattered_block_tables, tiny_config
 from mla_backends.dcp import LSE_REASON, dcp_group_for
 from mla_backends.layer import MLAAttention
 from mla_backends.metadata import BatchMetadata, dcp_local_len
+from mla_backends.testing import no_host_sync
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built into this torch")
 
@@ -35,8 +36,9 @@ HEADS = 8
 
 
 def _run(config: dict, state_dict: dict, tp_rank: int, tp_size: int, dcp_size: int, group: object
-         ) -> tuple[torch.Tensor, int]:
-    """The schedule's outputs ``[tokens, hidden]`` (caller order, step by step) and the cache rows written."""
+         ) -> tuple[torch.Tensor, int, list[list[str]]]:
+    """The schedule's outputs ``[tokens, hidden]`` (caller order, step by step), the cache rows written and the
+    host syncs of each step's layer call (``no_host_sync(count=True)``)."""
     layer = MLAAttention.from_hf_config(config, dtype=torch.float64, tp_rank=tp_rank, tp_size=tp_size,
                                         dcp_size=dcp_size, dcp_group=group, workspace_rows=WORKSPACE)
     layer.load_hf_state_dict(state_dict)
@@ -47,16 +49,18 @@ def _run(config: dict, state_dict: dict, tp_rank: int, tp_size: int, dcp_size: i
     bt, nb = scattered_block_tables(len(LENGTHS), local_max, BLOCK, seed=dcp_rank)  # this rank's pages
     cache = layer.allocate_cache(nb, BLOCK)
     done = [0] * len(LENGTHS)
-    outs = []
+    outs, syncs = [], []
     for qlens in STEPS:
         meta = BatchMetadata.build(qlens, list(done), bt, BLOCK, num_blocks=nb, decode_threshold=layer.decode_threshold,
                                    dcp_rank=dcp_rank, dcp_size=dcp_size)
         hidden = torch.cat([xs[b][done[b]: done[b] + q] for b, q in enumerate(qlens)])
         positions = torch.cat([torch.arange(done[b], done[b] + q) for b, q in enumerate(qlens)])
-        outs.append(layer(hidden, positions, cache, meta))
+        with no_host_sync(count=True) as seen:
+            outs.append(layer(hidden, positions, cache, meta))
+        syncs.append(seen.ops)
         done = [d + q for d, q in zip(done, qlens, strict=True)]
     written = int((cache.data.view(-1, cache.row_width) != 0).any(dim=1).sum())
-    return torch.cat(outs), written
+    return torch.cat(outs), written, syncs
 
 
 def _errors(config: dict, state_dict: dict, rank: int, world: int, group: object, other: object) -> dict:
@@ -94,10 +98,10 @@ def _worker(rank: int, world: int, dcp_size: int, rendezvous: str, result_dir: s
         groups = [dist.new_group(list(range(g * dcp_size, (g + 1) * dcp_size))) for g in range(world // dcp_size)]
         singles = [dist.new_group([r]) for r in range(world)]  # groups of the wrong size
         group = groups[rank // dcp_size]
-        out, written = _run(config, state_dict, rank, world, dcp_size, group)
+        out, written, syncs = _run(config, state_dict, rank, world, dcp_size, group)
         dist.all_reduce(out)  # the TP all-reduce, as the engine does
         errors = _errors(config, state_dict, rank, world, group, singles[rank]) if dcp_size == 2 else {}
-        torch.save((out, written, errors), os.path.join(result_dir, f"rank{rank}.pt"))
+        torch.save((out, written, errors, syncs), os.path.join(result_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -108,7 +112,7 @@ def model(tmp_path_factory):
     plain = (int, float, str, bool, dict, type(None))
     config = {k: v for k, v in cfg.to_dict().items() if isinstance(v, plain)}
     state_dict = hf_attention(cfg).state_dict()
-    single, written = _run(config, state_dict, 0, 1, 1, None)
+    single, written, _ = _run(config, state_dict, 0, 1, 1, None)
     assert written == sum(LENGTHS)
     return config, state_dict, single
 
@@ -119,7 +123,13 @@ def test_dcp_equals_unsharded(model, tmp_path, tp, dcp):
     torch.save((config, state_dict), tmp_path / "model.pt")
     mp.spawn(_worker, args=(tp, dcp, str(tmp_path / "rdv"), str(tmp_path)), nprocs=tp, join=True)
     for rank in range(tp):
-        out, written, errors = torch.load(tmp_path / f"rank{rank}.pt")
+        out, written, errors, syncs = torch.load(tmp_path / f"rank{rank}.pt")
+        # steps whose requests all run forward_mha (the prefills, the prefill over cached context, whose chunks
+        # are read through the DCP context-row reader) make no host sync; decode steps build the rank's local
+        # decode metadata once per step (documented, docs/layer.md)
+        for step, qlens in enumerate(STEPS):
+            if all(q != 1 for q in qlens):
+                assert syncs[step] == [], (step, syncs[step])
         # every path merges float64 LSEs (float64 queries get a float64 LSE from forward_mqa): 1e-10 throughout
         torch.testing.assert_close(out, single, rtol=1e-10, atol=1e-10)
         assert written == sum(dcp_local_len(n, rank % dcp, dcp) for n in LENGTHS)

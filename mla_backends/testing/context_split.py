@@ -65,7 +65,7 @@ def rank_share(p: Prepared, rank: int, ranks: int) -> tuple[LatentKVCache, Batch
     width = src.row_width
     cache.data.view(-1, width)[dst_slots] = src.data.view(-1, width)[src_slots]
     local_meta = BatchMetadata.build([1] * len(requests), [held[i] - 1 for i in requests], table.to(dev), P,
-                                     num_blocks=cache.num_blocks, reorder=False, device=dev)
+                                     num_blocks=cache.num_blocks, reorder=False, device=dev, read_only=True)
     return cache, local_meta, [meta.query_starts_list[i] for i in requests]
 
 
