@@ -10,7 +10,9 @@ sync-free.
 How: a ``TorchDispatchMode`` sees the aten ops (``_local_scalar_dense`` is what ``.item()``/``bool()``/
 ``int()`` become); ``Tensor.tolist``, ``.cpu``, ``.numpy`` and ``__array__`` never reach the dispatcher as
 such, and under ``torch.inference_mode`` the scalar reads skip the mode, so those methods (and ``item``,
-``__int__``, ``__float__``, ``__bool__``, ``__index__``) are patched while the guard is active.
+``__int__``, ``__float__``, ``__bool__``, ``__index__``) are patched while any guard in the process is active
+(reference-counted: installed by the first guard, the originals restored by the last); the wrappers report
+only to the calling thread's own stack of active guards.
 :func:`host_sync_allowed` pauses the guard (Triton's interpreter copies to the host by design;
 ``TRITON_MLA`` wraps each interpreted launch in it).
 
@@ -42,7 +44,8 @@ SYNC_OPS: frozenset[str] = frozenset({
 })
 #: Tensor methods that copy to the host without a dispatcher op the mode always sees (patched while active):
 #: ``tolist``/``cpu``/``numpy``/``__array__`` never reach it as such, and under ``torch.inference_mode`` the
-#: scalar reads (``item``, ``int()``, ``float()``, ``bool()``, ``__index__``) skip the Python dispatch key
+#: scalar reads (``item``, ``int()``, ``float()``, ``bool()``, ``__index__``) skip the Python dispatch key.
+#: ``_STATE`` (per thread): ``paused`` (depth of :func:`host_sync_allowed`), ``guards`` (active guards' callbacks)
 _PATCHED = ("tolist", "cpu", "numpy", "__array__", "item", "__int__", "__float__", "__bool__", "__index__")
 
 _STATE = threading.local()
@@ -110,19 +113,77 @@ class _SyncMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+#: the patching is process-wide and reference-counted: the wrappers go in when the first guard of the process
+#: starts and the true originals come back when the last one ends (under ``_PATCH_LOCK``), so guards that
+#: overlap in several threads and end in any order never leave a wrapper behind
+_PATCH_LOCK = threading.Lock()
+_PATCH_USERS = 0
+_ORIGINALS: dict[str, Callable[..., Any]] = {}
+
+
+def _guards() -> list[Callable[[str], None]]:
+    """This thread's stack of active guards (their report callbacks, outermost first)."""
+    stack = getattr(_STATE, "guards", None)
+    if stack is None:
+        stack = _STATE.guards = []
+    return stack
+
+
+def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.<name>`` that reports to the calling thread's active guards (innermost first), then runs
+    ``original`` with the guards paused (so the copy is not reported again as ``_local_scalar_dense``)."""
+
+    def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        stack = getattr(_STATE, "guards", None)
+        if stack and not _paused():
+            for on_sync in reversed(list(stack)):
+                on_sync(f"Tensor.{name}")
+        with host_sync_allowed():
+            return original(self, *args, **kwargs)
+
+    method.__name__ = name
+    method.__qualname__ = f"Tensor.{name}"
+    method.__doc__ = getattr(original, "__doc__", None)
+    return method
+
+
+def _acquire_patches() -> None:
+    """Count one more active guard in the process; the first one installs the wrappers."""
+    global _PATCH_USERS
+    with _PATCH_LOCK:
+        if _PATCH_USERS == 0:
+            _ORIGINALS.clear()
+            _ORIGINALS.update({name: getattr(torch.Tensor, name) for name in _PATCHED})
+            for name, original in _ORIGINALS.items():
+                setattr(torch.Tensor, name, _wrapper(name, original))
+        _PATCH_USERS += 1
+
+
+def _release_patches() -> None:
+    """Count one guard less; the last one restores the original ``Tensor`` methods."""
+    global _PATCH_USERS
+    with _PATCH_LOCK:
+        _PATCH_USERS -= 1
+        if _PATCH_USERS == 0:
+            for name, original in _ORIGINALS.items():
+                setattr(torch.Tensor, name, original)
+            _ORIGINALS.clear()
+
+
 @contextlib.contextmanager
 def no_host_sync(*, count: bool = False) -> Iterator[SyncRecord]:
     """Raise :class:`HostSyncError` at the first device-to-host sync inside the block (``count=False``), or
     record every one in the yielded :class:`SyncRecord` and raise nothing (``count=True``).
 
-    Works on the CPU as on a GPU (it looks at operations, not at devices). Active for the calling thread's
-    dispatch; the patched ``Tensor`` methods are process-wide while any guard is active, and report only to
-    the thread that opened the guard. Paused inside :func:`host_sync_allowed`.
+    Works on the CPU as on a GPU (it looks at operations, not at devices). A guard sees only its own thread:
+    the dispatch mode is per thread, and the patched ``Tensor`` methods (installed process-wide while any
+    guard in the process is active) report to the calling thread's active guards only. Nested guards all
+    see a sync, innermost first (a raising one stops it reaching those outside). Paused inside
+    :func:`host_sync_allowed`.
     """
     if not isinstance(count, bool):
         raise TypeError(f"count: got {type(count).__name__}; supported bool")
     record = SyncRecord()
-    owner = threading.get_ident()
 
     def on_sync(what: str) -> None:
         if count:
@@ -130,25 +191,15 @@ def no_host_sync(*, count: bool = False) -> Iterator[SyncRecord]:
         else:
             raise HostSyncError(f"host sync under no_host_sync(): {what}")
 
-    saved = {name: getattr(torch.Tensor, name) for name in _PATCHED}
-
-    def patched(name: str) -> Callable[..., Any]:
-        original = saved[name]
-
-        def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() == owner and not _paused():
-                on_sync(f"Tensor.{name}")
-            with host_sync_allowed():  # the copy below must not be reported twice (as _local_scalar_dense)
-                return original(self, *args, **kwargs)
-
-        method.__name__ = name
-        return method
-
-    for name in _PATCHED:
-        setattr(torch.Tensor, name, patched(name))
+    _acquire_patches()
+    stack = _guards()
+    stack.append(on_sync)
     try:
         with _SyncMode(on_sync):
             yield record
     finally:
-        for name, original in saved.items():
-            setattr(torch.Tensor, name, original)
+        for i in range(len(stack) - 1, -1, -1):  # by identity: this guard's entry, wherever it is
+            if stack[i] is on_sync:
+                del stack[i]
+                break
+        _release_patches()

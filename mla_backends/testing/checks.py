@@ -197,7 +197,7 @@ def check_out_rows_untouched(cls: type[MLABackend], case: Case, device: torch.de
     T, H, r = p.q_latent.shape
     G = GUARD_ROWS
     big = torch.full((G + T + G, H, r), SENTINEL, dtype=p.q_latent.dtype, device=device)
-    big_lse = torch.full((G + T + G, H), SENTINEL, dtype=torch.float32, device=device)
+    big_lse = torch.full((G + T + G, H), SENTINEL, dtype=lse_dtype(p.q_latent.dtype), device=device)
     before, before_lse = _bits(big).clone(), _bits(big_lse).clone()
     kw = {"out": big[G : G + T]}
     if cls.capabilities.returns_lse:
