@@ -18,9 +18,11 @@ The plan is built with the metadata and is never copied: ``dataclasses.replace(m
 with an empty plan, so nothing checked or prepared for one step leaks into another. A step's metadata (and so
 its plan) must not be edited in place once the first layer ran.
 
-**The engine's call.** ``meta.prepare(backend)`` (equivalently ``meta.step_plan.prepare(backend, meta)``) runs
-the backend's ``prepare`` hook for this step, once, and returns its state; a second call returns the same
-object. An engine calls it once per step before the first layer, outside any CUDA-graph capture (for a captured
+**The engine's call.** ``layer.prepare(meta)`` (``MLAAttention.prepare``) prepares exactly the batches the
+layers hand to ``forward_mqa``; underneath, ``meta.prepare(backend)`` (equivalently
+``meta.step_plan.prepare(backend, meta)``) runs the backend's ``prepare`` hook for that metadata, once, and
+returns its state; a second call returns the same object. An engine calls it once per step before the first
+layer, outside any CUDA-graph capture (for a captured
 decode step: after ``DecodeGraphMetadata.update``, before ``graph.replay()``); a backend that was not prepared
 is prepared on its first ``forward_mqa`` of the step. States are kept per ``backend.prepare_key()``: the class,
 plus the layer's configuration (``backend.configure(spec, scale)``, which ``MLAAttention`` calls), so every

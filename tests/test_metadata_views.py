@@ -54,3 +54,37 @@ def test_hand_made_dcp_metadata_reads_its_local_table():
     unverified.check_cache(cache)  # local pages: 4 rows -> 1 page per request on rank 1; ids 0 and 0 fit
     small = LatentKVCache(1, BLOCK, 8, 4, kv_cache_dtype="float32", model_dtype=torch.float32)
     dataclasses.replace(meta, verified_block_table=None, max_block_ids=None).check_cache(small)
+
+
+def test_layer_prepare_prepares_exactly_the_absorbed_batch():
+    """``layer.prepare(meta)``, the engine's one call: the backend's ``prepare`` sees the sub-batch the layer's
+    forward hands to ``forward_mqa`` (the decodes of a mixed step, not the prefill), once, and the forward does
+    not prepare again."""
+    from layer_cases import scattered_block_tables, tiny_config
+
+    from mla_backends.hf_loading import random_hf_state_dict
+    from mla_backends.layer import MLAAttention
+    from mla_backends.ref_torch import RefTorchBackend
+
+    seen: list[tuple[int, ...]] = []
+
+    class Preparing(RefTorchBackend):
+        name = "PREPARING"
+
+        def prepare(self, meta):
+            seen.append(meta.query_lens_list)
+            return "state"
+
+    cfg = tiny_config(heads=2).to_dict()
+    layer = MLAAttention.from_hf_config(cfg, backend=Preparing, dtype=torch.float32)
+    layer.load_hf_state_dict(random_hf_state_dict(layer.dims, attention_bias=layer.attention_bias))
+    qlens, ctxs = [1, 6, 1], [5, 0, 3]
+    bt, nb = scattered_block_tables(3, 8, BLOCK)
+    cache = layer.allocate_cache(nb, BLOCK)
+    meta = BatchMetadata.build(qlens, ctxs, bt, BLOCK, num_blocks=nb, decode_threshold=layer.decode_threshold)
+    layer.prepare(meta)
+    layer.prepare(meta)  # idempotent
+    assert seen == [(1, 1)]  # the two decodes (processing order puts them first), not the 6-token prefill
+    x = torch.randn(sum(qlens), cfg["hidden_size"])
+    layer(x, None, cache, meta)
+    assert seen == [(1, 1)]  # the forward found the state prepared
