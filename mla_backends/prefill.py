@@ -49,6 +49,7 @@ __all__ = [
     "merge_attention_states",
     "context_chunks",
     "default_workspace_rows",
+    "workspace_widths",
     "PrefillWorkspace",
     "MAX_WORKSPACE_ROWS",
     "fused_prefill_kernel",
@@ -73,6 +74,17 @@ def default_workspace_rows(max_model_len: int, max_num_seqs: int, block_size: in
     require_int("max_num_seqs", max_num_seqs, minimum=1)
     require_int("block_size", block_size, minimum=1)
     return min(max(8 * max_model_len, 4 * max_num_seqs * block_size), MAX_WORKSPACE_ROWS)
+
+
+def workspace_widths(kv_lora_rank: int, qk_rope_head_dim: int, heads: int, qk_nope_head_dim: int,
+                     v_head_dim: int) -> tuple[int, int]:
+    """``(R + P, H * (N + V))``: the values per row of a :class:`PrefillWorkspace`'s ``latent`` buffer (a
+    gathered cache row) and ``kv`` buffer (this rank's ``heads`` of up-projected K-nope and V). The one
+    formula of the workspace's size: ``forward_mha`` allocates with it and the sizing reports count with it."""
+    for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", qk_rope_head_dim), ("heads", heads),
+                        ("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
+        require_int(name, value, minimum=1)
+    return kv_lora_rank + qk_rope_head_dim, heads * (qk_nope_head_dim + v_head_dim)
 
 
 class PrefillWorkspace:
@@ -374,7 +386,7 @@ def forward_mha(
     chunks = context_chunks(ctx, workspace.rows) if any(ctx) else []
     if chunks:
         biggest = max(sum(z - a for _, a, z in chunk) for chunk in chunks)
-        latent_buf, kv_buf = workspace.buffers(R + P, H * (N + V), q.dtype, q.device, rows=biggest)
+        latent_buf, kv_buf = workspace.buffers(*workspace_widths(R, P, H, N, V), q.dtype, q.device, rows=biggest)
         bt = meta.block_table.long()
         bs = cache.block_size
         flat = cache.data.view(-1, cache.row_width)

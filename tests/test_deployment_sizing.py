@@ -80,3 +80,80 @@ def test_cli_json_and_warning(capsys):
     rc = main(["kv-cache", "--gpu-memory", "80GiB", "--tp", "8", "--weights-dtype", "bfloat16"])
     err = capsys.readouterr().err
     assert rc == 2 and "(169.6 GB per rank, bfloat16)" in err and "85.9 GB x 0.9" in err
+
+
+# ---- one prefill-workspace figure: what forward_mha allocates, in both kv-cache reports --------------------
+SMALL = MLADims(num_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                q_lora_rank=24, hidden_size=48, num_layers=2, max_position_embeddings=512)
+
+
+def test_deployment_workspace_is_what_forward_mha_allocates():
+    """Both reports count the workspace with the one formula forward_mha allocates with (latent R + P plus
+    H (N + V) per row); the deployment report once counted 192-wide keys and 128-wide values instead."""
+    import torch
+
+    from mla_backends.hf_loading import random_hf_state_dict
+    from mla_backends.layer import MLAAttention
+    from mla_backends.metadata import BatchMetadata
+    from mla_backends.prefill import PrefillWorkspace
+
+    own = PrefillWorkspace(16)
+    layer = MLAAttention(SMALL, backend="REF_TORCH", dtype=torch.float32, workspace=own)
+    layer.load_hf_state_dict(random_hf_state_dict(SMALL, dtype=torch.float32, seed=0, std=0.1))
+    cache = layer.allocate_cache(8, 8)
+    bt = torch.arange(8, dtype=torch.int32).view(1, 8)
+    with torch.inference_mode():
+        for q, c in ((24, 0), (4, 24)):  # fill the cache, then prefill over 24 cached rows (chunks of 16)
+            meta = BatchMetadata.build([q], [c], bt, 8, decode_threshold=layer.decode_threshold)
+            layer(torch.randn(q, SMALL.hidden_size), None, cache, meta)
+    assert own.kv is not None and own.kv.shape[0] == 16
+    allocated = own.nbytes
+    assert reports.prefill_workspace_figures(SMALL, "float32", rows=16)["prefill_workspace_bytes"] == allocated
+    per_row = (32 + 8 + 4 * (16 + 16)) * 4  # latent row + every head's K-nope and V, float32
+    assert allocated == 16 * per_row
+    for dp, heads in ((False, 16), (True, 128)):  # DP-attention: every head on every rank
+        rep = reports.deployment_report(V3, gpu_memory_bytes=141 * 10**9, tp=8, dp_attention=dp)
+        figures = reports.prefill_workspace_figures(V3, "bfloat16", 1 if dp else 8,
+                                                    rows=rep["workspace_rows"])
+        assert rep["workspace_bytes"] == figures["prefill_workspace_bytes"]
+        assert rep["workspace_bytes"] == rep["workspace_rows"] * (512 + 64 + heads * (128 + 128)) * 2
+
+
+def test_v3_deployment_workspace_matches_the_kv_cache_report(capsys):
+    assert main(["kv-cache", "--tp", "8", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["kv-cache", "--gpu", "h200", "--tp", "8", "--json"]) == 0
+    sized = json.loads(capsys.readouterr().out)
+    assert sized["workspace_rows"] == plain["prefill_workspace_rows"] == 65_536
+    assert sized["workspace_bytes"] == plain["prefill_workspace_bytes"] == 65_536 * (576 + 16 * 256) * 2  # 584 MiB
+
+
+def _worked_table() -> list[list[str]]:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cost-model.md").read_text()
+    start = text.index("| layout | cache | weights GB/rank |")
+    rows = []
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def test_cost_model_worked_table_matches_deployment_report():
+    """docs/cost-model.md's V3-on-8-H200 table is what deployment_report gives for each row."""
+    h200 = gpu_spec("h200")
+    rows = _worked_table()
+    assert len(rows) == 10
+    for layout, cache, weights, workspace, left, per_rank, cluster, decode in rows:
+        dp = layout == "DP-attention"
+        dcp = 1 if dp else int(layout.split("DCP=")[1])
+        rep = reports.deployment_report(V3, gpu_memory_bytes=h200.memory_bytes, tp=8, dcp=dcp, dp_attention=dp,
+                                        kv_cache_dtype={"bf16": "bfloat16"}.get(cache, cache))
+        comm = rep["dcp_comm_bytes_per_token_per_layer"]
+        sent = comm["decode_query_all_gather"] + comm["decode_lse_all_gather"] + comm["decode_output_reduce_scatter"]
+        shown = [f"{rep['weights_bytes_per_rank'] / 1e9:.2f}", f"{rep['workspace_bytes'] / 1e9:.2f}",
+                 f"{rep['cache_bytes_per_rank'] / 1e9:.2f}", f"{rep['tokens_per_rank']:,}",
+                 f"{rep['cluster_tokens']:,}", f"{sent:,}"]
+        assert [weights, workspace, left, per_rank, cluster, decode] == shown, layout

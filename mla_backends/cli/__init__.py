@@ -11,10 +11,10 @@ import importlib
 import json
 import logging
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Collection, Sequence
+from typing import Any, NoReturn
 
-__all__ = ["main", "build_parser", "version_text", "report_error", "UsageError"]
+__all__ = ["main", "build_parser", "version_text", "report_error", "UsageError", "split_pass_through"]
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +57,22 @@ class UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors raise :class:`UsageError` (sub-command parsers are of this class too)."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        #: every option string of this parser (``--tp``, ``-o``), for naming flags in errors
+        self.option_names: set[str] = set()  # before super().__init__, which adds -h
+        super().__init__(*args, **kwargs)
+        #: the sub-command parsers by name (filled by :func:`build_parser` on the top-level parser)
+        self.commands: dict[str, _Parser] = {}
+
+    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
+        self.option_names.update(n for n in names if isinstance(n, str) and n.startswith("-"))
+        return super().add_argument(*names, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(message, self)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     parser = _Parser(
         prog="mla-backends",
         description="Run, select, explain and size DeepSeek-style MLA attention backends.",
@@ -69,29 +80,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     parser.add_argument("--version", action="version", version=version_text(),
                         help="print the version and exit (`mla-backends env` for every version)")
+    parser.add_argument("--json", dest="global_json", action="store_true",
+                        help="the same as the command's own --json (mla-backends --json list = mla-backends "
+                             "list --json), for the commands that have one; errors are JSON too")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(sub)
+    parser.commands = dict(sub.choices)
     return parser
 
 
-def report_error(exc: BaseException, *, as_json: bool, command: str | None) -> int:
+def report_error(exc: BaseException, *, as_json: bool, command: str | None,
+                 options: Collection[str] = ()) -> int:
     """Report ``exc`` as the one error of this run and return the exit status (2; 130 for Ctrl-C).
 
     With ``--json``: ``{"error": {"type", "message", "argument"}}`` on stdout. Otherwise argparse's usage line
     and ``mla-backends <command>: error: <message>`` on stderr. Never a traceback (``-vv`` logs one at debug
-    level).
+    level). ``options`` are the command's option strings: a library argument the message leads with is
+    reported as the flag that sets it (:func:`mla_backends.cli.flags.flag_error`; ``argument`` is that flag).
     """
     from ..errors import error_dict
+    from .flags import flag_error
 
     if isinstance(exc, KeyboardInterrupt):
-        exc_text, status = "interrupted", 130
+        exc_text, status, argument = "interrupted", 130, None
     else:
-        exc_text, status = str(exc) or type(exc).__name__, 2
+        exc_text, argument = flag_error(str(exc) or type(exc).__name__, options)
+        status = 2
     log.debug("mla-backends %s failed", command or "", exc_info=exc)
     type_name = "ArgumentError" if isinstance(exc, UsageError) else None
     if as_json:
-        print(json.dumps(error_dict(exc, message=exc_text, type_name=type_name), indent=2))
+        print(json.dumps(error_dict(exc, message=exc_text, type_name=type_name, argument=argument), indent=2))
     elif isinstance(exc, UsageError):
         exc.parser.print_usage(sys.stderr)
         print(f"{exc.parser.prog}: error: {exc_text}", file=sys.stderr)
@@ -101,18 +120,40 @@ def report_error(exc: BaseException, *, as_json: bool, command: str | None) -> i
     return status
 
 
+def split_pass_through(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """``(before, after)`` the first ``--`` of ``argv``; ``after`` is None without one.
+
+    Only the arguments after ``--`` are passed through (to pytest, by ``conformance``); everything before it is
+    parsed strictly, so a misspelt option is a usage error rather than an argument for another program."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, None
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; every error is reported by :func:`report_error` (exit status 2)."""
+    """Run the command line; every error is reported by :func:`report_error` (exit status 2).
+
+    ``--json`` before the command means the same as after it (for the commands that have ``--json``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    as_json = "--json" in argv
+    own, passed = split_pass_through(argv)
+    as_json = "--json" in own
     command = None
+    options: set[str] = set()
     try:
         parser = build_parser()
-        args, extra = parser.parse_known_args(argv)
+        args = parser.parse_args(own)
         command = args.command
-        if extra and not getattr(args, "accepts_extra", False):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.extra = extra
+        options = parser.commands[command].option_names if command else parser.option_names
+        if passed is not None and not getattr(args, "accepts_extra", False):
+            parser.error(f"unrecognized arguments: -- {' '.join(passed)}".rstrip())
+        args.extra = passed or []
+        if args.global_json:
+            if not hasattr(args, "json"):
+                parser.error(f"argument --json: got it with {command or 'no command'}, which has no JSON "
+                             "output; supported with a command that has --json (mla-backends COMMAND --help)")
+            args.json = True
         as_json = bool(getattr(args, "json", as_json))
         logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
                             format="%(levelname)s %(name)s: %(message)s")
@@ -121,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         return int(args.func(args) or 0)
     except (Exception, KeyboardInterrupt) as exc:
-        return report_error(exc, as_json=as_json, command=command)
+        return report_error(exc, as_json=as_json, command=command, options=options)
 
 
 if __name__ == "__main__":  # pragma: no cover

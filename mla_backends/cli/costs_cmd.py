@@ -45,9 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                    help="fraction of the GPU's memory the engine uses (default 0.9)")
     p.add_argument("--dcp", type=int, default=1, metavar="N",
-                   help="decode context parallelism: N consecutive TP ranks split each sequence's cache")
+                   help="decode context parallelism: N consecutive TP ranks split each sequence's cache "
+                        "(needs --gpu or --gpu-memory)")
     p.add_argument("--dp-attention", action="store_true",
-                   help="attention at TP=1 on every data-parallel rank (the experts still split --tp ways)")
+                   help="attention at TP=1 on every data-parallel rank (the experts still split --tp ways; "
+                        "needs --gpu or --gpu-memory)")
     p.add_argument("--weights-dtype", default=None, help="weights dtype (default: as the preset is published; "
                    "DeepSeek-V3/R1 fp8_e4m3 with 128x128 block scales): fp8_e4m3, bfloat16, float16, float32")
     p.set_defaults(func=run_kv_cache)
@@ -93,6 +95,14 @@ def run_kv_cache(args: argparse.Namespace) -> int:
         raise ValueError(f"--cache-memory: got {args.cache_memory}; supported a positive number of GiB")
     if args.gpu is not None or args.gpu_memory is not None:
         return _run_deployment(args, dims)
+    if args.dcp != 1:  # the report below is one replicated rank: DCP/DP-attention would go unseen
+        raise ValueError(f"--dcp: got {args.dcp} without --gpu or --gpu-memory; supported only with --gpu or "
+                         "--gpu-memory (the deployment sizing, which applies it); --cache-memory alone sizes one "
+                         "rank of a replicated cache")
+    if args.dp_attention:
+        raise ValueError("--dp-attention: got it without --gpu or --gpu-memory; supported only with --gpu or "
+                         "--gpu-memory (the deployment sizing, which applies it); --cache-memory alone sizes one "
+                         "rank of a replicated cache")
     contexts = args.context or [None]
     reps = [reports.kv_cache_report(dims, kv_cache_dtype=args.kv_cache_dtype, model_dtype=args.dtype, tp=tp,
                                     context_len=s, gpu_memory_gib=args.cache_memory) for s in contexts]

@@ -13,7 +13,7 @@ from typing import Any
 from .. import costs, deployment
 from ..dims import MLADims
 from ..dtypes import parse_model_dtype, resolve_kv_cache_dtype
-from ..prefill import MAX_WORKSPACE_ROWS
+from ..prefill import MAX_WORKSPACE_ROWS, workspace_widths
 from ..validation import require_int
 
 __all__ = ["kv_cache_report", "crossover_report", "deployment_report", "prefill_workspace_figures",
@@ -87,12 +87,16 @@ def kv_cache_report(
 
 def prefill_workspace_figures(dims: MLADims, model_dtype: str = "bfloat16", tp: int = 1,
                               rows: int = MAX_WORKSPACE_ROWS) -> dict[str, int]:
-    """The prefill workspace beside the cache: ``rows`` gathered latent rows plus their per-head K-nope and V
-    (model dtype, this rank's heads), the one buffer every layer of a device shares
-    (:mod:`mla_backends.workspace`), and what one per layer would take."""
+    """The prefill workspace beside the cache, as ``forward_mha`` allocates it
+    (:func:`mla_backends.prefill.workspace_widths`): ``rows`` gathered latent rows plus their per-head K-nope
+    and V (model dtype, this rank's ``total_num_heads // tp`` heads), the one buffer every layer of a device
+    shares (:mod:`mla_backends.workspace`), and what one per layer would take. Bytes."""
     mb = costs.element_bytes("auto", model_dtype)
-    heads = dims.total_num_heads // tp
-    per_row = (dims.kv_lora_rank + dims.qk_rope_head_dim + heads * (dims.qk_nope_head_dim + dims.v_head_dim)) * mb
+    require_int("tp", tp, minimum=1)
+    require_int("rows", rows, minimum=1)
+    widths = workspace_widths(dims.kv_lora_rank, dims.qk_rope_head_dim, dims.total_num_heads // tp,
+                              dims.qk_nope_head_dim, dims.v_head_dim)
+    per_row = sum(widths) * mb
     return {
         "prefill_workspace_rows": rows,
         "prefill_workspace_bytes": rows * per_row,
@@ -187,8 +191,7 @@ def deployment_report(
     shape = deployment.model_shape(dims, config)
     weights = deployment.weight_bytes_per_rank(dims, shape, weights_dtype=wdt, tp=tp, dp_attention=dp_attention)
     rows = costs.workspace_rows(dims.max_position_embeddings, 256, 16)
-    workspace = (costs.workspace_latent_bytes(dims, rows, mb)
-                 + costs.workspace_upprojected_bytes(dims, rows, mb, tp=attn_tp, include_values=True))
+    workspace = prefill_workspace_figures(dims, model_dtype, attn_tp, rows=rows)["prefill_workspace_bytes"]
     usable = int(gpu_memory_bytes * gpu_memory_utilization)
     left = usable - weights - workspace
     where = f"{gpu_name or 'the GPU'} ({gpu_memory_bytes / 1e9:,.1f} GB x {gpu_memory_utilization:g})"
