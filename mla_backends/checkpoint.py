@@ -55,7 +55,10 @@ def _safe_open(file: str) -> Any:
         from safetensors import safe_open
     except ImportError as err:  # pragma: no cover - safetensors ships with transformers
         raise ImportError("reading checkpoints needs safetensors: pip install 'mla-backends[hf]'") from err
-    return safe_open(file, framework="pt", device="cpu")
+    try:
+        return safe_open(file, framework="pt", device="cpu")
+    except Exception as err:  # safetensors' own error type for a truncated or corrupt header
+        raise CheckpointError(f"{file}: not a readable safetensors file ({type(err).__name__}: {err})") from err
 
 
 class Checkpoint:
@@ -84,8 +87,12 @@ class Checkpoint:
         index = os.path.join(self.path, INDEX_FILE)
         self.weight_map: dict[str, str] | None
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as fh:
-                wm = json.load(fh).get("weight_map")
+            try:
+                with open(index, encoding="utf-8") as fh:
+                    parsed = json.load(fh)
+            except (OSError, ValueError) as err:  # ValueError: invalid JSON (json.JSONDecodeError)
+                raise CheckpointError(f"{index}: not a readable JSON index ({err})") from err
+            wm = parsed.get("weight_map") if isinstance(parsed, Mapping) else None
             if not isinstance(wm, Mapping):
                 raise CheckpointError(f"{index}: no weight_map; supported a safetensors index")
             self.weight_map = {str(k): str(v) for k, v in wm.items()}
@@ -203,6 +210,10 @@ class Checkpoint:
     def _dequant(f: Any, sl: Any, scale_key: str, dim: int, lo: int, hi: int, start: int, stop: int, bsz: int,
                  block: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
         s = f.get_slice(scale_key)
+        want = [-(-n // b) for n, b in zip(sl.get_shape(), block, strict=True)]  # the full scale, every rank
+        if list(s.get_shape()) != want:
+            raise CheckpointError(f"{scale_key}: got shape {list(s.get_shape())}; supported {want} (weight "
+                                  f"{list(sl.get_shape())} in blocks of {list(block)})")
         b0, b1 = lo // bsz, -(-hi // bsz)
         if dim == 0:
             w, scale = sl[lo:hi], s[b0:b1]

@@ -186,3 +186,27 @@ def test_bad_arguments():
         patch_model(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="block_size"):
         patch_model(tiny_v3(num_layers=1), block_size=0)
+
+
+def test_generate_without_a_cache_is_refused_not_wrong():
+    """``use_cache=False`` makes transformers feed the whole sequence every step; a patched model always caches
+    the latent, so it refuses the call instead of attending over rows added twice."""
+    model = tiny_v3(num_layers=1)
+    ids, mask = left_padded([5, 3])
+    patch_model(model, backend="REF_TORCH")
+    with pytest.raises(UnsupportedGenerationError, match="use_cache"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                       use_cache=False)
+    unpatch_model(model)
+
+
+def test_a_bare_decoder_stack_can_be_patched():
+    """``DeepseekV3Model`` (no ``generate``): the attention modules are patched and a forward runs."""
+    base = tiny_v3(num_layers=1).model
+    ids, mask = left_padded([5, 3])
+    want = base(ids, attention_mask=mask).last_hidden_state
+    patch_model(base, backend="REF_TORCH")
+    assert is_patched(base) and "generate" not in base.__dict__
+    got = base(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], rtol=1e-4, atol=1e-4)
+    unpatch_model(base)

@@ -217,3 +217,39 @@ def test_errors_name_the_path_and_what_is_missing(v3_folder, tmp_path):
         MLAAttention.from_pretrained(bad, 1)
     with pytest.raises(CheckpointError, match="layer 0 has no"):  # checked before any layer is read
         mla_backends.load_attention_layers(bad, [1, 0], progress=False)
+
+
+def test_unreadable_index_and_shards_are_checkpoint_errors(v3_folder, tmp_path):
+    """A broken index (invalid JSON, a JSON list) or a corrupt shard names the file; no raw parser error."""
+    import shutil
+
+    _, path = v3_folder
+    bad = tmp_path / "broken"
+    shutil.copytree(path, bad)
+    index = bad / INDEX_FILE
+    good_index = index.read_text()
+    index.write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"{INDEX_FILE}: not a readable JSON index"):
+        MLAAttention.from_pretrained(bad, 0)
+    index.write_text("[]")
+    with pytest.raises(CheckpointError, match="no weight_map"):
+        MLAAttention.from_pretrained(bad, 0)
+    index.write_text(good_index)
+    key, shard = next((k, v) for k, v in sorted(_shards(bad).items()) if ".self_attn." in k)
+    layer = int(key.split(".")[2])  # model.layers.{L}.self_attn.*
+    (bad / shard).write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=f"{shard}: not a readable safetensors file"):
+        MLAAttention.from_pretrained(bad, layer)
+
+
+def test_fp8_scale_of_the_wrong_shape_is_refused_by_every_rank(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _fp8_folder(tmp_path)
+    key = attention_prefix(0) + "q_b_proj.weight_scale_inv"
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors[key] = tensors[key][:-1].contiguous()  # one block row short
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    for rank in range(2):  # rank 0's slice of the short scale used to look fine
+        with pytest.raises(CheckpointError, match="q_b_proj.weight_scale_inv: got shape"):
+            MLAAttention.from_pretrained(tmp_path, 0, backend="REF_TORCH", tp_rank=rank, tp_size=2)

@@ -293,6 +293,7 @@ _UNSUPPORTED = (  # (generate argument, value meaning "off", feature named in th
     ("dola_layers", None, "DoLa decoding (dola_layers)"),
     ("cache_implementation", None, "cache_implementation (patched models manage their own cache)"),
     ("output_attentions", False, "output_attentions (patched attention returns no weights)"),
+    ("use_cache", True, "generation without a cache (use_cache=False: a patched model always caches the latent)"),
 )
 
 
@@ -352,7 +353,7 @@ def patch_model(model: torch.nn.Module, *, backend: Any = None, kv_cache_dtype: 
         block_size: tokens per cache page (default :data:`DEFAULT_BLOCK_SIZE`).
 
     The layers take the modules' weights, dtype and device as they are now. Raises TypeError for a model
-    without such modules or one already patched.
+    without such modules and ValueError for one already patched.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model: got {type(model).__name__}; supported a transformers DeepSeek model")
@@ -386,7 +387,8 @@ def patch_model(model: torch.nn.Module, *, backend: Any = None, kv_cache_dtype: 
     state.hooks.append(stack.register_forward_pre_hook(functools.partial(_pre_hook, state), with_kwargs=True))
     state.hooks.append(stack.register_forward_hook(functools.partial(_post_hook, state), with_kwargs=True))
     model.__dict__[_STATE_ATTR] = state
-    model.__dict__["generate"] = _wrap_generate(model, state)
+    if callable(getattr(type(model), "generate", None)):  # a bare decoder stack has no generate() to wrap
+        model.__dict__["generate"] = _wrap_generate(model, state)
     return model
 
 
