@@ -131,8 +131,9 @@ _PORTABLE_32 = (
 # 32 heads a program only on SM8x, where the 99 KiB parts (SM86/89) fall back to 16 heads (SM90 spills at 32)
 _PORTABLE_FP32_16 = (_heads("fp32-heads16-n16", 16, 16, True),)
 _PORTABLE_FP32_32 = (_heads("fp32-heads32-n16", 32, 16, True), _heads("fp32-heads16-n16", 16, 16, True))
-# 16-row tiles: the two [64, 256] fp32 accumulators take 128 of the 255 registers a thread has at 8 warps;
-# ptxas reports spills at 32 and 64 rows (docs/triton.md, "Compile report")
+# 16-row tiles, 2 stages: the two [64, 256] fp32 accumulators take 128 of the 255 registers a thread has at
+# 8 warps; ptxas reports spills at 3-4 stages (Triton 3.6 and 3.9) and at 32/64 rows under Triton 3.9 (none
+# at 2 stages under 3.6; docs/triton.md, "Compile report")
 _ROWS = (_rows("sm90-rows64-n16", 16, 2),)
 _ROWS_FP8QK = (_rows("sm90-rows64-n16-fp8qk", 16, 2, True),)
 
