@@ -108,6 +108,13 @@ def test_fp32_falls_back_to_a_smaller_block_on_99k_parts():
 def test_sm90_rows_config_and_fallbacks():
     rows = _choose((9, 0), 128, BF16, BF16, smem=SMEM_SM90)
     assert rows.kernel == "rows" and rows.block_h * 1 == 64
+    # pipelined: 4 tile buffers of 16 rows (ptxas: no spills under Triton 3.6), within SM90's 227 KiB
+    assert rows.num_stages == 4 and rows.block_n == 16
+    assert shared_bytes_estimate(rows, 2, 512, 64) <= SMEM_SM90
+    fp8qk = _choose((9, 0), 128, BF16, FP8, smem=SMEM_SM90, fp8_qk=True)
+    assert fp8qk.num_stages == 4 and fp8qk.kernel == "rows"
+    # a smaller shared-memory limit falls back to 2 stages
+    assert _choose((9, 0), 128, BF16, BF16, smem=128 * 1024).num_stages == 2
     assert rows_layout(128) == (64, 1, 2) and rows_layout(16) == (16, 4, 1) and rows_layout(20) == (32, 2, 1)
     # bf16 queries stay the default: an fp8 cache without fp8_qk keeps the portable kernel (the rows kernel's
     # dequantisation in registers spills), unless forced

@@ -131,10 +131,12 @@ _PORTABLE_32 = (
 # 32 heads a program only on SM8x, where the 99 KiB parts (SM86/89) fall back to 16 heads (SM90 spills at 32)
 _PORTABLE_FP32_16 = (_heads("fp32-heads16-n16", 16, 16, True),)
 _PORTABLE_FP32_32 = (_heads("fp32-heads32-n16", 32, 16, True), _heads("fp32-heads16-n16", 16, 16, True))
-# 16-row tiles: the two [64, 256] fp32 accumulators take 128 of the 255 registers a thread has at 8 warps;
-# ptxas reports spills at 32 and 64 rows (docs/triton.md, "Compile report")
-_ROWS = (_rows("sm90-rows64-n16", 16, 2),)
-_ROWS_FP8QK = (_rows("sm90-rows64-n16-fp8qk", 16, 2, True),)
+# 16-row tiles, 4 stages (4 tiles of 18 KiB in flight, 144 KiB with the 72 KiB query block): the two
+# [64, 256] fp32 accumulators take 128 of the 255 registers a thread has at 8 warps; no spills under Triton
+# 3.6 at 16/64/128 heads (32 B at 128 heads under 3.9); 32-row tiles at 3-4 stages take 253-255 registers
+# (140 B spilled under 3.9). 2 stages: the fallback (docs/triton.md, "Compile report")
+_ROWS = (_rows("sm90-rows64-n16-s4", 16, 4), _rows("sm90-rows64-n16", 16, 2))
+_ROWS_FP8QK = (_rows("sm90-rows64-n16-s4-fp8qk", 16, 4, True), _rows("sm90-rows64-n16-fp8qk", 16, 2, True))
 
 #: the configuration table: the first matching rule whose first fitting candidate is chosen
 CONFIG_TABLE: tuple[ConfigRule, ...] = (
@@ -161,13 +163,13 @@ def shared_bytes_estimate(cfg: KernelConfig, elem: int, rank_pad: int, rope_pad:
     """Shared memory a configuration needs (bytes; calibrated against ptxas within ~25%).
 
     ``heads``: the query block and one row tile, +25% for layout conversions. ``rows``: the 64-row query
-    block plus ``num_stages - 1`` row tiles in flight (Triton's pipelining), +5%.
+    block plus ``num_stages`` row-tile buffers (Triton's pipelining, at least 2), +5%.
     """
     width = rank_pad + rope_pad
     if cfg.kernel == "heads":
         return int(1.25 * elem * (cfg.block_h + cfg.block_n) * width)
     q_elem = 1 if cfg.qk_fp8 else elem
-    buffers = max(1, cfg.num_stages - 1)  # Triton keeps num_stages - 1 tiles in flight
+    buffers = max(2, cfg.num_stages)  # measured: 2 buffers at 2 stages, num_stages at 3-4
     return int(1.05 * (ROWS_PER_PROGRAM * width * q_elem + buffers * cfg.block_n * width * elem))
 
 

@@ -15,7 +15,8 @@ the cache.
 
 Splits follow the work: a request of ``S`` positions gets ``clamp(ceil(S / min_split_len), 1,
 max_splits)`` splits (from the device-side ``seq_lens``), each a whole number of tiles, and tiles start at
-multiples of ``BLOCK_N`` (one block-table lookup per tile when the page size is a multiple of it). A request
+multiples of ``BLOCK_N`` (one block-table lookup per tile when the page size is a multiple of it, read one
+tile ahead so that ``num_stages`` tiles are in flight). A request
 with one split writes its output and LSE directly; the merge (:func:`mla_decode_merge`) then skips its
 tokens. Partials are stored in the output's dtype (bf16/fp16; the LSE in float32).
 
@@ -141,12 +142,17 @@ def mla_decode_rows(
     acc0 = tl.zeros([BLOCK_M, HALF], tl.float32)  # output columns 0 .. HALF - 1
     acc1 = tl.zeros([BLOCK_M, HALF], tl.float32)  # output columns HALF .. RANK_PAD - 1
     bt_row = BT + req * s_bt_b
+    # page-aligned tiles: the block-table entry of the next tile is read one tile ahead (loop-carried), so
+    # the tile loads do not wait on a load of their own iteration and Triton's pipeliner keeps num_stages
+    # tile buffers in flight (with the lookup inside the iteration it keeps two, whatever num_stages says)
+    page_next = tl.load(bt_row + start // PAGE_SIZE, mask=start < end, other=0).to(tl.int64)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
         offs_c = tl.minimum(offs_n, end - 1)  # clamped: every row address is a visible cache row
         if PAGE_SIZE % BLOCK_N == 0:
-            page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)  # the tile lies in one page: one lookup
+            page = page_next  # the tile lies in one page: one lookup, made in the previous iteration
+            page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N, end - 1) // PAGE_SIZE).to(tl.int64)
         else:
             page = tl.load(bt_row + offs_c // PAGE_SIZE).to(tl.int64)
         row = KV + page * s_kv_b + (offs_c % PAGE_SIZE) * s_kv_p
@@ -176,18 +182,18 @@ def mla_decode_rows(
     l_safe, lse2 = softmax_finish(m_i, l_i)
     inv = kv_scale / l_safe
     keep = mask_m & ((offs_m * 0 + split) < n_split)  # vector compare: the interpreter's scalar bools are int
+    # each branch stores its own tiles: selecting the destination pointers first and storing once after the
+    # branch keeps both scaled accumulators live across it, which spills 2,112 bytes under Triton 3.6
     if n_split == 1:  # one split: the output and its natural-log LSE directly
         o_row = OUT + tok64 * s_o_t + h64 * s_o_h
-        lse_row = LSE + tok64 * s_lse_t + h64 * s_lse_h
-        lse_out = lse2 * 0.6931471805599453
+        store_2d(o_row, offs_d, acc0 * inv[:, None], keep, mask_d0)
+        store_2d(o_row + HALF, offs_d, acc1 * inv[:, None], keep, mask_d1)
+        tl.store(LSE + tok64 * s_lse_t + h64 * s_lse_h, lse2 * 0.6931471805599453, mask=keep)
     else:  # a partial (output dtype) and its base-2 LSE, for the merge
         o_row = PART_O + tok64 * s_po_t + h64 * s_po_h + split * s_po_s
-        lse_row = PART_LSE + tok64 * s_pl_t + h64 * s_pl_h + split
-        lse_out = lse2
-    store_2d(o_row, offs_d, acc0 * inv[:, None], keep, mask_d0)
-    store_2d(o_row + HALF, offs_d, acc1 * inv[:, None], keep, mask_d1)
-    tl.store(lse_row, lse_out, mask=keep)
-
+        store_2d(o_row, offs_d, acc0 * inv[:, None], keep, mask_d0)
+        store_2d(o_row + HALF, offs_d, acc1 * inv[:, None], keep, mask_d1)
+        tl.store(PART_LSE + tok64 * s_pl_t + h64 * s_pl_h + split, lse2, mask=keep)
 
 @triton.jit
 def mla_decode_merge(
