@@ -96,6 +96,11 @@ class Checkpoint:
             if not isinstance(wm, Mapping):
                 raise CheckpointError(f"{index}: no weight_map; supported a safetensors index")
             self.weight_map = {str(k): str(v) for k, v in wm.items()}
+            outside = sorted({v for v in self.weight_map.values()
+                              if os.path.basename(v) != v or v in ("", ".", "..")})
+            if outside:  # shards live in the folder itself: no paths, so an index cannot point outside it
+                raise CheckpointError(f"{index}: got shard names {outside}; supported plain file names in "
+                                      f"{self.path}")
         elif os.path.isfile(os.path.join(self.path, SINGLE_FILE)):
             self.weight_map = None
         else:

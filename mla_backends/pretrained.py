@@ -17,6 +17,7 @@ import torch
 from .checkpoint import Checkpoint
 from .layer import MLAAttention
 from .progress import ProgressBar
+from .validation import require_int
 
 __all__ = ["load_attention_layers", "from_pretrained"]
 
@@ -52,16 +53,16 @@ def load_attention_layers(
     else:
         if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
             raise TypeError(f"layers: got {type(layers).__name__}; supported an iterable of layer indices or None")
-        wanted = sorted(set(layers))
+        wanted = sorted({require_int(f"layers[{i}]", v, minimum=0) for i, v in enumerate(layers)})
     for idx in wanted:  # keys and shards of every layer checked before any tensor is read
         ckpt.layer_files(idx)
     out_dtype = ckpt.resolve_dtype(dtype)
     bar = ProgressBar(len(wanted), enabled=progress)
     result: dict[int, MLAAttention] = {}
-    for idx in wanted:
-        state = ckpt.read_attention_layer(idx, tp_rank=tp_rank, tp_size=tp_size, dtype=out_dtype)
+    for idx in wanted:  # the layer first: a bad backend= or option fails before any tensor is read
         layer = MLAAttention.from_hf_config(ckpt.config, dtype=out_dtype, tp_rank=tp_rank, tp_size=tp_size,
                                             layer_idx=idx, **options)
+        state = ckpt.read_attention_layer(idx, tp_rank=tp_rank, tp_size=tp_size, dtype=out_dtype)
         layer.load_hf_state_dict(state, sharded=True)
         del state
         result[idx] = layer

@@ -253,3 +253,29 @@ def test_fp8_scale_of_the_wrong_shape_is_refused_by_every_rank(tmp_path):
     for rank in range(2):  # rank 0's slice of the short scale used to look fine
         with pytest.raises(CheckpointError, match="q_b_proj.weight_scale_inv: got shape"):
             MLAAttention.from_pretrained(tmp_path, 0, backend="REF_TORCH", tp_rank=rank, tp_size=2)
+
+
+def test_index_cannot_point_outside_the_folder_and_layers_are_checked_first(v3_folder, tmp_path, monkeypatch):
+    import shutil
+
+    _, path = v3_folder
+    bad = tmp_path / "escape"
+    shutil.copytree(path, bad)
+    index = json.loads((bad / INDEX_FILE).read_text())
+    key = next(k for k in index["weight_map"] if ".self_attn." in k)
+    index["weight_map"][key] = "../elsewhere.safetensors"
+    (bad / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="supported plain file names"):
+        MLAAttention.from_pretrained(bad, 0)
+    with pytest.raises(TypeError, match=r"layers\[1\]: got str"):
+        mla_backends.load_attention_layers(path, [0, "1"], progress=False)
+    # a bad option fails before any tensor is read
+    reads = []
+    from mla_backends import checkpoint
+
+    original = checkpoint.Checkpoint.read_attention_layer
+    monkeypatch.setattr(checkpoint.Checkpoint, "read_attention_layer",
+                        lambda self, *a, **k: reads.append(a) or original(self, *a, **k))
+    with pytest.raises(ValueError):
+        mla_backends.load_attention_layers(path, [0], backend="NOPE", progress=False)
+    assert reads == []
