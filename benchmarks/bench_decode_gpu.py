@@ -184,7 +184,7 @@ def judge(point: dict[str, Any], backend: str, spec: Any, bw: float, flops_bf16:
         peak_flops = spec.tensor_flops_per_s(fp8_mma=True)
     r = decode_roofline(point_dims(point["heads"]), [point["context"]] * point["batch"],
                         cache_bytes=_kv_bytes(point["kv_cache_dtype"]), peak_bytes_per_s=bw,
-                        peak_flops_per_s=peak_flops)
+                        peak_flops_per_s=peak_flops, query_lens=[point.get("query_len", 1)] * point["batch"])
     return {"bytes": r.bytes, "flops": r.flops, "roofline_us": r.roofline_us, "bound": r.bound,
             "peak_flops_from": "fp8" if fp8_mma else "bf16"}
 
@@ -235,7 +235,8 @@ def estimate_seconds(records: list[dict[str, Any]], args: argparse.Namespace) ->
 
 
 def build_inputs(torch: Any, point: dict[str, Any], page: int, device: Any) -> tuple[Any, ...]:
-    """A filled cache (scattered pages), metadata for one decode token per request, and random queries."""
+    """A filled cache (scattered pages), metadata for ``point["query_len"]`` (default 1) new tokens per
+    request seeing ``point["context"]`` positions in all, and random queries ``[batch * query_len, H, ...]``."""
     from mla_backends.cache import LatentKVCache
     from mla_backends.metadata import BatchMetadata
 
@@ -261,9 +262,10 @@ def build_inputs(torch: Any, point: dict[str, Any], page: int, device: Any) -> t
         )
         flat[r0 : r0 + rows.shape[0]] = cache.quantize(rows)
     bt = torch.randperm(num_blocks, device=device, dtype=torch.int64).to(torch.int32).view(B, pages)
-    meta = BatchMetadata.build([1] * B, [ctx - 1] * B, bt, page, num_blocks=num_blocks)
-    q_latent = torch.randn(B, H, dims.kv_lora_rank, device=device, dtype=torch.bfloat16)
-    q_rope = torch.randn(B, H, dims.qk_rope_head_dim, device=device, dtype=torch.bfloat16)
+    q = int(point.get("query_len", 1))
+    meta = BatchMetadata.build([q] * B, [ctx - q] * B, bt, page, num_blocks=num_blocks)
+    q_latent = torch.randn(B * q, H, dims.kv_lora_rank, device=device, dtype=torch.bfloat16)
+    q_rope = torch.randn(B * q, H, dims.qk_rope_head_dim, device=device, dtype=torch.bfloat16)
     return cache, meta, q_latent, q_rope
 
 

@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_checks.sh --dry-run [OUTDIR]                    # CPU: list tests and points, estimate
 #
 # Steps: nvidia-smi and versions; the GPU test files (pytest, JUnit XML); the decode benchmark (roofline
-# records); the results file OUTDIR/<gpu>-<yyyy-mm-dd>-<label>.json (copy it to benchmarks/results/ and run
+# records); issue 16's Triton targets (rows vs heads kernel, 1- vs 4-token queries); the results file OUTDIR/<gpu>-<yyyy-mm-dd>-<label>.json (copy it to benchmarks/results/ and run
 # python benchmarks/gpu_readme.py). Absent optional pieces (FlashInfer) are reported, not failures.
 # PYTHON overrides the interpreter (default python3).
 set -uo pipefail
@@ -34,6 +34,7 @@ TEST_FILES=(tests/test_case_device.py tests/test_gpus.py tests/test_selector_dev
             tests/test_conformance_flashinfer.py tests/test_prefill_gpu.py)
 TESTS_CAP_S=300   # the pytest step is killed after this
 BENCH_CAP_S=150   # the benchmark stops starting new points after this (and is killed at +60 s)
+TARGETS_CAP_S=45  # issue 16's targets (bench_triton_targets.py): the same, killed at +45 s
 BENCH_ARGS=(--batch 1,8,64,128 --context 1k,4k,16k --heads 16,128 --kv-dtypes bfloat16,fp8_e4m3
             --backends TRITON_MLA,FLASHINFER_MLA,FLASHINFER_MLA_TRTLLM,FLASHINFER_MLA_CUTLASS,FLASHINFER_MLA_XQA
             --warmup 3 --iters 10 --max-seconds "$BENCH_CAP_S")
@@ -55,7 +56,12 @@ if [ "$DRY" = 1 ]; then
       --json "$OUT/bench_decode_gpu.dry-run.json" | tee "$OUT/bench_decode_gpu.dry-run.log"
   est_bench=$("$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); print(int(min(d['estimate_s'] or 0, $BENCH_CAP_S)))" \
       "$OUT/bench_decode_gpu.dry-run.json")
-  echo "== estimate: machine checks ~10 s + tests ~${est_tests} s + benchmark ~${est_bench} s = ~$((10 + est_tests + est_bench)) s (limit 480 s)"
+  echo "== issue 16 target points (bench_triton_targets.py --dry-run --gpu ${GPU:-h200}), capped at ${TARGETS_CAP_S} s"
+  "$PY" benchmarks/bench_triton_targets.py --dry-run --gpu "${GPU:-h200}" --json "$OUT/bench_triton_targets.dry-run.json" \
+      > "$OUT/bench_triton_targets.dry-run.log"
+  head -n 1 "$OUT/bench_triton_targets.dry-run.log"
+  est_targets=$TARGETS_CAP_S
+  echo "== estimate: machine checks ~10 s + tests ~${est_tests} s + benchmark ~${est_bench} s + targets ~${est_targets} s = ~$((10 + est_tests + est_bench + est_targets)) s (limit 480 s)"
   exit 0
 fi
 
@@ -87,9 +93,13 @@ GPU_ARGS=(); [ -n "$GPU" ] && GPU_ARGS=(--gpu "$GPU")
 step bench bench_decode_gpu.log timeout -k 10 $((BENCH_CAP_S + 60)) "$PY" benchmarks/bench_decode_gpu.py \
   "${BENCH_ARGS[@]}" "${GPU_ARGS[@]}" --json "$OUT/bench_decode_gpu.json"
 tail -n 30 "$OUT/bench_decode_gpu.log"
+step targets bench_triton_targets.log timeout -k 10 $((TARGETS_CAP_S + 45)) "$PY" benchmarks/bench_triton_targets.py \
+  "${GPU_ARGS[@]}" --max-seconds "$TARGETS_CAP_S" --json "$OUT/bench_triton_targets.json"
+tail -n 8 "$OUT/bench_triton_targets.log"
 ABSENT_ARGS=(); for a in "${ABSENT[@]}"; do ABSENT_ARGS+=(--absent "$a"); done
 step results results.log "$PY" benchmarks/gpu_results.py --outdir "$OUT" --label "$LABEL" \
-  --bench "$OUT/bench_decode_gpu.json" --junit "$OUT/gpu-tests.xml" "${ABSENT_ARGS[@]}"
+  --bench "$OUT/bench_decode_gpu.json" --junit "$OUT/gpu-tests.xml" --targets "$OUT/bench_triton_targets.json" \
+  "${ABSENT_ARGS[@]}"
 
 echo
 echo "== summary ($OUT/)"

@@ -48,7 +48,8 @@ def _fmt(x: Any, spec: str) -> str:
 def render_section(path: str | None) -> str:
     """The markdown between the markers for the results file at ``path`` (None: no run recorded)."""
     if path is None:
-        return f"No device run has been recorded yet (`benchmarks/results/` holds no results file).\n{HOW_TO}\n"
+        return (f"No device run has been recorded yet (`benchmarks/results/` holds no device-run results file)."
+                f"\n{HOW_TO}\n")
     with open(path) as f:
         data = json.load(f)
     v = data.get("versions", {})
@@ -75,6 +76,13 @@ def render_section(path: str | None) -> str:
                      f"{'-' if frac is None else f'{100 * frac:.0f}%'} |")
     if data.get("errors"):
         lines.append(f"\n{len(data['errors'])} benchmark point(s) failed; see the results file.")
+    targets = (data.get("triton_targets") or {}).get("targets") or []
+    if targets:
+        lines += ["", "TRITON_MLA on Hopper (issue 16; `benchmarks/bench_triton_targets.py`):", "",
+                  "| target | measured | wanted | met |", "|---|---|---|---|"]
+        for t in targets:
+            met = {True: "yes", False: "no", None: "-"}[t.get("met")]
+            lines.append(f"| {t['what']} | {_fmt(t.get('value'), '.2f')} | {t.get('target') or 'reported'} | {met} |")
     return "\n".join(lines) + "\n"
 
 

@@ -2,11 +2,11 @@
 """Assemble one device run's results file: ``<gpu>-<yyyy-mm-dd>-<label>.json``.
 
     python benchmarks/gpu_results.py --outdir OUT --label first --bench OUT/bench_decode_gpu.json \\
-        --junit OUT/gpu-tests.xml [--absent flashinfer]
+        --junit OUT/gpu-tests.xml [--targets OUT/bench_triton_targets.json] [--absent flashinfer]
 
 Writes ``OUT/<gpu>-<date>-<label>.json`` = ``{"gpu", "date", "label", "versions", "records", "tests",
-"skipped", "errors", "not_run", "absent"}``: the benchmark's records (see ``bench_decode_gpu.py``), the
-pytest summary from its JUnit XML (counts, and each failure's test id and first line), the versions of
+"skipped", "errors", "not_run", "triton_targets", "absent"}``: the benchmark's records (see
+``bench_decode_gpu.py``), the Triton targets (``bench_triton_targets.py``, when given), the pytest summary from its JUnit XML (counts, and each failure's test id and first line), the versions of
 everything that ran. Copy it into ``benchmarks/results/`` and run ``python benchmarks/gpu_readme.py`` to
 regenerate the README's GPU section. Standard library only (torch/triton are asked for their versions).
 """
@@ -95,12 +95,15 @@ def results_name(gpu: str, date: str, label: str) -> str:
 
 
 def assemble(bench: dict[str, Any], tests: dict[str, Any], label: str, date: str,
-             absent: list[str]) -> dict[str, Any]:
-    """The results file's content from the benchmark payload and the test summary."""
+             absent: list[str], targets: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The results file's content from the benchmark payload, the test summary and (optionally) the
+    ``bench_triton_targets.py`` payload (its records and targets, under ``triton_targets``)."""
     return {"format": FORMAT, "gpu": bench.get("gpu", "unknown"), "date": date, "label": label,
             "versions": versions(), "peaks": bench.get("peaks"), "records": bench.get("records", []),
             "tests": tests, "skipped": bench.get("skipped", []), "errors": bench.get("errors", []),
             "not_run": bench.get("not_run", []), "triton_target": bench.get("triton_target"),
+            "triton_targets": None if targets is None else {
+                k: targets.get(k, []) for k in ("targets", "records", "errors", "not_run")},
             "absent": absent}
 
 
@@ -111,13 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench", required=True, help="bench_decode_gpu.py's JSON")
     p.add_argument("--junit", required=True, help="pytest --junitxml file")
     p.add_argument("--absent", action="append", default=[], help="an optional piece that was not there")
+    p.add_argument("--targets", default=None, help="bench_triton_targets.py's JSON (optional)")
     args = p.parse_args(argv)
     bench: dict[str, Any] = {}
     if os.path.exists(args.bench):
         with open(args.bench) as f:
             bench = json.load(f)
+    targets = None
+    if args.targets and os.path.exists(args.targets):
+        with open(args.targets) as f:
+            targets = json.load(f)
     date = _dt.date.today().isoformat()
-    payload = assemble(bench, junit_summary(args.junit), args.label, date, args.absent)
+    payload = assemble(bench, junit_summary(args.junit), args.label, date, args.absent, targets)
     path = os.path.join(args.outdir, results_name(payload["gpu"], date, args.label))
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)

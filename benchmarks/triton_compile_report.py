@@ -4,15 +4,17 @@
     python benchmarks/triton_compile_report.py --arch sm80 --json FILE
 
 For the architecture, every (heads, query dtype, cache dtype, dense/sparse, ``fp8_qk``) point of
-:data:`POINTS` goes through :func:`mla_backends.triton_mla.configs.choose_config` with that architecture's
-shared memory; each distinct resulting launch is compiled once. The launches come from
+:data:`POINTS` goes through :func:`mla_backends.triton_mla.configs.fitting_configs` with that architecture's
+shared memory: the configuration the table chooses (``"chosen": true``) and the fallbacks it can take
+(``--chosen-only`` skips those); each distinct launch (same constexprs and integer specialisation) is
+compiled once. The launches come from
 :func:`mla_backends.triton_mla.launch.build_launches` on example CPU tensors of the real dims (576-wide
 rows, page 64), and Triton's own argument binder turns them into the signature a real launch compiles
 (int32 strides, 16-divisibility and ``== 1`` specialisation). PTX and cubin come from the installed Triton
 and the ptxas in its wheel; ``ptxas -v`` gives registers and spills.
 
 FILE gets ``{"arch": ..., "triton": ..., "configs": [...]}``, one entry per compiled kernel with ``kernel``,
-``config``, ``arch``, ``heads``, ``dtype``, ``kv_cache_dtype``, ``sparse``, ``heads_per_program`` (rows a
+``config``, ``chosen``, ``arch``, ``heads``, ``dtype``, ``kv_cache_dtype``, ``sparse``, ``heads_per_program`` (rows a
 program holds: heads x query tokens), ``uses_wgmma`` (``wgmma`` instructions in the PTX), ``registers`` (per
 thread), ``spills`` (spill store + load bytes; 0 = none), ``shared_bytes`` and ``shared_limit``.
 A few minutes on 2 cores. Triton's private ``JITFunction._pack_args`` is used (same in 3.6 and 3.9).
@@ -121,15 +123,57 @@ def _compile(launch, cc: int) -> dict[str, object]:
                                                               if v != "constexpr"}}
 
 
-def report(arch: str, heads_filter: tuple[int, ...] | None = None, kv_filter: str | None = None
-           ) -> dict[str, object]:
-    """Compile every configuration the table chooses on ``arch``; the JSON document described above."""
+def _int_specialization(args: tuple) -> tuple:
+    """How Triton specialises a launch's integer arguments (``== 1``, divisible by 16): launches that agree
+    here and in their constexprs compile to the same kernel."""
+    return tuple((a == 1, a % 16 == 0) for a in args if isinstance(a, int) and not isinstance(a, bool))
+
+
+def _record(configs: list, seen: dict, launch, cfg, chosen: bool, arch: str, cc: int, smem: int, heads: int,
+            q_name: str, kv_name: str, sparse: bool) -> None:
+    """Compile ``launch`` unless an identical kernel was compiled already, and append its entry."""
+    from mla_backends.triton_mla.configs import rows_layout
+
+    consts = tuple(sorted((k, str(v)) for k, v in launch.options.items()))
+    key = (launch.kernel, consts, _int_specialization(launch.args), q_name, kv_name)
+    if key in seen:  # the same compiled kernel serves this head count (or configuration) too
+        if heads not in seen[key]["also_heads"] and heads != seen[key]["heads"]:
+            seen[key]["also_heads"].append(heads)
+        seen[key]["chosen"] = seen[key]["chosen"] or chosen
+        return
+    t0 = time.time()
+    res = _compile(launch, cc)
+    merge = launch.kernel in ("mla_decode_stage2", "mla_decode_merge")
+    if launch.kernel == "mla_decode_rows":
+        rows = rows_layout(heads)[0] * rows_layout(heads)[1]
+    elif launch.kernel == "mla_decode_stage1":
+        rows = cfg.block_h
+    else:
+        rows = launch.options["BLOCK_H"]
+    configs.append({
+        "kernel": launch.kernel, "config": "merge" if merge else cfg.name, "chosen": chosen,
+        "arch": arch, "heads": heads, "dtype": q_name, "kv_cache_dtype": kv_name, "sparse": sparse,
+        "fp8_qk": cfg.qk_fp8, "heads_per_program": rows, "block_n": launch.options.get("BLOCK_N"),
+        "num_warps": launch.options.get("num_warps"), "num_stages": launch.options.get("num_stages"),
+        "shared_limit": smem, "compile_s": round(time.time() - t0, 1), "also_heads": [], **res,
+    })
+    seen[key] = configs[-1]
+    print(f"{arch} {launch.kernel:18s} {configs[-1]['config']:24s} H={heads:<3d} {q_name}/{kv_name}"
+          f"{' sparse' if sparse else ''}{'' if chosen else ' (fallback)'}: regs {res['registers']} spills "
+          f"{res['spills']} smem {res['shared_bytes']} wgmma {res['uses_wgmma']} ({configs[-1]['compile_s']} s)",
+          flush=True)
+
+
+def report(arch: str, heads_filter: tuple[int, ...] | None = None, kv_filter: str | None = None,
+           chosen_only: bool = False) -> dict[str, object]:
+    """Compile every configuration the table can choose on ``arch`` (``chosen_only``: only the one it
+    chooses at the architecture's shared memory); the JSON document described above."""
     import torch
     import triton
 
     from mla_backends.dtypes import parse_model_dtype as torch_dtype
     from mla_backends.triton_mla import kernels
-    from mla_backends.triton_mla.configs import choose_config, rows_layout
+    from mla_backends.triton_mla.configs import fitting_configs
     from mla_backends.triton_mla.launch import build_launches
 
     assert not kernels.INTERPRET, "TRITON_INTERPRET must be unset for compiling"
@@ -142,37 +186,13 @@ def report(arch: str, heads_filter: tuple[int, ...] | None = None, kv_filter: st
         if kv_name.startswith("fp8") and cc < 89:  # fp8 caches need SM89+ (declared by the backend)
             continue
         ql, qr, cache, meta, out, lse, topk = _example(heads, q_name, kv_name, sparse)
-        cfg = choose_config((cc // 10, cc % 10), heads, torch_dtype(q_name), cache.data.dtype, sparse=sparse,
-                            rank_pad=RANK, rope_pad=ROPE, smem_limit=smem, fp8_qk=fp8_qk)
-        launches = build_launches(ql, qr, cache, meta, scale=0.1, topk_indices=topk, out=out, lse_out=lse,
-                                  cfg=cfg, splits=2, interpret=False)
-        for launch in launches:
-            consts = tuple(sorted((k, str(v)) for k, v in launch.options.items()))
-            key = (launch.kernel, consts, q_name, kv_name)
-            if key in seen:  # the same compiled kernel serves this head count too
-                seen[key]["also_heads"].append(heads)
-                continue
-            t0 = time.time()
-            res = _compile(launch, cc)
-            if launch.kernel == "mla_decode_rows":
-                rows = rows_layout(heads)[0] * rows_layout(heads)[1]
-            elif launch.kernel == "mla_decode_stage1":
-                rows = cfg.block_h
-            else:
-                rows = launch.options["BLOCK_H"]
-            configs.append({
-                "kernel": launch.kernel, "config": cfg.name if launch.kernel.startswith("mla_decode_") and
-                launch.kernel not in ("mla_decode_stage2", "mla_decode_merge") else "merge",
-                "arch": arch, "heads": heads, "dtype": q_name, "kv_cache_dtype": kv_name, "sparse": sparse,
-                "fp8_qk": cfg.qk_fp8, "heads_per_program": rows, "block_n": launch.options.get("BLOCK_N"),
-                "num_warps": launch.options.get("num_warps"), "num_stages": launch.options.get("num_stages"),
-                "shared_limit": smem, "compile_s": round(time.time() - t0, 1), "also_heads": [], **res,
-            })
-            seen[key] = configs[-1]
-            print(f"{arch} {launch.kernel:18s} {configs[-1]['config']:24s} H={heads:<3d} {q_name}/{kv_name}"
-                  f"{' sparse' if sparse else ''}: regs {res['registers']} spills {res['spills']} "
-                  f"smem {res['shared_bytes']} wgmma {res['uses_wgmma']} ({configs[-1]['compile_s']} s)",
-                  flush=True)
+        candidates = fitting_configs((cc // 10, cc % 10), heads, torch_dtype(q_name), cache.data.dtype,
+                                     sparse=sparse, rank_pad=RANK, rope_pad=ROPE, smem_limit=smem, fp8_qk=fp8_qk)
+        for rank, cfg in enumerate(candidates[:1] if chosen_only else candidates):
+            launches = build_launches(ql, qr, cache, meta, scale=0.1, topk_indices=topk, out=out, lse_out=lse,
+                                      cfg=cfg, splits=2, interpret=False)
+            for launch in launches:
+                _record(configs, seen, launch, cfg, rank == 0, arch, cc, smem, heads, q_name, kv_name, sparse)
     del torch
     return {"arch": arch, "triton": triton.__version__, "configs": configs}
 
@@ -183,8 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="FILE", help="write the report to FILE")
     p.add_argument("--heads", type=int, nargs="*", help="only these head counts (default: 16, 64, 128)")
     p.add_argument("--kv-cache-dtype", help="only this cache dtype")
+    p.add_argument("--chosen-only", action="store_true",
+                   help="only the configuration the table chooses, not its fallbacks")
     args = p.parse_args(argv)
-    doc = report(args.arch, tuple(args.heads or ()), args.kv_cache_dtype)
+    doc = report(args.arch, tuple(args.heads or ()), args.kv_cache_dtype, args.chosen_only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

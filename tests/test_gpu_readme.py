@@ -49,8 +49,12 @@ def test_newest_file_feeds_the_section_and_check_catches_drift(readme_gen, resul
     rec = {"backend": "TRITON_MLA", "gpu": "h200", "batch": 64, "context": 4096, "heads": 128,
            "kv_cache_dtype": "bfloat16", "bytes": 1, "flops": 2, "roofline_us": 73.8, "bound": "compute",
            "time_us": 100.0, "roofline_fraction": 0.738}
-    payload = results.assemble({"gpu": "h200", "records": [rec]}, tests, "first", "2026-12-01", ["flashinfer"])
+    targets = {"targets": [{"name": "rows_vs_heads_128h", "what": "128 heads: rows over heads", "value": 2.41,
+                            "target": ">= 2.0", "met": True}], "records": []}
+    payload = results.assemble({"gpu": "h200", "records": [rec]}, tests, "first", "2026-12-01", ["flashinfer"],
+                               targets)
     assert {"gpu", "versions", "records", "tests"} <= set(payload) and payload["versions"]["python"]
+    assert payload["triton_targets"]["targets"][0]["met"] is True
     name = results.results_name("h200", "2026-12-01", "first")
     assert name == "h200-2026-12-01-first.json"
     (tmp_path / name).write_text(json.dumps(payload))
@@ -59,6 +63,7 @@ def test_newest_file_feeds_the_section_and_check_catches_drift(readme_gen, resul
     section = readme_gen.render_section(readme_gen.newest_results(str(tmp_path)))
     assert "| TRITON_MLA | bfloat16 | 64 | 4096 | 128 | compute | 73.8 | 100.0 | 74% |" in section
     assert "1 failed" in section and "flashinfer" in section
+    assert "| 128 heads: rows over heads | 2.41 | >= 2.0 | yes |" in section
     readme = tmp_path / "README.md"
     readme.write_text(f"x\n{readme_gen.START}\nold\n{readme_gen.END}\ny\n")
     args = ["--readme", str(readme), "--results-dir", str(tmp_path)]
@@ -84,5 +89,7 @@ def test_gpu_checks_dry_run_lists_every_test_file_and_point(tmp_path):
         assert int(line.split()[1]) > 0, line  # every file collects at least one test
     grid = json.loads((tmp_path / "bench_decode_gpu.dry-run.json").read_text())
     assert grid["gpu"] == "h200" and any(r["backend"] == "TRITON_MLA" for r in grid["records"])
+    targets = json.loads((tmp_path / "bench_triton_targets.dry-run.json").read_text())
+    assert {r["kernel"] for r in targets["records"]} == {"heads", "rows"} and targets["targets"]
     est = next(ln for ln in out.splitlines() if ln.startswith("== estimate"))
     assert int(est.rsplit("= ~", 1)[1].split()[0]) < 480, est

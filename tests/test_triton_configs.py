@@ -23,6 +23,7 @@ from mla_backends.triton_mla.configs import (
     CONFIG_TABLE,
     GRID_AXIS12_MAX,
     choose_config,
+    fitting_configs,
     rows_layout,
     shared_bytes_estimate,
     stage1_grid,
@@ -108,13 +109,26 @@ def test_fp32_falls_back_to_a_smaller_block_on_99k_parts():
 def test_sm90_rows_config_and_fallbacks():
     rows = _choose((9, 0), 128, BF16, BF16, smem=SMEM_SM90)
     assert rows.kernel == "rows" and rows.block_h * 1 == 64
-    # pipelined: 4 tile buffers of 16 rows (ptxas: no spills under Triton 3.6), within SM90's 227 KiB
-    assert rows.num_stages == 4 and rows.block_n == 16
+    # pipelined: 3 tile buffers of 32 rows (ptxas: no spills under Triton 3.6 and 3.9), within SM90's 227 KiB
+    assert rows.num_stages == 3 and rows.block_n == 32
     assert shared_bytes_estimate(rows, 2, 512, 64) <= SMEM_SM90
     fp8qk = _choose((9, 0), 128, BF16, FP8, smem=SMEM_SM90, fp8_qk=True)
-    assert fp8qk.num_stages == 4 and fp8qk.kernel == "rows"
-    # a smaller shared-memory limit falls back to 2 stages
+    assert fp8qk.num_stages == 4 and fp8qk.block_n == 32 and fp8qk.kernel == "rows" and fp8qk.qk_fp8
+    # fp8 tiles and queries take one byte an element: 110,592 bytes measured (ptxas), estimated within 5%
+    assert 110_592 <= shared_bytes_estimate(fp8qk, 2, 512, 64) <= 1.05 * 110_592 + 1
+    # smaller shared-memory limits fall back to 16-row tiles at 4 stages, then at 2
+    assert (_choose((9, 0), 128, BF16, BF16, smem=180 * 1024).block_n,
+            _choose((9, 0), 128, BF16, BF16, smem=180 * 1024).num_stages) == (16, 4)
     assert _choose((9, 0), 128, BF16, BF16, smem=128 * 1024).num_stages == 2
+    # every fitting candidate, in the table's order (what the compile report compiles)
+    names = [c.name for c in fitting_configs((9, 0), 128, BF16, BF16, sparse=False, rank_pad=512, rope_pad=64,
+                                             smem_limit=SMEM_SM90)]
+    assert names[:3] == ["sm90-rows64-n32-s3", "sm90-rows64-n16-s4", "sm90-rows64-n16"], names
+    assert all(n.startswith("heads32") or n.startswith("heads16") for n in names[3:]), names
+    # 16 heads fall back to 16 heads a program, not 32 (half the rows of a 32-head program would be padding)
+    names16 = [c.name for c in fitting_configs((9, 0), 16, BF16, BF16, sparse=False, rank_pad=512, rope_pad=64,
+                                               smem_limit=SMEM_SM90)]
+    assert names16[3:] == ["heads16-n32", "heads16-n16"], names16
     assert rows_layout(128) == (64, 1, 2) and rows_layout(16) == (16, 4, 1) and rows_layout(20) == (32, 2, 1)
     # bf16 queries stay the default: an fp8 cache without fp8_qk keeps the portable kernel (the rows kernel's
     # dequantisation in registers spills), unless forced

@@ -2,7 +2,7 @@
 with ``kernel="rows"`` so it runs under the CPU interpreter, against the float64 reference of
 ``test_triton_mla.py``; and the conformance suite's quick matrix on it (bf16 queries, and ``fp8_qk``).
 
-Cases: heads 16/64/128 (plus 20: a padded head block), query lengths 1-4 in one request, ragged lengths,
+Cases: heads 16/64/128 (plus 20 and 96: padded head blocks), query lengths 1-4 in one request, ragged lengths,
 pages 1/16/64 with scattered tables, splits by length whose boundaries fall inside a page, requests with one
 split (written directly, merge skipped) next to requests with several.
 """
@@ -32,6 +32,8 @@ def _rows(**kw) -> TritonMLABackend:
         (128, [1, 2], [70, 3], 64, "bfloat16"),
         (64, [4, 1], [130, 0], 1, "fp8_e4m3"),
         (20, [3, 1], [50, 7], 16, "bfloat16"),
+        # 96 heads: two 64-head blocks, the second half padding (one token a program: no per-row limit)
+        (96, [2, 1], [65, 130], 16, "bfloat16"),
         (16, [1, 1, 4], [300, 5, 61], 64, "fp8_e5m2"),
     ],
 )

@@ -33,6 +33,7 @@ __all__ = [
     "ROWS_PER_PROGRAM",
     "KERNELS",
     "choose_config",
+    "fitting_configs",
     "shared_bytes_estimate",
     "rows_layout",
     "stage1_grid",
@@ -131,17 +132,24 @@ _PORTABLE_32 = (
 # 32 heads a program only on SM8x, where the 99 KiB parts (SM86/89) fall back to 16 heads (SM90 spills at 32)
 _PORTABLE_FP32_16 = (_heads("fp32-heads16-n16", 16, 16, True),)
 _PORTABLE_FP32_32 = (_heads("fp32-heads32-n16", 32, 16, True), _heads("fp32-heads16-n16", 16, 16, True))
-# 16-row tiles, 4 stages (4 tiles of 18 KiB in flight, 144 KiB with the 72 KiB query block): the two
-# [64, 256] fp32 accumulators take 128 of the 255 registers a thread has at 8 warps; no spills under Triton
-# 3.6 at 16/64/128 heads (32 B at 128 heads under 3.9); 32-row tiles at 3-4 stages take 253-255 registers
-# (140 B spilled under 3.9). 2 stages: the fallback (docs/triton.md, "Compile report")
-_ROWS = (_rows("sm90-rows64-n16-s4", 16, 4), _rows("sm90-rows64-n16", 16, 2))
-_ROWS_FP8QK = (_rows("sm90-rows64-n16-s4-fp8qk", 16, 4, True), _rows("sm90-rows64-n16-fp8qk", 16, 2, True))
+# 32-row tiles at 3 stages first: the score product's A operand (the 64 x 576 query block) is read from
+# shared memory once per tile by each warpgroup, so a tile of 32 rows halves that traffic per FLOP against 16
+# rows (model in docs/triton.md, "Tile size"). Both compile without spills under Triton 3.6 (the device
+# image's) and 3.9 at 16/64/128 heads; the 16-row tiles (4, then 2 stages: less shared memory) follow as the
+# fallbacks. fp8 score products: the fp8 tiles take half the bytes, so 4 stages fit in 110,592 bytes.
+_ROWS = (_rows("sm90-rows64-n32-s3", 32, 3), _rows("sm90-rows64-n16-s4", 16, 4), _rows("sm90-rows64-n16", 16, 2))
+_ROWS_FP8QK = (
+    _rows("sm90-rows64-n32-s4-fp8qk", 32, 4, True),
+    _rows("sm90-rows64-n16-s4-fp8qk", 16, 4, True),
+    _rows("sm90-rows64-n16-fp8qk", 16, 2, True),
+)
 
 #: the configuration table: the first matching rule whose first fitting candidate is chosen
 CONFIG_TABLE: tuple[ConfigRule, ...] = (
-    ConfigRule((9,), 16, None, "16bit", False, True, _ROWS_FP8QK + _PORTABLE_32),
-    ConfigRule((9,), 16, None, "16bit", False, False, _ROWS + _PORTABLE_32),
+    ConfigRule((9,), 16, 16, "16bit", False, True, _ROWS_FP8QK + _PORTABLE_16),
+    ConfigRule((9,), 17, None, "16bit", False, True, _ROWS_FP8QK + _PORTABLE_32),
+    ConfigRule((9,), 16, 16, "16bit", False, False, _ROWS + _PORTABLE_16),
+    ConfigRule((9,), 17, None, "16bit", False, False, _ROWS + _PORTABLE_32),
     ConfigRule(None, 1, 16, "16bit", None, False, _PORTABLE_16),
     ConfigRule(None, 17, None, "16bit", None, False, _PORTABLE_32),
     ConfigRule((8,), 17, None, "fp32", None, False, _PORTABLE_FP32_32),
@@ -163,17 +171,18 @@ def shared_bytes_estimate(cfg: KernelConfig, elem: int, rank_pad: int, rope_pad:
     """Shared memory a configuration needs (bytes; calibrated against ptxas within ~25%).
 
     ``heads``: the query block and one row tile, +25% for layout conversions. ``rows``: the 64-row query
-    block plus ``num_stages`` row-tile buffers (Triton's pipelining, at least 2), +5%.
+    block plus ``num_stages`` row-tile buffers (Triton's pipelining, at least 2), +5%; with fp8 score
+    products both are fp8 (one byte an element).
     """
     width = rank_pad + rope_pad
     if cfg.kernel == "heads":
         return int(1.25 * elem * (cfg.block_h + cfg.block_n) * width)
-    q_elem = 1 if cfg.qk_fp8 else elem
+    elem = 1 if cfg.qk_fp8 else elem
     buffers = max(2, cfg.num_stages)  # measured: 2 buffers at 2 stages, num_stages at 3-4
-    return int(1.05 * (ROWS_PER_PROGRAM * width * q_elem + buffers * cfg.block_n * width * elem))
+    return int(1.05 * (ROWS_PER_PROGRAM + buffers * cfg.block_n) * width * elem)
 
 
-def choose_config(
+def fitting_configs(
     compute_capability: tuple[int, int] | None,
     num_heads: int,
     q_dtype: torch.dtype,
@@ -185,8 +194,10 @@ def choose_config(
     smem_limit: int,
     kernel: str = "auto",
     fp8_qk: bool = False,
-) -> KernelConfig:
-    """The configuration for one call.
+) -> tuple[KernelConfig, ...]:
+    """Every configuration the table can choose for a call, in order of preference: the candidates of the
+    first matching rule whose shared-memory estimate fits ``smem_limit`` (the rule's last candidate alone
+    when none fits). :func:`choose_config` takes the first; the compile report compiles them all.
 
     Args:
         compute_capability: the device's ``(major, minor)``; None under the interpreter (portable unless
@@ -222,10 +233,28 @@ def choose_config(
             break
     if not candidates:  # pragma: no cover - the table covers every (heads, operands) pair
         raise ValueError(f"num_heads: got {num_heads}; no TRITON_MLA configuration covers it")
-    for cfg in candidates:
-        if shared_bytes_estimate(cfg, elem, rank_pad, rope_pad) <= smem_limit:
-            return cfg
-    return candidates[-1]
+    fitting = tuple(c for c in candidates if shared_bytes_estimate(c, elem, rank_pad, rope_pad) <= smem_limit)
+    return fitting or candidates[-1:]
+
+
+def choose_config(
+    compute_capability: tuple[int, int] | None,
+    num_heads: int,
+    q_dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    *,
+    sparse: bool,
+    rank_pad: int,
+    rope_pad: int,
+    smem_limit: int,
+    kernel: str = "auto",
+    fp8_qk: bool = False,
+) -> KernelConfig:
+    """The configuration for one call: the first of :func:`fitting_configs` (same arguments)."""
+    return fitting_configs(
+        compute_capability, num_heads, q_dtype, cache_dtype, sparse=sparse, rank_pad=rank_pad,
+        rope_pad=rope_pad, smem_limit=smem_limit, kernel=kernel, fp8_qk=fp8_qk,
+    )[0]
 
 
 def rows_layout(num_heads: int) -> tuple[int, int, int]:
@@ -261,7 +290,10 @@ def table_rows() -> list[dict[str, object]]:
     """:data:`CONFIG_TABLE` as plain rows (for ``mla-backends list`` and the docs)."""
     rows = []
     for rule in CONFIG_TABLE:
-        heads = f"{rule.min_heads}-{rule.max_heads}" if rule.max_heads else f">={rule.min_heads}"
+        if rule.max_heads is None:
+            heads = f">={rule.min_heads}"
+        else:
+            heads = str(rule.min_heads) if rule.min_heads == rule.max_heads else f"{rule.min_heads}-{rule.max_heads}"
         rows.append({
             "archs": "any SM80+" if rule.archs is None else "/".join(f"SM{a}x" for a in rule.archs),
             "heads": heads,

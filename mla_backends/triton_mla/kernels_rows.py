@@ -133,9 +133,8 @@ def mla_decode_rows(
         qr = load_2d(QR + tok64 * s_qr_t + h64 * s_qr_h, offs_r, mask_m, mask_r).to(QK_DTYPE)
 
     kv_scale = kv_dequant_scale(KV_SCALE, IS_FP8)
-    qk_scale = tl.full([BLOCK_M], 1.0, tl.float32) * (sm_scale_log2 * kv_scale)
-    if QK_FP8:
-        qk_scale = qk_scale * tl.load(QSCALE + tok64 * num_heads + h64, mask=mask_m, other=1.0)
+    if QK_FP8:  # a scale per row (the query's fp8 scale); otherwise one scalar for the whole tile
+        qk_scale = (sm_scale_log2 * kv_scale) * tl.load(QSCALE + tok64 * num_heads + h64, mask=mask_m, other=1.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -172,8 +171,14 @@ def mla_decode_rows(
             else:
                 kr = load_2d(row + RANK, offs_r, mask_n, mask_r)
             qk = tl.dot(qr, tl.trans(kr.to(QK_DTYPE)), qk, input_precision=DOT_PRECISION)
-        visible = mask_n[None, :] & (offs_n[None, :] <= row_pos[:, None])
-        qk = tl.where(visible, qk * qk_scale[:, None], float("-inf"))
+        if QK_FP8:
+            qk = qk * qk_scale[:, None]
+        else:
+            qk = qk * (sm_scale_log2 * kv_scale)
+        if TOKS_PB == 1:  # one token a program: its causal limit is the split's end, mask_n (no row vector)
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        else:
+            qk = tl.where(mask_n[None, :] & (offs_n[None, :] <= row_pos[:, None]), qk, float("-inf"))
         m_i, l_i, alpha, p = softmax_step(m_i, l_i, qk)
         p16 = p.to(DOT_DTYPE)
         acc0 = tl.dot(p16, kv0.to(DOT_DTYPE), acc0 * alpha[:, None], input_precision=DOT_PRECISION)
@@ -181,19 +186,31 @@ def mla_decode_rows(
 
     l_safe, lse2 = softmax_finish(m_i, l_i)
     inv = kv_scale / l_safe
-    keep = mask_m & ((offs_m * 0 + split) < n_split)  # vector compare: the interpreter's scalar bools are int
+    # the epilogue's row addresses are rebuilt here from scalar int64 bases and int32 row indices: reusing
+    # the int64 row vectors of the query loads keeps them live over the loop, which spilled 32 bytes under
+    # Triton 3.9 (docs/triton.md, "Compile report")
+    e_tok = offs_m // HEADS_PB
+    e_head = offs_m % HEADS_PB
+    keep = (e_tok < toks_here) & (hb * HEADS_PB + e_head < num_heads) & ((offs_m * 0 + split) < n_split)
+    e_tok64 = tl.where(keep, e_tok, 0).to(tl.int64)
+    e_head64 = tl.where(keep, e_head, 0).to(tl.int64)
+    t0_64 = t0.to(tl.int64)
+    h0_64 = (hb * HEADS_PB).to(tl.int64)
     # each branch stores its own tiles: selecting the destination pointers first and storing once after the
-    # branch keeps both scaled accumulators live across it, which spills 2,112 bytes under Triton 3.6
+    # branch keeps both scaled accumulators live across it, which spilled 2,112 bytes under Triton 3.6
     if n_split == 1:  # one split: the output and its natural-log LSE directly
-        o_row = OUT + tok64 * s_o_t + h64 * s_o_h
+        o_row = OUT + (t0_64 + e_tok64) * s_o_t + (h0_64 + e_head64) * s_o_h
         store_2d(o_row, offs_d, acc0 * inv[:, None], keep, mask_d0)
         store_2d(o_row + HALF, offs_d, acc1 * inv[:, None], keep, mask_d1)
-        tl.store(LSE + tok64 * s_lse_t + h64 * s_lse_h, lse2 * 0.6931471805599453, mask=keep)
+        lse_row = LSE + (t0_64 + e_tok64) * s_lse_t + (h0_64 + e_head64) * s_lse_h
+        tl.store(lse_row, lse2 * 0.6931471805599453, mask=keep)
     else:  # a partial (output dtype) and its base-2 LSE, for the merge
-        o_row = PART_O + tok64 * s_po_t + h64 * s_po_h + split * s_po_s
+        o_row = PART_O + (t0_64 + e_tok64) * s_po_t + (h0_64 + e_head64) * s_po_h + split * s_po_s
         store_2d(o_row, offs_d, acc0 * inv[:, None], keep, mask_d0)
         store_2d(o_row + HALF, offs_d, acc1 * inv[:, None], keep, mask_d1)
-        tl.store(PART_LSE + tok64 * s_pl_t + h64 * s_pl_h + split, lse2, mask=keep)
+        lse_row = PART_LSE + (t0_64 + e_tok64) * s_pl_t + (h0_64 + e_head64) * s_pl_h + split
+        tl.store(lse_row, lse2, mask=keep)
+
 
 @triton.jit
 def mla_decode_merge(
