@@ -6,9 +6,10 @@
 
 Writes ``OUT/<gpu>-<date>-<label>.json`` = ``{"gpu", "date", "label", "versions", "records", "tests",
 "skipped", "errors", "not_run", "triton_targets", "absent"}``: the benchmark's records (see
-``bench_decode_gpu.py``), the Triton targets (``bench_triton_targets.py``, when given), the pytest summary from its JUnit XML (counts, and each failure's test id and first line), the versions of
-everything that ran. Copy it into ``benchmarks/results/`` and run ``python benchmarks/gpu_readme.py`` to
-regenerate the README's GPU section. Standard library only (torch/triton are asked for their versions).
+``bench_decode_gpu.py``), the Triton targets (``bench_triton_targets.py``, when given), the pytest summary
+from its JUnit XML (counts, and each failure's test id and first line), the versions of everything that ran.
+Copy it into ``benchmarks/results/`` and run ``python benchmarks/gpu_readme.py`` to regenerate the README's
+GPU section. Standard library only (torch/triton are asked for their versions).
 """
 
 from __future__ import annotations
