@@ -17,10 +17,10 @@ from ..backend import Capabilities, MLABackend, QueryLenSupport, Tolerance
 from ..cache import LatentKVCache
 from ..device import cuda_device_index
 from ..metadata import BatchMetadata
-from .configs import KERNELS, KernelConfig, choose_config, table_rows
+from .configs import KERNELS, KernelConfig, choose_config, rows_layout, table_rows
 from .interpreter import interpreter_enabled, launch_guard
 from .launch import build_launches
-from .splits import MAX_KV_SPLITS, MIN_SPLIT_LEN, choose_num_kv_splits, next_pow2, sm_count
+from .splits import MAX_KV_SPLITS, MIN_SPLIT_LEN, choose_num_kv_splits, next_pow2, rows_split_plan, sm_count
 
 __all__ = ["TritonMLABackend", "interpreter_enabled", "PAGE_SIZES", "DEFAULT_SMEM_BYTES", "FP8_QK_TOLERANCES"]
 
@@ -77,7 +77,9 @@ class TritonMLABackend(MLABackend):
         fp8_qk: with the ``rows`` kernel and an fp8 e4m3 cache, quantise the queries to fp8 per (token, head)
             and run the score product fp8 x fp8 (the output product stays bf16/fp16). Off by default; its
             accuracy is declared in :meth:`variant`'s capabilities (:data:`FP8_QK_TOLERANCES`).
-        min_split_len: ``rows`` kernel: positions a split covers before a request gets another (default 512).
+        min_split_len: ``rows`` kernel: the fewest positions a split covers before a request gets another
+            (default 512). Unpinned, the split length grows with the step's work
+            (:meth:`rows_splits_for`); with ``num_kv_splits`` pinned it is this value.
     """
 
     name: ClassVar[str] = "TRITON_MLA"
@@ -168,6 +170,19 @@ class TritonMLABackend(MLABackend):
         max_len = topk_width if topk_width is not None else meta.max_seq_len
         return choose_num_kv_splits(max_len, meta.num_tokens, num_heads, sm_count(device))
 
+    def rows_splits_for(
+        self, meta: BatchMetadata, num_heads: int, device: torch.device, cfg: KernelConfig
+    ) -> tuple[int, int]:
+        """``(max_splits, split_len)`` of a ``rows``-kernel call (host values only). Pinned
+        ``num_kv_splits`` (CUDA graphs): that count and ``min_split_len``, fixed whatever the lengths.
+        Otherwise :func:`~mla_backends.triton_mla.splits.rows_split_plan` sizes the splits from the step's
+        total work."""
+        if self.num_kv_splits is not None:
+            return self.num_kv_splits, self.min_split_len
+        _, toks, head_blocks = rows_layout(num_heads)
+        return rows_split_plan(meta.seq_lens_list, meta.query_lens_list, toks, head_blocks, sm_count(device),
+                               self.min_split_len, cfg.block_n)
+
     # ---- the kernel --------------------------------------------------------------------------------------
     def _forward_mqa_impl(
         self,
@@ -195,12 +210,15 @@ class TritonMLABackend(MLABackend):
             )
         sparse = topk_indices is not None
         K = int(topk_indices.shape[1]) if sparse else 0
-        splits = self.kv_splits_for(meta, H, cache.device, K if sparse else None)
         cfg = self.launch_config(q_latent.dtype, cache.data.dtype, R, cache.qk_rope_head_dim, H, cache.device,
                                  sparse=sparse, interpret=kernels.INTERPRET)
+        if cfg.kernel == "rows":
+            splits, split_len = self.rows_splits_for(meta, H, cache.device, cfg)
+        else:
+            splits, split_len = self.kv_splits_for(meta, H, cache.device, K if sparse else None), self.min_split_len
         launches = build_launches(
             q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out, lse_out=lse_out,
-            cfg=cfg, splits=splits, interpret=kernels.INTERPRET, min_split_len=self.min_split_len,
+            cfg=cfg, splits=splits, interpret=kernels.INTERPRET, min_split_len=split_len,
         )
         interpreted = cache.device.type != "cuda"
         for launch in launches:

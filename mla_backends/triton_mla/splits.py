@@ -30,6 +30,8 @@ __all__ = [
     "CPU_NOMINAL_SM_COUNT",
     "next_pow2",
     "choose_num_kv_splits",
+    "PROGRAMS_PER_SM",
+    "rows_split_plan",
     "sm_count",
     "SplitScratch",
     "SCRATCH",
@@ -75,6 +77,37 @@ def choose_num_kv_splits(max_len: int, num_tokens: int, num_heads: int, sm_count
     programs = max(1, num_tokens) * math.ceil(max(1, num_heads) / block_h)
     by_occupancy = next_pow2(math.ceil(4 * max(1, sm_count) / programs))
     return max(1, min(by_len, by_occupancy, 2 * max(1, sm_count), MAX_KV_SPLITS))
+
+
+#: ``rows`` kernel: programs per SM the step's work is spread over (:func:`rows_split_plan`)
+PROGRAMS_PER_SM = 2
+
+
+def rows_split_plan(
+    seq_lens: tuple[int, ...] | list[int],
+    query_lens: tuple[int, ...] | list[int],
+    tokens_per_program: int,
+    head_blocks: int,
+    sm_count: int,
+    min_split_len: int,
+    tile_rows: int,
+) -> tuple[int, int]:
+    """``(max_splits, split_len)`` for one ``rows``-kernel call, from the step's host lengths.
+
+    The work is the cache rows the programs read: each request's ``seq_len`` once per group of
+    ``tokens_per_program`` query tokens and per head block. ``split_len`` (positions a split covers before a
+    request gets another) is the larger of ``min_split_len`` and that work over ``PROGRAMS_PER_SM * SMs``
+    programs, rounded up to whole tiles; ``max_splits`` is what the longest request then needs (at most
+    :data:`MAX_KV_SPLITS`). So one long request among short ones is cut into pieces about as long as an
+    average program's share, instead of into a fixed count sized from the longest length and the batch.
+    """
+    groups = [-(-q // tokens_per_program) for q in query_lens]
+    work = head_blocks * sum(s * g for s, g in zip(seq_lens, groups, strict=True))
+    share = -(-work // (PROGRAMS_PER_SM * max(1, sm_count)))
+    split_len = max(min_split_len, share)
+    split_len = -(-split_len // tile_rows) * tile_rows
+    max_len = max(seq_lens, default=0)
+    return max(1, min(-(-max_len // split_len), MAX_KV_SPLITS)), split_len
 
 
 @functools.cache
