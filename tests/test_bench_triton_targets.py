@@ -3,25 +3,20 @@ the multi-token inputs it shares with ``bench_decode_gpu.py``."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from bench_scripts import ROOT, benchmark_path, load_benchmark
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATH = os.path.join(ROOT, "benchmarks", "bench_triton_targets.py")
+PATH = benchmark_path("bench_triton_targets")
 
 
 @pytest.fixture(scope="module")
 def targets():
-    spec = importlib.util.spec_from_file_location("bench_triton_targets", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_triton_targets")
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

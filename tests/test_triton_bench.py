@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
+from bench_scripts import benchmark_path, load_benchmark
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PATH = os.path.join(ROOT, "benchmarks", "bench_decode_gpu.py")
+PATH = benchmark_path("bench_decode_gpu")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_decode_gpu", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_decode_gpu")
 
 
 def test_peaks_come_from_the_gpu_table_and_flags_override(bench):

@@ -20,6 +20,7 @@ Grids put tokens (times head blocks) on axis 0, which CUDA allows up to ``2**31 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -237,24 +238,11 @@ def fitting_configs(
     return fitting or candidates[-1:]
 
 
-def choose_config(
-    compute_capability: tuple[int, int] | None,
-    num_heads: int,
-    q_dtype: torch.dtype,
-    cache_dtype: torch.dtype,
-    *,
-    sparse: bool,
-    rank_pad: int,
-    rope_pad: int,
-    smem_limit: int,
-    kernel: str = "auto",
-    fp8_qk: bool = False,
-) -> KernelConfig:
-    """The configuration for one call: the first of :func:`fitting_configs` (same arguments)."""
-    return fitting_configs(
-        compute_capability, num_heads, q_dtype, cache_dtype, sparse=sparse, rank_pad=rank_pad,
-        rope_pad=rope_pad, smem_limit=smem_limit, kernel=kernel, fp8_qk=fp8_qk,
-    )[0]
+def choose_config(*args: Any, **kwargs: Any) -> KernelConfig:
+    """The configuration for one call: the first of :func:`fitting_configs`, which takes the same arguments
+    (``compute_capability, num_heads, q_dtype, cache_dtype, *, sparse, rank_pad, rope_pad, smem_limit,
+    kernel="auto", fp8_qk=False``)."""
+    return fitting_configs(*args, **kwargs)[0]
 
 
 def rows_layout(num_heads: int) -> tuple[int, int, int]:
