@@ -79,24 +79,24 @@ class TestTritonRowsFp8QKQuickConformance(BackendConformance):
     quick = True
 
 
-def test_rows_split_plan_spreads_the_step_work():
-    from mla_backends.triton_mla.splits import MAX_KV_SPLITS, rows_split_plan
+def test_rows_split_sizes_spread_the_step_work():
+    from mla_backends.triton_mla.splits import MAX_KV_SPLITS, rows_split_sizes
 
     # 64 requests of 4k and one of 64k at 128 heads (2 head blocks, one token a program) on 132 SMs: the
     # long request is cut into pieces of about an average program's share (~2.5k rows), not 8 pieces of 8k
     seq = [4096] * 64 + [65536]
-    splits, split_len = rows_split_plan(seq, [1] * 65, 1, 2, 132, 512, 32)
+    splits, split_len = rows_split_sizes(seq, [1] * 65, 1, 2, 132, 512, 32)
     work = 2 * sum(seq)
     assert split_len % 32 == 0 and work / 264 <= split_len < work / 264 + 32
     assert splits == -(-65536 // split_len) == 27
     # a small step keeps the floor: one 16k request, 16 heads (4 tokens a program), 132 SMs
-    assert rows_split_plan([16384], [1], 4, 1, 132, 512, 32) == (32, 512)
+    assert rows_split_sizes([16384], [1], 4, 1, 132, 512, 32) == (32, 512)
     # 4-token queries at 16 heads are one group a request; at 128 heads four (one token a program)
-    assert rows_split_plan([8192] * 8, [4] * 8, 4, 1, 4, 512, 32)[1] == 8192
-    assert rows_split_plan([8192] * 8, [4] * 8, 1, 2, 4, 512, 32)[1] == 8 * 8192
+    assert rows_split_sizes([8192] * 8, [4] * 8, 4, 1, 4, 512, 32)[1] == 8192
+    assert rows_split_sizes([8192] * 8, [4] * 8, 1, 2, 4, 512, 32)[1] == 8 * 8192
     # the cap, and an empty step
-    assert rows_split_plan([10**7], [1], 1, 1, 10**4, 16, 16)[0] == MAX_KV_SPLITS
-    assert rows_split_plan([], [], 1, 1, 132, 512, 32) == (1, 512)
+    assert rows_split_sizes([10**7], [1], 1, 1, 10**4, 16, 16)[0] == MAX_KV_SPLITS
+    assert rows_split_sizes([], [], 1, 1, 132, 512, 32) == (1, 512)
 
 
 def test_rows_backend_sizes_splits_by_work_unless_pinned():

@@ -20,7 +20,7 @@ from ..metadata import BatchMetadata
 from .configs import KERNELS, KernelConfig, choose_config, rows_layout, table_rows
 from .interpreter import interpreter_enabled, launch_guard
 from .launch import build_launches
-from .splits import MAX_KV_SPLITS, MIN_SPLIT_LEN, choose_num_kv_splits, next_pow2, rows_split_plan, sm_count
+from .splits import MAX_KV_SPLITS, MIN_SPLIT_LEN, choose_num_kv_splits, next_pow2, rows_split_sizes, sm_count
 
 __all__ = ["TritonMLABackend", "interpreter_enabled", "PAGE_SIZES", "DEFAULT_SMEM_BYTES", "FP8_QK_TOLERANCES"]
 
@@ -175,12 +175,12 @@ class TritonMLABackend(MLABackend):
     ) -> tuple[int, int]:
         """``(max_splits, split_len)`` of a ``rows``-kernel call (host values only). Pinned
         ``num_kv_splits`` (CUDA graphs): that count and ``min_split_len``, fixed whatever the lengths.
-        Otherwise :func:`~mla_backends.triton_mla.splits.rows_split_plan` sizes the splits from the step's
+        Otherwise :func:`~mla_backends.triton_mla.splits.rows_split_sizes` sizes the splits from the step's
         total work."""
         if self.num_kv_splits is not None:
             return self.num_kv_splits, self.min_split_len
         _, toks, head_blocks = rows_layout(num_heads)
-        return rows_split_plan(meta.seq_lens_list, meta.query_lens_list, toks, head_blocks, sm_count(device),
+        return rows_split_sizes(meta.seq_lens_list, meta.query_lens_list, toks, head_blocks, sm_count(device),
                                self.min_split_len, cfg.block_n)
 
     # ---- the kernel --------------------------------------------------------------------------------------

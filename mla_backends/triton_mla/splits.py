@@ -31,7 +31,7 @@ __all__ = [
     "next_pow2",
     "choose_num_kv_splits",
     "PROGRAMS_PER_SM",
-    "rows_split_plan",
+    "rows_split_sizes",
     "sm_count",
     "SplitScratch",
     "SCRATCH",
@@ -79,11 +79,11 @@ def choose_num_kv_splits(max_len: int, num_tokens: int, num_heads: int, sm_count
     return max(1, min(by_len, by_occupancy, 2 * max(1, sm_count), MAX_KV_SPLITS))
 
 
-#: ``rows`` kernel: programs per SM the step's work is spread over (:func:`rows_split_plan`)
+#: ``rows`` kernel: programs per SM the step's work is spread over (:func:`rows_split_sizes`)
 PROGRAMS_PER_SM = 2
 
 
-def rows_split_plan(
+def rows_split_sizes(
     seq_lens: tuple[int, ...] | list[int],
     query_lens: tuple[int, ...] | list[int],
     tokens_per_program: int,
