@@ -58,6 +58,11 @@ def point_dims(heads: int) -> Any:
     return MLADims(num_heads=heads)
 
 
+def softmax_scale() -> float:
+    """The softmax scale of the benchmarked shapes (DeepSeek-V3's; it does not depend on the head count)."""
+    return float(point_dims(128).softmax_scale)
+
+
 def _kv_bytes(kv_cache_dtype: str) -> int:
     """Bytes per cache element of a canonical kv-cache dtype name (2 for bfloat16, 1 for fp8)."""
     import torch
@@ -362,8 +367,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from mla_backends.dims import MLADims
-
     device = simulated_device_for(args.gpu) if (args.dry_run and args.gpu) else detect(torch)
     spec, bw, fl = peaks(args, device.name)
     gpu_key = spec.key if spec else (device.name if device.is_cuda else "cpu")
@@ -414,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (bw and fl):
         print(f"bench_decode_gpu: {device.name!r} is not in the GPU table (docs/gpus.md); the roofline "
               "needs --gpu NAME or --peak-gbps and --peak-tflops. Timing without it.")
-    scale = MLADims().softmax_scale
+    scale = softmax_scale()
     print(f"device: {device.describe()}, {device.sm_count} SMs; peaks "
           f"{(f'{bw / 1e9:.0f} GB/s, {fl / 1e12:.0f} bf16 TFLOP/s') if (bw and fl) else 'unknown'}")
     print(f"{'backend':<24} {'kv':<9} {'batch':>5} {'ctx':>6} {'heads':>5} {'roofline_us':>11} {'bound':<8} "

@@ -6,18 +6,20 @@
 For the architecture, every (heads, query dtype, cache dtype, dense/sparse, ``fp8_qk``) point of
 :data:`POINTS` goes through :func:`mla_backends.triton_mla.configs.fitting_configs` with that architecture's
 shared memory: the configuration the table chooses (``"chosen": true``) and the fallbacks it can take
-(``--chosen-only`` skips those); each distinct launch (same constexprs and integer specialisation) is
-compiled once. The launches come from
+(``--chosen-only`` skips those), the chosen one at split counts 1, 2 and 16 (Triton specialises the
+split count and the partials' strides on ``== 1`` and ``% 16``); each distinct launch (same constexprs and
+integer specialisation) is compiled once. The launches come from
 :func:`mla_backends.triton_mla.launch.build_launches` on example CPU tensors of the real dims (576-wide
 rows, page 64), and Triton's own argument binder turns them into the signature a real launch compiles
 (int32 strides, 16-divisibility and ``== 1`` specialisation). PTX and cubin come from the installed Triton
 and the ptxas in its wheel; ``ptxas -v`` gives registers and spills.
 
 FILE gets ``{"arch": ..., "triton": ..., "configs": [...]}``, one entry per compiled kernel with ``kernel``,
-``config``, ``chosen``, ``arch``, ``heads``, ``dtype``, ``kv_cache_dtype``, ``sparse``, ``heads_per_program`` (rows a
-program holds: heads x query tokens), ``uses_wgmma`` (``wgmma`` instructions in the PTX), ``registers`` (per
-thread), ``spills`` (spill store + load bytes; 0 = none), ``shared_bytes`` and ``shared_limit``.
-A few minutes on 2 cores. Triton's private ``JITFunction._pack_args`` is used (same in 3.6 and 3.9).
+``config``, ``chosen``, ``splits``, ``arch``, ``heads``, ``dtype``, ``kv_cache_dtype``, ``sparse``,
+``heads_per_program`` (rows a program holds: heads x query tokens), ``uses_wgmma`` (``wgmma`` instructions
+in the PTX), ``registers`` (per thread), ``spills`` (spill store + load bytes; 0 = none), ``shared_bytes``
+and ``shared_limit``. A few minutes on 2 cores. Triton's private ``JITFunction._pack_args`` is used
+(same in 3.6 and 3.9).
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ POINTS = [
 ]
 PAGE = 64
 RANK, ROPE = 512, 64
+#: split counts compiled for the chosen configuration (Triton's integer classes: == 1, % 16 == 0, other);
+#: fallbacks are compiled at the middle one
+SPLIT_VARIANTS = (1, 2, 16)
 
 
 def _example(heads: int, q_name: str, kv_name: str, sparse: bool):
@@ -130,7 +135,7 @@ def _int_specialization(args: tuple) -> tuple:
 
 
 def _record(configs: list, seen: dict, launch, cfg, chosen: bool, arch: str, cc: int, smem: int, heads: int,
-            q_name: str, kv_name: str, sparse: bool) -> None:
+            q_name: str, kv_name: str, sparse: bool, splits: int) -> None:
     """Compile ``launch`` unless an identical kernel was compiled already, and append its entry."""
     from mla_backends.triton_mla.configs import rows_layout
 
@@ -151,7 +156,7 @@ def _record(configs: list, seen: dict, launch, cfg, chosen: bool, arch: str, cc:
     else:
         rows = launch.options["BLOCK_H"]
     configs.append({
-        "kernel": launch.kernel, "config": "merge" if merge else cfg.name, "chosen": chosen,
+        "kernel": launch.kernel, "config": "merge" if merge else cfg.name, "chosen": chosen, "splits": splits,
         "arch": arch, "heads": heads, "dtype": q_name, "kv_cache_dtype": kv_name, "sparse": sparse,
         "fp8_qk": cfg.qk_fp8, "heads_per_program": rows, "block_n": launch.options.get("BLOCK_N"),
         "num_warps": launch.options.get("num_warps"), "num_stages": launch.options.get("num_stages"),
@@ -159,8 +164,9 @@ def _record(configs: list, seen: dict, launch, cfg, chosen: bool, arch: str, cc:
     })
     seen[key] = configs[-1]
     print(f"{arch} {launch.kernel:18s} {configs[-1]['config']:24s} H={heads:<3d} {q_name}/{kv_name}"
-          f"{' sparse' if sparse else ''}{'' if chosen else ' (fallback)'}: regs {res['registers']} spills "
-          f"{res['spills']} smem {res['shared_bytes']} wgmma {res['uses_wgmma']} ({configs[-1]['compile_s']} s)",
+          f"{' sparse' if sparse else ''} splits={splits}{'' if chosen else ' (fallback)'}: "
+          f"regs {res['registers']} spills {res['spills']} smem {res['shared_bytes']} "
+          f"wgmma {res['uses_wgmma']} ({configs[-1]['compile_s']} s)",
           flush=True)
 
 
@@ -189,10 +195,14 @@ def report(arch: str, heads_filter: tuple[int, ...] | None = None, kv_filter: st
         candidates = fitting_configs((cc // 10, cc % 10), heads, torch_dtype(q_name), cache.data.dtype,
                                      sparse=sparse, rank_pad=RANK, rope_pad=ROPE, smem_limit=smem, fp8_qk=fp8_qk)
         for rank, cfg in enumerate(candidates[:1] if chosen_only else candidates):
-            launches = build_launches(ql, qr, cache, meta, scale=0.1, topk_indices=topk, out=out, lse_out=lse,
-                                      cfg=cfg, splits=2, interpret=False)
-            for launch in launches:
-                _record(configs, seen, launch, cfg, rank == 0, arch, cc, smem, heads, q_name, kv_name, sparse)
+            # the split count is an argument (and sets the partials' strides), so Triton specialises on it:
+            # 1, a multiple of 16, and anything else compile apart; the chosen configuration gets all three
+            for splits in SPLIT_VARIANTS if rank == 0 else SPLIT_VARIANTS[1:2]:
+                launches = build_launches(ql, qr, cache, meta, scale=0.1, topk_indices=topk, out=out,
+                                          lse_out=lse, cfg=cfg, splits=splits, interpret=False)
+                for launch in launches:
+                    _record(configs, seen, launch, cfg, rank == 0, arch, cc, smem, heads, q_name, kv_name,
+                            sparse, splits)
     del torch
     return {"arch": arch, "triton": triton.__version__, "configs": configs}
 

@@ -67,3 +67,44 @@ def test_multi_token_inputs(targets):
     cache, meta, ql, qr = targets.bench.build_inputs(torch, pt, 16, "cpu")
     assert ql.shape == (12, 4, 512) and qr.shape == (12, 4, 64)
     assert list(meta.query_lens) == [4, 4, 4] and list(meta.seq_lens) == [70, 70, 70]
+
+
+def test_timed_run_end_to_end_with_the_gpu_faked(targets, tmp_path, monkeypatch):
+    """The timed path as it runs on a GPU, with the GPU parts replaced: small CPU inputs, a fake timer whose
+    times make the rows kernel 2.5x faster at 128 heads. Catches wiring errors the dry run cannot."""
+    from mla_backends.device import DeviceInfo
+
+    bench = targets.bench
+    real_build = bench.build_inputs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "detect", lambda _torch: DeviceInfo(
+        kind="cuda", name="NVIDIA H200", compute_capability=(9, 0), total_memory=141 * 10**9, sm_count=132))
+    monkeypatch.setattr(bench, "build_inputs", lambda _t, pt, page, _dev: real_build(
+        torch, dict(pt, batch=2, context=40), 16, "cpu"))
+
+    def fake_time(_torch, backend, inputs, _opts, scale):
+        assert scale == pytest.approx(bench.point_dims(128).softmax_scale)
+        heads, tokens = inputs[2].shape[1], inputs[2].shape[0]
+        us = (400.0 if backend.kernel == "heads" else 160.0) * (heads / 128 + 0.1) * (1 + 0.05 * (tokens > 2))
+        return {"call_ms": us / 1e3, "kernel_ms": us / 1e3}
+
+    monkeypatch.setattr(bench, "time_backend", fake_time)
+    out = tmp_path / "targets.json"
+    assert targets.main(["--json", str(out), "--iters", "1", "--warmup", "0"]) == 0
+    doc = json.loads(out.read_text())
+    assert len(doc["records"]) == 32 and not doc["errors"] and not doc["not_run"]
+    assert all(r["time_us"] > 0 and r["roofline_fraction"] > 0 for r in doc["records"])
+    assert {r["runs"] for r in doc["records"] if r["kernel"] == "rows"} == {"rows"}
+    got = {t["name"]: t for t in doc["targets"]}
+    assert got["rows_vs_heads_128h"]["value"] == pytest.approx(2.5) and got["rows_vs_heads_128h"]["met"]
+    assert got["rows_4tok_16h"]["value"] == pytest.approx(1.05) and got["rows_4tok_16h"]["met"]
+    assert all(t["value"] is not None for t in doc["targets"])
+
+
+def test_rows_targets_say_when_the_rows_kernel_did_not_run(targets):
+    recs = [dict(kernel=k, heads=128, query_len=1, batch=64, context=4096, time_us=100.0, roofline_us=50.0,
+                 compute_us=40.0, runs="heads") for k in ("heads", "rows")]
+    got = {t["name"]: t for t in targets.evaluate(recs)}
+    assert got["rows_vs_heads_128h"]["value"] is None
+    assert got["rows_vs_heads_128h"]["reason"] == "the rows kernel is not chosen on this device"

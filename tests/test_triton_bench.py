@@ -111,3 +111,30 @@ def test_inputs_it_builds_are_valid(bench, kv):
     assert sorted(meta.block_table.flatten().tolist()) == list(range(cache.num_blocks))  # scattered, all used
     out, lse = RefTorchBackend().forward_mqa(ql, qr, cache, meta, scale=0.1)
     assert bool(torch.isfinite(out.float()).all()) and bool(torch.isfinite(lse).all())
+
+
+def test_timed_run_end_to_end_with_the_gpu_faked(bench, tmp_path, monkeypatch):
+    """The timed path of a GPU run with the GPU parts replaced (small CPU inputs, a fake timer): every
+    record gets a time and a roofline fraction, and nothing in the wiring raises."""
+    from mla_backends.device import DeviceInfo
+
+    real_build = bench.build_inputs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench, "detect", lambda _torch: DeviceInfo(
+        kind="cuda", name="NVIDIA H200", compute_capability=(9, 0), total_memory=141 * 10**9, sm_count=132))
+    monkeypatch.setattr(bench, "build_inputs", lambda _t, pt, page, _dev: real_build(
+        torch, dict(pt, batch=2, context=40), 16, "cpu"))
+    seen = []
+
+    def fake_time(_torch, backend, inputs, _opts, scale):
+        seen.append((type(backend).__name__, scale))
+        return {"call_ms": 0.2, "kernel_ms": 0.1}
+
+    monkeypatch.setattr(bench, "time_backend", fake_time)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--quick", "--backends", "TRITON_MLA,REF_TORCH", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["records"] and not doc["errors"], doc["errors"]
+    assert all(r["time_us"] == pytest.approx(100.0) and r["roofline_fraction"] > 0 for r in doc["records"])
+    assert seen and all(s == pytest.approx(bench.softmax_scale()) for _, s in seen)

@@ -83,7 +83,7 @@ def test_rows_split_sizes_spread_the_step_work():
     from mla_backends.triton_mla.splits import MAX_KV_SPLITS, rows_split_sizes
 
     # 64 requests of 4k and one of 64k at 128 heads (2 head blocks, one token a program) on 132 SMs: the
-    # long request is cut into pieces of about an average program's share (~2.5k rows), not 8 pieces of 8k
+    # long request is cut into pieces of about an average program's share (~2.5k rows), not 4 of 16k
     seq = [4096] * 64 + [65536]
     splits, split_len = rows_split_sizes(seq, [1] * 65, 1, 2, 132, 512, 32)
     work = 2 * sum(seq)

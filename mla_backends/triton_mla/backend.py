@@ -218,7 +218,7 @@ class TritonMLABackend(MLABackend):
             splits, split_len = self.kv_splits_for(meta, H, cache.device, K if sparse else None), self.min_split_len
         launches = build_launches(
             q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out, lse_out=lse_out,
-            cfg=cfg, splits=splits, interpret=kernels.INTERPRET, min_split_len=split_len,
+            cfg=cfg, splits=splits, interpret=kernels.INTERPRET, split_len=split_len,
         )
         interpreted = cache.device.type != "cuda"
         for launch in launches:

@@ -46,8 +46,10 @@ From `benchmarks/triton_compile_report.py --arch ARCH --json FILE` (no GPU: Trit
 ptxas of its wheel, on the exact arguments a launch passes), committed as
 `benchmarks/results/triton-compile-<arch>-<triton>.json`. Registers are per thread; spills are ptxas's
 spill stores plus loads in bytes; shared memory is what the compiled kernel allocates. "chosen" marks the
-configuration the table takes at the architecture's shared memory; the others are its fallbacks. Stage 2
-(merge) kernels are left out here; the JSON files list them.
+configuration the table takes at the architecture's shared memory; the others are its fallbacks. "splits" is
+the split count the launch was compiled for (Triton specialises it and the partials' strides on `== 1` and
+`% 16`, so the chosen configuration is compiled at 1, 2 and 16). Stage 2 (merge) kernels are left out here;
+the JSON files list them.
 """
 
 
@@ -92,14 +94,15 @@ def _candidates_section() -> list[str]:
 
 def _report_section(doc: dict) -> list[str]:
     lines = [f"### {doc['arch']}, Triton {doc['triton']}", "",
-             "| kernel | config | chosen | heads | query / cache | attention | registers | spills (B) | "
-             "shared (B) | wgmma |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| kernel | config | chosen | heads | splits | query / cache | attention | registers | spills (B) | "
+             "shared (B) | wgmma |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in doc["configs"]:
         if c["config"] == "merge":
             continue
         heads = ", ".join(str(h) for h in [c["heads"], *c.get("also_heads", [])])
         lines.append(
             f"| `{c['kernel']}` | `{c['config']}` | {'yes' if c.get('chosen', True) else 'fallback'} | {heads} | "
+            f"{c.get('splits', '-')} | "
             f"{c['dtype']} / {c['kv_cache_dtype']} | {'sparse' if c['sparse'] else 'dense'} | {c['registers']} | "
             f"{c['spills']} | {c['shared_bytes']:,} | {'yes' if c['uses_wgmma'] else 'no'} |")
     return lines

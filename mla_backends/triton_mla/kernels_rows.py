@@ -13,7 +13,7 @@ its own ``[64, 256]`` fp32 accumulator, plus the 64-wide rope part), then the ou
 Each row has its own causal limit (its token's position), so a request's query tokens share one pass over
 the cache.
 
-Splits follow the work: a request of ``S`` positions gets ``clamp(ceil(S / min_split_len), 1,
+Splits follow the work: a request of ``S`` positions gets ``clamp(ceil(S / split_len), 1,
 max_splits)`` splits (from the device-side ``seq_lens``), each a whole number of tiles, and tiles start at
 multiples of ``BLOCK_N`` (one block-table lookup per tile when the page size is a multiple of it, read one
 tile ahead so that ``num_stages`` tiles are in flight). A request
@@ -36,9 +36,9 @@ __all__ = ["mla_decode_rows", "mla_decode_merge"]
 
 
 @triton.jit
-def _split_count(seq_len, min_split_len, max_splits):
-    """Splits of a request of ``seq_len`` positions: ``clamp(ceil(seq_len / min_split_len), 1, max)``."""
-    n = tl.cdiv(seq_len, min_split_len)
+def _split_count(seq_len, split_len, max_splits):
+    """Splits of a request of ``seq_len`` positions: ``clamp(ceil(seq_len / split_len), 1, max)``."""
+    n = tl.cdiv(seq_len, split_len)
     return tl.maximum(tl.minimum(n, max_splits), 1)
 
 
@@ -62,7 +62,7 @@ def mla_decode_rows(
     num_heads,
     head_blocks,
     max_splits,
-    min_split_len,
+    split_len,
     s_ql_t,
     s_ql_h,
     s_qr_t,
@@ -105,7 +105,7 @@ def mla_decode_rows(
     leader = ((t0 - q_start) % TOKS_PB) == 0  # the first token of its group works, the others skip
     last_tok = tl.minimum(t0 + TOKS_PB, q_end) - 1
     seq_len = tl.load(SEQ_LENS + req)
-    n_split = _split_count(seq_len, min_split_len, max_splits)
+    n_split = _split_count(seq_len, split_len, max_splits)
     length = tl.load(TOK_POS + last_tok) + 1  # positions the group's last token sees (the widest row)
     length = tl.where(leader & (split < n_split), length, 0)
     chunk = tl.cdiv(tl.cdiv(length, n_split), BLOCK_N) * BLOCK_N  # whole tiles: tiles start at k * BLOCK_N
@@ -223,7 +223,7 @@ def mla_decode_merge(
     num_heads,
     head_blocks,
     max_splits,
-    min_split_len,
+    split_len,
     s_po_t,
     s_po_h,
     s_po_s,
@@ -244,7 +244,7 @@ def mla_decode_merge(
     hb = pid % head_blocks
     t = (pid // head_blocks).to(tl.int64)
     req = tl.load(TOK_REQ + t).to(tl.int64)
-    n_split = _split_count(tl.load(SEQ_LENS + req), min_split_len, max_splits)
+    n_split = _split_count(tl.load(SEQ_LENS + req), split_len, max_splits)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = (offs_h < num_heads) & ((offs_h * 0 + n_split) > 1)
     merge_splits(

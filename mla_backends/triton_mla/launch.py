@@ -80,7 +80,7 @@ def build_launches(
     cfg: KernelConfig,
     splits: int,
     interpret: bool,
-    min_split_len: int = MIN_SPLIT_LEN,
+    split_len: int = MIN_SPLIT_LEN,
 ) -> list[Launch]:
     """The launches of one ``forward_mqa`` call (inputs already validated; shapes as in the contract).
 
@@ -93,7 +93,8 @@ def build_launches(
         cfg: the chosen :class:`~mla_backends.triton_mla.configs.KernelConfig`.
         splits: KV splits (``heads``: every token; ``rows``: the most a request gets).
         interpret: the kernels were imported under ``TRITON_INTERPRET`` (tile sizes, dot dtypes).
-        min_split_len: ``rows``: positions per split a request needs before it gets another.
+        split_len: ``rows``: positions a split covers before a request gets another
+            (``TritonMLABackend.rows_splits_for``).
     """
     T, H, R = q_latent.shape
     P = cache.qk_rope_head_dim
@@ -105,7 +106,7 @@ def build_launches(
     part_o, part_lse = SCRATCH.get(cache.device, T, H, splits, R)
     if cfg.kernel == "rows":
         return _rows_launches(
-            q_latent, q_rope, cache, meta, scale, out, lse_out, cfg, splits, min_split_len,
+            q_latent, q_rope, cache, meta, scale, out, lse_out, cfg, splits, split_len,
             (rank_pad, rope_pad, block_n, dot, qk_dot, precision), launch_opts, part_o, part_lse,
         )
     sparse = topk_indices is not None
@@ -142,7 +143,7 @@ def _rows_launches(
     lse_out: torch.Tensor,
     cfg: KernelConfig,
     splits: int,
-    min_split_len: int,
+    split_len: int,
     tiles: tuple[int, int, int, Any, Any, str],
     launch_opts: dict[str, int],
     part_o: torch.Tensor,
@@ -162,7 +163,7 @@ def _rows_launches(
     rows = Launch("kernels_rows", "mla_decode_rows", stage1_grid(T, head_blocks, splits), (
         q_latent, q_rope, qscale, kv, cache.scale, meta.block_table, meta.token_request, meta.token_positions,
         meta.query_start_loc, meta.seq_lens, narrow, part_lse, out, lse_out,
-        float(scale) * LOG2E, H, head_blocks, splits, min_split_len,
+        float(scale) * LOG2E, H, head_blocks, splits, split_len,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0), kv.stride(1),
         meta.block_table.stride(0), narrow.stride(0), narrow.stride(1), narrow.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), lse_out.stride(0),
@@ -175,7 +176,7 @@ def _rows_launches(
     merge_blocks = -(-H // BLOCK_H)
     merge = Launch("kernels_rows", "mla_decode_merge", merge_grid(T, merge_blocks), (
         narrow, part_lse, out, lse_out, meta.token_request, meta.seq_lens, H, merge_blocks, splits,
-        min_split_len, narrow.stride(0), narrow.stride(1), narrow.stride(2), part_lse.stride(0),
+        split_len, narrow.stride(0), narrow.stride(1), narrow.stride(2), part_lse.stride(0),
         part_lse.stride(1), out.stride(0), out.stride(1), lse_out.stride(0), lse_out.stride(1),
     ), dict(RANK=R, RANK_PAD=rank_pad, BLOCK_H=BLOCK_H, num_warps=4))
     return [rows, merge]
