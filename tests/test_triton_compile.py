@@ -49,7 +49,8 @@ def _report(arch: str, tmp_path, *extra: str) -> list[dict]:
 
 def _check(configs: list[dict]) -> None:
     for c in configs:
-        assert 0 < c["shared_bytes"] <= c["shared_limit"], c
+        # attention kernels stage tiles in shared memory; a merge over one split may need none
+        assert c["shared_bytes"] <= c["shared_limit"] and (c["shared_bytes"] > 0 or c["config"] == "merge"), c
         assert c["registers"] <= 255, c
         # every stride that a real launch passes as int32 is int32 here too (not the i64 of a hand signature)
         assert all(v != "i64" for k, v in c["signature"].items() if k.startswith("s_")), c["signature"]
@@ -71,7 +72,9 @@ def test_sm90a_report(tmp_path):
         (h, kv) for h in (128, 64, 16) for kv in ("bfloat16", "fp8_e4m3")}
     assert all(c["uses_wgmma"] and c["heads_per_program"] == 64 for c in rows), rows
     chosen128 = [c for c in rows if c["chosen"] and c["heads"] == 128 and c["kv_cache_dtype"] == "bfloat16"]
-    assert [c["config"] for c in chosen128] == ["sm90-rows64-n32-s3"], chosen128
+    # the chosen configuration at each split-count class Triton specialises (1, 2, a multiple of 16)
+    assert sorted((c["config"], c["splits"]) for c in chosen128) == [
+        ("sm90-rows64-n32-s3", 1), ("sm90-rows64-n32-s3", 2), ("sm90-rows64-n32-s3", 16)], chosen128
     fallbacks = {c["config"] for c in rows if not c["chosen"]}
     assert {"sm90-rows64-n16-s4", "sm90-rows64-n16", "sm90-rows64-n16-s4-fp8qk"} <= fallbacks
 
