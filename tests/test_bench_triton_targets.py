@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from bench_scripts import ROOT, benchmark_path, load_benchmark
+from bench_scripts import ROOT, benchmark_path, fake_h200, load_benchmark
 
 PATH = benchmark_path("bench_triton_targets")
 
@@ -72,16 +72,8 @@ def test_multi_token_inputs(targets):
 def test_timed_run_end_to_end_with_the_gpu_faked(targets, tmp_path, monkeypatch):
     """The timed path as it runs on a GPU, with the GPU parts replaced: small CPU inputs, a fake timer whose
     times make the rows kernel 2.5x faster at 128 heads. Catches wiring errors the dry run cannot."""
-    from mla_backends.device import DeviceInfo
-
     bench = targets.bench
-    real_build = bench.build_inputs
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "detect", lambda _torch: DeviceInfo(
-        kind="cuda", name="NVIDIA H200", compute_capability=(9, 0), total_memory=141 * 10**9, sm_count=132))
-    monkeypatch.setattr(bench, "build_inputs", lambda _t, pt, page, _dev: real_build(
-        torch, dict(pt, batch=2, context=40), 16, "cpu"))
+    fake_h200(monkeypatch, bench)
 
     def fake_time(_torch, backend, inputs, _opts, scale):
         assert scale == pytest.approx(bench.point_dims(128).softmax_scale)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from bench_scripts import benchmark_path, load_benchmark
+from bench_scripts import benchmark_path, fake_h200, load_benchmark
 
 PATH = benchmark_path("bench_decode_gpu")
 
@@ -116,15 +116,7 @@ def test_inputs_it_builds_are_valid(bench, kv):
 def test_timed_run_end_to_end_with_the_gpu_faked(bench, tmp_path, monkeypatch):
     """The timed path of a GPU run with the GPU parts replaced (small CPU inputs, a fake timer): every
     record gets a time and a roofline fraction, and nothing in the wiring raises."""
-    from mla_backends.device import DeviceInfo
-
-    real_build = bench.build_inputs
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(bench, "detect", lambda _torch: DeviceInfo(
-        kind="cuda", name="NVIDIA H200", compute_capability=(9, 0), total_memory=141 * 10**9, sm_count=132))
-    monkeypatch.setattr(bench, "build_inputs", lambda _t, pt, page, _dev: real_build(
-        torch, dict(pt, batch=2, context=40), 16, "cpu"))
+    fake_h200(monkeypatch, bench)
     seen = []
 
     def fake_time(_torch, backend, inputs, _opts, scale):
