@@ -35,6 +35,7 @@ __all__ = [
     "KERNELS",
     "choose_config",
     "fitting_configs",
+    "operand_bytes",
     "shared_bytes_estimate",
     "rows_layout",
     "stage1_grid",
@@ -168,6 +169,12 @@ def operand_class(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
     return "fp32"
 
 
+def operand_bytes(operands: str) -> int:
+    """Bytes an element of the dot operands takes in shared memory for an operand class (``"fp32"``: 4,
+    ``"16bit"``: 2; fp8 score products count 1 in :func:`shared_bytes_estimate`)."""
+    return 4 if operands == "fp32" else 2
+
+
 def shared_bytes_estimate(cfg: KernelConfig, elem: int, rank_pad: int, rope_pad: int) -> int:
     """Shared memory a configuration needs (bytes; calibrated against ptxas within ~25%).
 
@@ -216,7 +223,7 @@ def fitting_configs(
         raise ValueError(f"kernel: got {kernel!r}; supported 'auto', 'heads' or 'rows'")
     operands = operand_class(q_dtype, cache_dtype)
     qk_fp8 = bool(fp8_qk) and cache_dtype == torch.float8_e4m3fn and operands == "16bit" and not sparse
-    elem = 4 if operands == "fp32" else 2
+    elem = operand_bytes(operands)
     major = compute_capability[0] if compute_capability is not None else 0
     if kernel == "rows" and operands == "16bit" and not sparse:
         major = 9  # forced: take the Hopper rule's candidates whatever the device (testing, other GPUs)

@@ -15,7 +15,14 @@ import sys
 from pathlib import Path
 
 from ..generated_doc import generated_doc_main
-from .configs import CONFIG_TABLE, ROWS_PER_PROGRAM, KernelConfig, shared_bytes_estimate, table_rows
+from .configs import (
+    CONFIG_TABLE,
+    ROWS_PER_PROGRAM,
+    KernelConfig,
+    operand_bytes,
+    shared_bytes_estimate,
+    table_rows,
+)
 
 __all__ = ["CONFIGS_DOC_PATH", "REPORTS_DIR", "compile_reports", "render_configs_doc", "main"]
 
@@ -55,7 +62,7 @@ the JSON files list them.
 
 def _shared(cfg: KernelConfig, operands: str) -> int:
     """The table's shared-memory estimate for ``cfg`` at 512/64 (bytes)."""
-    return shared_bytes_estimate(cfg, 4 if operands == "fp32" else 2, 512, 64)
+    return shared_bytes_estimate(cfg, operand_bytes(operands), 512, 64)
 
 
 def compile_reports(directory: Path = REPORTS_DIR) -> list[dict]:
