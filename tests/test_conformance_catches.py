@@ -19,6 +19,9 @@ from mla_backends.testing import broken, build_matrix, checks
 EXPECTED = {
     "TestNextPage": ("NextPageBackend", "output and ctx", "test_output_matches_reference"),
     "TestLatentScale": ("LatentScaleBackend", "output and ctx", "test_output_matches_reference"),
+    "TestAbsorbedWidthScale": ("AbsorbedWidthScaleBackend", "output and ctx", "test_output_matches_reference"),
+    "TestNoMscale": ("NoMscaleBackend", "output and ctx", "test_output_matches_reference"),
+    "TestLog2eScale": ("Log2eScaleBackend", "output and ctx", "test_output_matches_reference"),
     "TestBase2Lse": ("Base2LseBackend", "output and (ctx or heads)", "test_output_matches_reference"),
     "TestIgnoresFp8Scale": (
         "IgnoresFp8ScaleBackend",
@@ -134,6 +137,32 @@ def test_base2_lse_is_reported_as_lse_not_output(suite_results: dict[str, tuple[
     assert texts and all("LSE (natural log)" in t for t in texts)
     assert all("output (latent space)" not in t.split("AssertionError")[-1] for t in texts)
     assert any("base-2" in t for t in texts)
+
+
+# each softmax-scale mistake -> words its hint must contain (the hint is only given when the recomputed
+# reference under that mistake matches the backend's output, so it names the mistake, not a guess)
+SCALE_HINTS = {
+    "TestLatentScale": "kv_lora_rank ** -0.5 = ",
+    "TestAbsorbedWidthScale": "(kv_lora_rank + qk_rope_head_dim) ** -0.5 = ",
+    "TestNoMscale": "missing DeepSeek-YaRN's mscale ** 2",
+    "TestLog2eScale": "off by a constant factor 1.443 = log2(e)",
+}
+
+
+@pytest.mark.parametrize("cls_name", sorted(SCALE_HINTS))
+def test_scale_mistakes_get_a_hint_naming_the_mistake(suite_results: dict[str, tuple[str, str]],
+                                                      cls_name: str) -> None:
+    texts = [text for outcome, text in _of(suite_results, cls_name).values() if outcome == "failed"]
+    assert texts, f"{cls_name}: no failure to read"
+    for text in texts:
+        assert "output (latent space)" in text and SCALE_HINTS[cls_name] in text, text[-600:]
+        others = [h for c, h in SCALE_HINTS.items() if c != cls_name and h not in SCALE_HINTS[cls_name]]
+        assert not any(h in text for h in others), text[-600:]
+
+
+def test_no_scale_hint_for_a_mistake_that_is_not_a_scale(suite_results: dict[str, tuple[str, str]]) -> None:
+    texts = [text for outcome, text in _of(suite_results, "TestNextPage").values() if outcome == "failed"]
+    assert texts and not any("softmax scale" in t for t in texts)
 
 
 def test_fp8_scale_bug_fails_exactly_the_fp8_cases(suite_results: dict[str, tuple[str, str]]) -> None:

@@ -25,8 +25,8 @@ V3 = MLADims.deepseek_v3().tensor_parallel(8)
 EPS = {ep.name for ep in entry_points(group="mla_backends")}
 needs_plugins = pytest.mark.skipif(
     not {"example", "broken"} <= EPS,
-    reason="test plugin packages not installed: `make install` puts examples/mla_backends_example_plugin in "
-           ".venv and tests/plugins/broken_plugin in .test-site (see the Makefile)")
+    reason="test plugin packages not installed: `make install` puts examples/mla_backends_example_plugin and "
+           "tests/plugins/broken_plugin in .test-site (see the Makefile)")
 
 
 @pytest.fixture

@@ -10,6 +10,9 @@ class                           bug                                             
 ==============================  ===============================================  ============================
 ``NextPageBackend``             reads block-table entry ``i + 1`` for page ``i``  output_matches_reference
 ``LatentScaleBackend``          uses ``kv_lora_rank ** -0.5``, not ``scale``      output_matches_reference
+``AbsorbedWidthScaleBackend``   uses ``(kv_lora_rank + rope) ** -0.5``            output_matches_reference
+``NoMscaleBackend``             recomputes ``(nope + rope) ** -0.5``, no mscale   output_matches_reference
+``Log2eScaleBackend``           multiplies the scale by ``log2(e)``               output_matches_reference
 ``Base2LseBackend``             returns a base-2 LSE                             output_matches_reference
 ``IgnoresFp8ScaleBackend``      reads fp8 caches as if the scale were 1          output_matches_reference
 ``WritesCacheBackend``          overwrites the new tokens' cache rows            inputs_not_written
@@ -38,6 +41,9 @@ from ..ref_torch import RefTorchBackend
 __all__ = [
     "NextPageBackend",
     "LatentScaleBackend",
+    "AbsorbedWidthScaleBackend",
+    "NoMscaleBackend",
+    "Log2eScaleBackend",
     "Base2LseBackend",
     "IgnoresFp8ScaleBackend",
     "WritesCacheBackend",
@@ -68,6 +74,36 @@ class LatentScaleBackend(RefTorchBackend):
     def _forward_mqa_impl(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float,  # type: ignore[override]
                           **kw) -> None:
         super()._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=cache.kv_lora_rank**-0.5, **kw)
+
+
+class AbsorbedWidthScaleBackend(RefTorchBackend):
+    """Takes the scale from the absorbed row's width, ``(kv_lora_rank + qk_rope_head_dim) ** -0.5``."""
+
+    name: ClassVar[str] = "BROKEN_ABSORBED_WIDTH_SCALE"
+
+    def _forward_mqa_impl(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float,  # type: ignore[override]
+                          **kw) -> None:
+        width = cache.kv_lora_rank + cache.qk_rope_head_dim
+        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=width**-0.5, **kw)
+
+
+class NoMscaleBackend(RefTorchBackend):
+    """Recomputes ``(qk_nope + qk_rope) ** -0.5`` (nope 128) and so drops DeepSeek-YaRN's ``mscale ** 2``."""
+
+    name: ClassVar[str] = "BROKEN_NO_MSCALE"
+
+    def _forward_mqa_impl(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float,  # type: ignore[override]
+                          **kw) -> None:
+        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=(128 + cache.qk_rope_head_dim) ** -0.5, **kw)
+
+
+class Log2eScaleBackend(RefTorchBackend):
+    """Folds ``log2(e)`` into the scale for an ``exp2`` softmax, then exponentiates with ``exp``."""
+
+    name: ClassVar[str] = "BROKEN_LOG2E_SCALE"
+
+    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, *, scale: float, **kw) -> None:  # type: ignore[override]
+        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale * math.log2(math.e), **kw)
 
 
 class Base2LseBackend(RefTorchBackend):
@@ -175,6 +211,9 @@ class HostSyncBackend(RefTorchBackend):
 BROKEN_BACKENDS = (
     NextPageBackend,
     LatentScaleBackend,
+    AbsorbedWidthScaleBackend,
+    NoMscaleBackend,
+    Log2eScaleBackend,
     Base2LseBackend,
     IgnoresFp8ScaleBackend,
     WritesCacheBackend,

@@ -8,7 +8,9 @@ Inputs and expected values come from :mod:`.inputs` (:func:`prepare`, :func:`exp
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -18,6 +20,7 @@ from ..dtypes import dtype_name, lse_dtype
 from ..metadata import BatchMetadata
 from ..reasons import Reason, ReasonKind, as_reason
 from .cases import Case, UnsupportedProbe, declared_reasons
+from .hints import lse_base_hint, scale_hint
 from .inputs import GUARD_ROWS, SENTINEL, Prepared, expected, prepare
 
 __all__ = [
@@ -112,9 +115,11 @@ def assert_close(
     tol_key: str,
     where: str,
     meta: BatchMetadata | None = None,
+    hint: Callable[[torch.Tensor], str] | None = None,
 ) -> None:
     """``|got - ref| <= atol + rtol * |ref|`` elementwise (and finite), else an ``AssertionError`` that
-    names the worst element."""
+    names the worst element. On failure ``hint(got as float64)`` may add a diagnosis (:mod:`.hints`);
+    LSE comparisons check for a base-2 LSE by default."""
     g = got.detach().cpu().to(torch.float64)
     if g.shape != ref.shape:
         raise AssertionError(f"{what}: got shape {list(g.shape)}; expected {list(ref.shape)} [{where}]")
@@ -130,18 +135,14 @@ def assert_close(
     if meta is not None:
         caller_req = int(meta.order[int(meta.token_request[token])])
         req = f" (caller request {caller_req}, position {int(meta.token_positions[token])})"
-    hint = ""
-    if what.startswith("LSE"):
-        finite = torch.isfinite(g) & torch.isfinite(ref)
-        if bool(finite.any()) and torch.allclose(
-            g[finite] * math.log(2.0), ref[finite], rtol=1e-3, atol=1e-3
-        ):
-            hint = " -- looks like a base-2 LSE (it must be the natural log)"
+    if hint is None and what.startswith("LSE"):
+        hint = functools.partial(lse_base_hint, ref=ref)
+    note = hint(g) if hint is not None else ""
     raise AssertionError(
         f"{what}: {int(bad.sum())} of {bad.numel()} elements outside |x - ref| <= {tol.atol:g} + "
         f"{tol.rtol:g} * |ref| (tolerance {tol_key}); worst at index {list(idx)}, token {token}{req}: "
         f"got {g[idx].item():.6g}, expected {ref[idx].item():.6g}, "
-        f"max error {float(err.nan_to_num(math.inf).max()):.3g}{hint} [{where}]"
+        f"max error {float(err.nan_to_num(math.inf).max()):.3g}{note} [{where}]"
     )
 
 
@@ -162,7 +163,8 @@ def _check_result(cls: type[MLABackend], p: Prepared, out: torch.Tensor, lse: to
         )
     ref_out, ref_lse = expected(p)
     key, tol = tolerance_for(cls, case.dtype, case.kv_cache_dtype)
-    assert_close("output (latent space)", out, ref_out, tol, key, where, p.meta)
+    assert_close("output (latent space)", out, ref_out, tol, key, where, p.meta,
+                 hint=lambda got: scale_hint(p, got, tol))
     if not cls.capabilities.returns_lse:
         return
     if lse is None:

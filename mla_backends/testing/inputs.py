@@ -124,7 +124,10 @@ def prepare(case: Case, device: torch.device) -> Prepared:
     topk = None
     if case.topk is not None:
         topk = meta.to_processing_order(torch.stack(topk_rows)).to(device)
-    dims = MLADims(num_heads=H, kv_lora_rank=r, qk_rope_head_dim=rope)
+    # the softmax scale of a DeepSeek-V3 head with this rope width: YaRN's mscale ** 2 (about 1.874) included,
+    # as real checkpoints pass it, so that a kernel that recomputes the scale without it is caught
+    dims = MLADims(num_heads=H, kv_lora_rank=r, qk_rope_head_dim=rope,
+                   rope_scaling=MLADims.deepseek_v3().rope_scaling)
     return Prepared(
         case=case,
         cache=cache,
