@@ -1,7 +1,9 @@
 """mla-backends: DeepSeek-style Multi-head Latent Attention on the best kernel for the hardware at hand.
 
-Everything a host engine needs is importable from here. Heavy or optional pieces (the layer, the selector,
-kernel packages) load lazily: ``import mla_backends`` never imports triton or flashinfer.
+Everything a host engine needs is importable from here. Every public name loads on first use (a module
+``__getattr__``): ``import mla_backends`` imports neither torch nor triton nor flashinfer, so
+``mla-backends --version`` answers without torch; ``from mla_backends import MLADims`` imports what that name
+needs.
 """
 
 from __future__ import annotations
@@ -9,15 +11,20 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .backend import AttentionSpec, Capabilities, MLABackend, QueryLenSupport, Tolerance
-from .cache import LatentKVCache
-from .dims import IndexerDims, MLADims, RopeScaling
-from .metadata import BatchMetadata
-
 __version__ = "0.1.0"
 
 # name -> module that defines it (imported on first attribute access)
 _LAZY = {
+    "AttentionSpec": ".backend",
+    "Capabilities": ".backend",
+    "MLABackend": ".backend",
+    "QueryLenSupport": ".backend",
+    "Tolerance": ".backend",
+    "LatentKVCache": ".cache",
+    "IndexerDims": ".dims",
+    "MLADims": ".dims",
+    "RopeScaling": ".dims",
+    "BatchMetadata": ".metadata",
     "BackendName": ".registry",
     "get_backend": ".plugins",
     "registered_backends": ".plugins",
@@ -36,10 +43,7 @@ _LAZY = {
     "SparseKVCache": ".sparse",
 }
 
-__all__ = [
-    "AttentionSpec", "BatchMetadata", "Capabilities", "IndexerDims", "LatentKVCache", "MLABackend", "MLADims",
-    "QueryLenSupport", "RopeScaling", "Tolerance", "__version__", *_LAZY,
-]
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
@@ -50,3 +54,7 @@ def __getattr__(name: str) -> Any:
     value = getattr(module, name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

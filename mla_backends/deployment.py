@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .config_fields import ConfigFields
 from .dims import MLADims
 from .validation import require_int
 
@@ -48,13 +50,20 @@ class ModelShape:
     first_k_dense_replace: int
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> ModelShape:
-        """From a ``config.json`` dict; a model without MoE keys is dense in every layer."""
-        experts = int(config.get("n_routed_experts") or 0)
-        return cls(vocab_size=int(config["vocab_size"]), intermediate_size=int(config["intermediate_size"]),
-                   moe_intermediate_size=int(config.get("moe_intermediate_size") or 0), n_routed_experts=experts,
-                   n_shared_experts=int(config.get("n_shared_experts") or 0),
-                   first_k_dense_replace=int(config.get("first_k_dense_replace", 0)) if experts else 10**9)
+    def from_config(cls, config: Mapping[str, Any], source: str = "config dict") -> ModelShape:
+        """From a ``config.json`` dict; a model without MoE keys is dense in every layer. Every field gets the
+        layer's checks (:class:`~mla_backends.config_fields.ConfigFields`: ``vocab_size`` and
+        ``intermediate_size`` required and >= 1, ``moe_intermediate_size`` too when there are routed experts,
+        the other counts >= 0, no bools or strings); errors name the field and ``source``."""
+        if not isinstance(config, Mapping):
+            raise TypeError(f"config: got {type(config).__name__}; supported a mapping (a config.json's object)")
+        f = ConfigFields(config, source)
+        experts = f.integer("n_routed_experts", 0, minimum=0)
+        moe = f.integer("moe_intermediate_size") if experts else f.integer("moe_intermediate_size", 0, minimum=0)
+        return cls(vocab_size=f.integer("vocab_size"), intermediate_size=f.integer("intermediate_size"),
+                   moe_intermediate_size=moe, n_routed_experts=experts,
+                   n_shared_experts=f.integer("n_shared_experts", 0, minimum=0),
+                   first_k_dense_replace=f.integer("first_k_dense_replace", 0, minimum=0) if experts else 10**9)
 
 
 #: the presets' published shapes (their config.json files)

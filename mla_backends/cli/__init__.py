@@ -72,17 +72,34 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message, self)
 
 
-def build_parser() -> _Parser:
-    parser = _Parser(
-        prog="mla-backends",
-        description="Run, select, explain and size DeepSeek-style MLA attention backends.",
-    )
+def _global_options(parser: _Parser) -> None:
+    """The options that come before the command (``-v``, ``--version``, ``--json``)."""
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
     parser.add_argument("--version", action="version", version=version_text(),
                         help="print the version and exit (`mla-backends env` for every version)")
     parser.add_argument("--json", dest="global_json", action="store_true",
                         help="the same as the command's own --json (mla-backends --json list = mla-backends "
                              "list --json), for the commands that have one; errors are JSON too")
+
+
+def _answer_version(argv: Sequence[str]) -> None:
+    """``--version`` before the command: print it and exit (``SystemExit(0)``) before any sub-command module
+    is imported, so it reads the package metadata only (no torch). Anything else returns, for the full parser."""
+    light = _Parser(prog="mla-backends", add_help=False)
+    _global_options(light)
+    light.add_argument("rest", nargs=argparse.REMAINDER)  # the command and what follows it: not looked at
+    try:
+        light.parse_known_args(list(argv))
+    except UsageError:  # the full parser reports it, in its words
+        pass
+
+
+def build_parser() -> _Parser:
+    parser = _Parser(
+        prog="mla-backends",
+        description="Run, select, explain and size DeepSeek-style MLA attention backends.",
+    )
+    _global_options(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(f"{__name__}.{name}").register(sub)
@@ -132,27 +149,46 @@ def split_pass_through(argv: Sequence[str]) -> tuple[list[str], list[str] | None
     return argv[:i], argv[i + 1:]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; every error is reported by :func:`report_error` (exit status 2).
+def _unrecognized(parser: _Parser, own: Sequence[str], command: str | None, extra: Sequence[str]) -> NoReturn:
+    """Report arguments no parser took, from the parser they were given to: the command's
+    (``mla-backends select: error: unrecognized arguments: --bogus``) unless they came before the command."""
+    at = list(own).index(command) if command in own else len(own)
+    before = set(own[:at])
+    target = parser if not command or all(e in before for e in extra) else parser.commands[command]
+    known = [o for action in target._actions for o in action.option_strings if o.startswith("--")]
+    no_json = f"{command} has no JSON output; " if "--json" in extra and "--json" not in known else ""
+    target.error(f"unrecognized arguments: {' '.join(extra)} (supported: {', '.join(known)}; {no_json}"
+                 f"`{target.prog} --help` says what each does)")
 
-    ``--json`` before the command means the same as after it (for the commands that have ``--json``)."""
+
+def _no_json(parser: _Parser, command: str | None) -> NoReturn:
+    parser.error(f"argument --json: got it with {command or 'no command'}, which has no JSON output; supported "
+                 "with a command that has --json (mla-backends COMMAND --help)")
+
+
+def _run(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, passed = split_pass_through(argv)
+    _answer_version(own)
     as_json = "--json" in own
     command = None
     options: set[str] = set()
     try:
         parser = build_parser()
-        args = parser.parse_args(own)
+        args, extra = parser.parse_known_args(own)
         command = args.command
         options = parser.commands[command].option_names if command else parser.option_names
+        if extra:
+            _unrecognized(parser, own, command, extra)
         if passed is not None and not getattr(args, "accepts_extra", False):
-            parser.error(f"unrecognized arguments: -- {' '.join(passed)}".rstrip())
+            parser.commands.get(command, parser).error(
+                f"unrecognized arguments: -- {' '.join(passed)}".rstrip()
+                + f" (supported: arguments after -- only by conformance, for pytest; not by "
+                  f"{command or 'no command'})")
         args.extra = passed or []
         if args.global_json:
             if not hasattr(args, "json"):
-                parser.error(f"argument --json: got it with {command or 'no command'}, which has no JSON "
-                             "output; supported with a command that has --json (mla-backends COMMAND --help)")
+                _no_json(parser, command)
             args.json = True
         as_json = bool(getattr(args, "json", as_json))
         logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2),
@@ -161,8 +197,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 1
         return int(args.func(args) or 0)
+    except BrokenPipeError:
+        raise
     except (Exception, KeyboardInterrupt) as exc:
         return report_error(exc, as_json=as_json, command=command, options=options)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; every error is reported by :func:`report_error` (exit status 2).
+
+    ``--json`` before the command means the same as after it (for the commands that have ``--json``). A stdout
+    closed by its reader ends the command quietly with status 141 (:mod:`mla_backends.cli.pipes`)."""
+    from .pipes import flush_stdout, stdout_closed
+
+    try:
+        status = _run(argv)
+        flush_stdout()
+        return status
+    except BrokenPipeError:
+        return stdout_closed()
+    except SystemExit:  # --help and --version print, then argparse exits
+        try:
+            flush_stdout()
+        except BrokenPipeError:
+            raise SystemExit(stdout_closed()) from None
+        raise
 
 
 if __name__ == "__main__":  # pragma: no cover

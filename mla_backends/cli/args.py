@@ -11,8 +11,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["load_model_dims", "per_rank_dims", "int_list", "int_list_at_least", "int_at_least", "add_model_args",
-           "csv_text", "check_output_file"]
+__all__ = ["load_model_dims", "load_model_config", "per_rank_dims", "int_list", "int_list_at_least", "int_at_least",
+           "add_model_args", "csv_text", "check_output_file"]
 
 
 def load_model_dims(spec: str) -> Any:
@@ -40,6 +40,23 @@ def load_model_dims(spec: str) -> Any:
             f"--model: got {spec!r}; supported a preset ({', '.join(PRESET_NAMES)}) "
             f"or a path to a config.json"
         ) from None
+
+
+def load_model_config(spec: str) -> dict[str, Any] | None:
+    """``--model``'s config.json for the deployment sizing (None for a preset): its MLP/MoE fields checked
+    as the layer checks its own (:meth:`mla_backends.deployment.ModelShape.from_config`), the error under
+    ``--model`` (``--model: config.vocab_size: missing; ...``)."""
+    from ..deployment import ModelShape
+    from ..dims import read_config_json
+
+    if not os.path.exists(spec):
+        return None
+    try:
+        config = read_config_json(spec)
+        ModelShape.from_config(config, source=spec)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"--model: {exc}") from None
+    return config
 
 
 def int_list(text: str) -> list[int]:
@@ -113,7 +130,9 @@ def per_rank_dims(dims: Any, tp: int) -> Any:
 
 def check_output_file(option: str, path: str | None) -> None:
     """Refuse an output file that cannot be written, before any work: its folder must exist and be writable,
-    and ``path`` must not be a folder itself. ``ValueError`` naming ``option``."""
+    ``path`` must not be a folder, and the file itself must open for writing (tried: opened for appending,
+    so an existing file keeps its contents, and removed again when it did not exist; a name too long for
+    the file system fails here). ``ValueError`` naming ``option``."""
     if path is None:
         return
     if not path or os.path.isdir(path):
@@ -122,5 +141,12 @@ def check_output_file(option: str, path: str | None) -> None:
     if not os.path.isdir(folder):
         raise ValueError(f"{option}: got {path!r}, but the folder {folder} does not exist; supported a file in "
                          "an existing folder")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"{option}: got {path!r}, which cannot be written; supported a writable file")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as exc:
+        raise ValueError(f"{option}: got {path!r}, which cannot be written ({exc.strerror or exc}); supported a "
+                         "writable file path") from None

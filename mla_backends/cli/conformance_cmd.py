@@ -3,7 +3,8 @@
 NAME is any registered backend (built-in or from a plugin) or an import path ``package.module:Class`` for a
 backend under development. The suite runs in-process through ``pytest.main`` on
 ``mla_backends/testing/cli_suite.py`` with the opt-in plugin; the exit code is pytest's (0 when every check
-passed or was skipped with a reason, non-zero on any failure or when nothing was collected).
+passed or was skipped with a reason, non-zero on any failure or when nothing was collected), and
+:data:`NOTHING_RAN_STATUS` when pytest options that run no test (``--collect-only``) were passed.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["register", "run", "pytest_args"]
+__all__ = ["register", "run", "pytest_args", "NOTHING_RAN_STATUS"]
+
+#: exit status of a run in which no test ran although pytest reported no failure (pytest's own status 5)
+NOTHING_RAN_STATUS = 5
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -83,9 +87,26 @@ def run(args: argparse.Namespace) -> int:
         f"{entry.source}), {matrix} matrix, device {args.device}",
         flush=True,
     )
-    code = int(
-        pytest.main(pytest_args(name, args.quick, args.device, list(getattr(args, "extra", []) or [])))
-    )
-    verdict = "passed" if code == 0 else f"FAILED (pytest exit code {code})"
+    counter = _TestsRun()
+    code = int(pytest.main(pytest_args(name, args.quick, args.device, list(getattr(args, "extra", []) or [])),
+                           plugins=[counter]))
+    if code == 0 and not counter.calls:  # --collect-only, --setup-plan, --fixtures, pytest's --help ...
+        code = NOTHING_RAN_STATUS
+        verdict = (f"not checked: no tests ran (exit {code}; the pytest options given run none, as "
+                   "--collect-only only lists the cases), which is not a pass")
+    else:
+        verdict = "passed" if code == 0 else f"FAILED (pytest exit code {code})"
     print(f"mla-backends conformance: {cls.name} {verdict}", file=sys.stderr if code else sys.stdout)
     return code
+
+
+class _TestsRun:
+    """A pytest plugin counting the tests whose body ran (pass, fail or skip from inside the test): a run
+    whose options ran none (``--collect-only``, ``--setup-plan``) is not a pass."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def pytest_runtest_logreport(self, report: object) -> None:
+        if getattr(report, "when", None) == "call":
+            self.calls += 1

@@ -201,16 +201,14 @@ def run_crossover(args: argparse.Namespace) -> int:
 
 def _run_deployment(args: argparse.Namespace, dims: Any) -> int:
     """``kv-cache --gpu/--gpu-memory``: the deployment sizing of :func:`reports.deployment_report`."""
-    import os
-
     from .. import deployment
-    from ..dims import read_config_json
     from ..gpus import gpu_spec
     from . import reports
+    from .args import load_model_config
 
     gpu = gpu_spec(args.gpu) if args.gpu is not None else None
     mem = deployment.parse_memory(args.gpu_memory) if args.gpu_memory is not None else gpu.memory_bytes  # type: ignore[union-attr]
-    config = read_config_json(args.model) if os.path.exists(str(args.model)) else None
+    config = load_model_config(args.model)  # its MLP/MoE fields checked, errors under --model
     rep = reports.deployment_report(
         dims, gpu_memory_bytes=mem, gpu_name=gpu.name if gpu else None,
         gpu_memory_utilization=args.gpu_memory_utilization, tp=args.tp, dcp=args.dcp,

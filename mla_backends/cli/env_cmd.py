@@ -1,7 +1,10 @@
 """``mla-backends env``: what this installation and machine are, for bug reports (``--json`` for tools).
 
-Versions of Python, torch (and the CUDA it was built with), Triton, FlashInfer, pynvml and this package,
-read from the package metadata (``importlib.metadata``): triton and flashinfer are never imported. The GPUs
+Versions of Python, torch (and the CUDA it was built with), Triton, FlashInfer, pynvml, transformers,
+safetensors and this package, read from the package metadata (``importlib.metadata``): triton, flashinfer
+and transformers are never imported. For each integration (:data:`SUPPORT_CHECKS`: transformers'
+``patch_model``), whether the installed version is inside the range this package supports, taken from its own
+requirements (the extra of ``pyproject.toml``, as installed). The GPUs
 come from NVML through :func:`selector.detect.detect_devices` (no CUDA context is created); then the
 plugins that loaded, the problems they had, and the environment variables that change what the package does.
 """
@@ -13,10 +16,13 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["register", "run", "environment_report", "package_version", "PACKAGES", "ENV_PREFIXES"]
+__all__ = ["register", "run", "environment_report", "package_version", "supported_range", "transformers_support",
+           "PACKAGES", "SUPPORT_CHECKS", "ENV_PREFIXES"]
 
 #: (label, distribution names tried in order, module it provides)
 PACKAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -25,6 +31,8 @@ PACKAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("triton", ("triton", "pytorch-triton"), "triton"),
     ("flashinfer", ("flashinfer-python", "flashinfer"), "flashinfer"),
     ("pynvml", ("nvidia-ml-py", "pynvml"), "pynvml"),
+    ("transformers", ("transformers",), "transformers"),
+    ("safetensors", ("safetensors",), "safetensors"),
 )
 #: set variables with these prefixes are shown too (FlashInfer's and Triton's own switches, for example)
 ENV_PREFIXES = ("MLA_BACKEND", "FLASHINFER_", "TRITON_")
@@ -38,6 +46,66 @@ def package_version(distributions: tuple[str, ...]) -> tuple[str | None, str | N
         except importlib.metadata.PackageNotFoundError:
             continue
     return None, None
+
+
+def _requirements() -> list[str]:
+    """This package's requirement strings (``'transformers<5.40,>=5.17; extra == "transformers"'``): the
+    installed metadata, else (a source tree that was not installed) its ``pyproject.toml``."""
+    try:
+        return list(importlib.metadata.requires("mla-backends") or ())
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    import tomllib
+    from pathlib import Path
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return []
+    return [f"{req}; extra == \"{extra}\"" for extra, reqs in project.get("optional-dependencies", {}).items()
+            for req in reqs]
+
+
+def supported_range(package: str, extra: str) -> str | None:
+    """The version range of ``package`` that this package's ``extra`` requires (``">=5.17,<5.40"``), None when
+    it names none: the one place a supported range is written is ``pyproject.toml``."""
+    for text in _requirements():
+        req, _, marker = text.partition(";")
+        m = re.fullmatch(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*\(?([^()]*)\)?\s*", req)
+        if not m or marker.replace("'", '"').split() != ["extra", "==", f'"{extra}"']:
+            continue
+        if m.group(1).lower().replace("_", "-") == package.lower().replace("_", "-"):
+            parts = [p.strip() for p in m.group(2).split(",") if p.strip()]
+            return ",".join(sorted(parts, key=lambda p: (not p.startswith(">"), p))) or None  # lower bound first
+    return None
+
+
+def _inside(version: str | None, spec: str | None) -> bool | None:
+    """Whether ``version`` satisfies ``spec`` (None when either is unknown or ``packaging`` is missing)."""
+    if version is None or spec is None:
+        return None
+    try:
+        from packaging.specifiers import SpecifierSet
+        from packaging.version import InvalidVersion
+    except ImportError:
+        return None
+    try:
+        return SpecifierSet(spec).contains(version, prereleases=True)
+    except InvalidVersion:
+        return None
+
+
+def transformers_support(packages: dict[str, Any]) -> dict[str, Any]:
+    """``patch_model`` (mla_backends.integrations.transformers) against the installed transformers."""
+    spec = supported_range("transformers", "transformers")
+    version = packages["transformers"]["version"]
+    return {"package": "transformers", "feature": "patch_model (mla_backends.integrations.transformers)",
+            "installed": version, "supported": spec, "inside": _inside(version, spec)}
+
+
+#: one small function per integration: the installed package's version against the range it is supported in
+SUPPORT_CHECKS: tuple[Callable[[dict[str, Any]], dict[str, Any]], ...] = (transformers_support,)
 
 
 def _known_env() -> dict[str, str]:
@@ -96,6 +164,7 @@ def environment_report() -> dict[str, Any]:
                    "executable": sys.executable},
         "platform": platform.platform(),
         "packages": packages,
+        "support": [check(packages) for check in SUPPORT_CHECKS],
         "torch_cuda": {"built_with": torch.version.cuda, "available": torch.cuda.is_available()},
         "gpus": gpus,
         "plugins": [{"plugin": p, "backends": by_source.get(p, [])} for p in reg.plugins],
@@ -107,9 +176,10 @@ def environment_report() -> dict[str, Any]:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("env", help="versions, GPUs, plugins and environment variables (for bug reports)",
                        description="Print the versions of Python, torch (and its CUDA), Triton, FlashInfer, "
-                                   "pynvml and mla-backends, the GPUs NVML sees with their compute capability "
-                                   "and memory, the plugins and their problems, and the environment variables "
-                                   "in effect. Nothing imports triton or flashinfer.")
+                                   "pynvml, transformers, safetensors and mla-backends (and whether "
+                                   "transformers is inside the range patch_model supports), the GPUs NVML sees "
+                                   "with their compute capability and memory, the plugins and their problems, "
+                                   "and the environment variables in effect. Nothing imports triton or flashinfer.")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
@@ -123,6 +193,11 @@ def _print_text(rep: dict[str, Any]) -> None:
         if info["version"] and not info["importable"]:
             text += " (metadata only: the module is not importable)"
         print(f"{label:<13} {text}")
+    for sup in rep["support"]:
+        verdict = "not installed" if sup["installed"] is None else f"{sup['installed']} is " + {
+            True: "inside it", False: "OUTSIDE it (not supported)", None: "of unknown standing"}[sup["inside"]]
+        print(f"{'supported':<13} {sup['package']} {sup['supported'] or '(no range found)'} for {sup['feature']}: "
+              f"{verdict}")
     cuda = rep["torch_cuda"]
     print(f"torch CUDA    {cuda['built_with'] or 'none (CPU build)'}; "
           f"{'a CUDA device is available' if cuda['available'] else 'no CUDA device available'}")

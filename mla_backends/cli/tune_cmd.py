@@ -142,14 +142,54 @@ def run_tune(args: argparse.Namespace) -> int:
         progress=progress,
         quick=bool(args.quick),
     )
-    if args.output:
-        table.save(args.output)
+    failure = _save(table, args.output) if args.output else None
     data = table.to_dict()
     if args.json:
-        print(json.dumps({**data, "tp_is_default": tp_defaulted}, indent=2))
-        return 0
-    _print_text(data, args.output, tp_defaulted)
+        doc = {**data, "tp_is_default": tp_defaulted}
+        if failure:  # the measurements stay in this document; the error says where the table went
+            doc["error"] = {"type": "OSError", "message": failure[0], "argument": "--output"}
+            doc["saved_to"] = failure[1]
+        print(json.dumps(doc, indent=2))
+        return 2 if failure else 0
+    _print_text(data, None if failure else args.output, tp_defaulted)
+    if failure:
+        message, saved_to = failure
+        if saved_to is None:  # nowhere to write: the table itself goes to stdout, after the report
+            print(json.dumps(data, indent=2))
+        print(f"mla-backends tune: error: {message}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _save(table: Any, output: str) -> tuple[str, str | None] | None:
+    """Write ``table`` to ``output``; None when written. When the write fails after the measurements (the disk
+    filled, the folder went away), they are not lost: the table is written beside it (the same folder, a
+    short name) or else to the temporary folder, and ``(message, where it went or None)`` is returned
+    (None: no file could be written, so the caller prints the table on stdout)."""
+    import contextlib
+    import os
+    import tempfile
+
+    try:
+        table.save(output)
+        return None
+    except OSError as exc:
+        reason = f"--output: could not write {output!r} ({exc.strerror or exc})"
+    for folder in dict.fromkeys([os.path.dirname(os.path.abspath(output)), tempfile.gettempdir()]):
+        try:
+            fd, fallback = tempfile.mkstemp(prefix="mla-backends-thresholds-", suffix=".json", dir=folder)
+        except OSError:
+            continue
+        os.close(fd)
+        try:
+            table.save(fallback)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.remove(fallback)
+            continue
+        return (f"{reason}; the measured table was written to {fallback} instead (load it from there, or "
+                "move it)", fallback)
+    return f"{reason}, nor to any other file; the measured table is printed on stdout", None
 
 
 def _print_text(data: dict[str, Any], output: str | None, tp_defaulted: bool = False) -> None:
