@@ -83,8 +83,8 @@ def test_plain_forward_and_cache_lifetime():
         patch_model(model, backend="REF_TORCH")
         got = model(ids, attention_mask=mask).logits
     assert ((ref - got).abs().max() / ref.abs().max()).item() < LOGITS_RTOL
-    state = model.__dict__["_mla_backends_patch"]
-    assert state.active is None  # the forward's temporary cache is gone
+    from mla_backends.integrations.transformers.attention import STEP_GATE
+    assert STEP_GATE.thread is None and STEP_GATE.cache is None  # the forward's step and temporary cache are gone
     seen = []
     original = MLAGenerationCache.release
 
