@@ -35,7 +35,8 @@ def tiny_v3(seed: int = 0, *, num_layers: int = 3, max_positions: int = 256) -> 
     (``max_positions``: its ``max_position_embeddings``)."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.DeepseekV3Config(
-        **{**COMMON, "max_position_embeddings": max_positions}, num_hidden_layers=num_layers, q_lora_rank=24, rope_interleave=True, rope_parameters=dict(YARN),
+        **{**COMMON, "max_position_embeddings": max_positions}, num_hidden_layers=num_layers, q_lora_rank=24,
+        rope_interleave=True, rope_parameters=dict(YARN),
         n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
         first_k_dense_replace=1)
     cfg._attn_implementation = "eager"
