@@ -18,8 +18,9 @@ How a step maps onto :class:`~mla_backends.metadata.BatchMetadata`: a forward pr
 reads the 2-D ``attention_mask``; request ``b``'s new real (unmasked) tokens are its query, its real tokens
 cached so far its context, and padding is neither written nor attended. RoPE positions are the model's own
 ``position_ids`` (left padding shifts them as transformers does). Decode steps (one token) run absorbed
-through the backend's ``forward_mqa``; prefills go through the shared ``forward_mha``. The outputs of padding
-positions are zeros (transformers' are never used either). ``generate`` takes left-padded rows only.
+through the backend's ``forward_mqa``; prefills go through the shared ``forward_mha``. The attention outputs of
+padding positions are zeros, not transformers'; ``generate`` takes left-padded rows only, so it never reads
+one (right padding and rows of padding only are refused, :mod:`.options`).
 
 The package: :mod:`.cache` (the call's cache and page pool), :mod:`.attention` (the patched module, the
 step hooks and the process-wide step gate that lets threads share a model), :mod:`.options` (what is

@@ -44,8 +44,8 @@ GENERATE_OPTIONS = (  # (generate argument, value meaning "off", feature named i
 PACKED_SEQUENCE_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
-def _refuse(name: str, value: Any, feature: str) -> None:
-    raise UnsupportedGenerationError(f"{name}: got {value!r}; {feature} is not supported on a model patched by "
+def _refuse(name: str, got: str, feature: str) -> None:
+    raise UnsupportedGenerationError(f"{name}: got {got}; {feature} is not supported on a model patched by "
                                      "mla-backends (unpatch_model(model) to use it)")
 
 
@@ -56,7 +56,7 @@ def check_generate_options(model: torch.nn.Module, kwargs: dict) -> None:
     for name, off, feature in GENERATE_OPTIONS:
         value = kwargs[name] if name in kwargs else getattr(config, name, off)
         if value is not None and value != off and not (off == 1 and value is None):
-            _refuse(name, value, feature)
+            _refuse(name, repr(value), feature)
 
 
 def check_forward_options(module: torch.nn.Module, kwargs: dict) -> None:
@@ -67,10 +67,11 @@ def check_forward_options(module: torch.nn.Module, kwargs: dict) -> None:
     if value is None:
         value = getattr(getattr(module, "config", None), "output_attentions", False)
     if value:
-        _refuse("output_attentions", value, "returning attention weights (patched attention computes none)")
+        _refuse("output_attentions", repr(value), "returning attention weights (patched attention computes none)")
     for name in PACKED_SEQUENCE_KWARGS:
         if kwargs.get(name) is not None:
-            _refuse(name, "a tensor", "packed sequences (requests are read from the 2-D attention_mask)")
+            _refuse(name, f"a {type(kwargs[name]).__name__}",
+                    "packed sequences (requests are read from the 2-D attention_mask)")
 
 
 def step_mask(mask: Any, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
