@@ -178,6 +178,20 @@ def test_generate_refuses_right_padding_and_rows_of_padding_only():
     assert generate_greedy(model, ids, mask, 2).sequences.shape == (3, 7)  # left padding still runs
 
 
+def test_chunked_prefill_of_left_padding_still_matches_transformers():
+    """Chunks of 4 over a 9-token prompt: row 1's only real token comes in the last, 1-token chunk (not taken
+    for a generated token of a row of padding only); a prompt of padding only is still refused."""
+    model = tiny_v3(num_layers=1)
+    ids, mask = left_padded([9, 1, 5])
+    ref = generate_greedy(model, ids, mask, 4, prefill_chunk_size=4)
+    patch_model(model, backend="REF_TORCH")
+    compare_generations(ref, generate_greedy(model, ids, mask, 4, prefill_chunk_size=4))
+    ids[1] = 0  # a row of pad tokens only: the mask transformers infers has no real token in it
+    with pytest.raises(UnsupportedGenerationError, match=r"attention_mask: row 1 of the prompt is all padding"):
+        generate_greedy(model, ids, None, 4, prefill_chunk_size=4)
+    assert _gate_free()
+
+
 def test_a_plain_forward_of_right_padding_matches_transformers_at_the_real_tokens():
     model = tiny_v3(num_layers=2)
     ids, mask = right_padded([6, 2, 4])

@@ -43,7 +43,13 @@ from ...layer import MLAAttention
 from ...validation import require_int
 from .attention import STEP_GATE, PatchedMLAAttention, PatchState, after_forward, before_forward
 from .cache import DEFAULT_BLOCK_SIZE, MAX_RESERVE_TOKENS, MLAGenerationCache
-from .options import UnsupportedGenerationError, check_generate_options, check_prompt_mask, longest_sequence
+from .options import (
+    UnsupportedGenerationError,
+    check_generate_options,
+    check_prompt_mask,
+    longest_sequence,
+    prompt_length,
+)
 
 __all__ = ["patch_model", "unpatch_model", "is_patched", "PatchedMLAAttention", "MLAGenerationCache",
            "UnsupportedGenerationError", "DEFAULT_BLOCK_SIZE", "MAX_RESERVE_TOKENS"]
@@ -76,6 +82,7 @@ def _wrap_generate(model: torch.nn.Module) -> types.MethodType:
             raise TypeError(f"{state.cache_kw}: got {type(given).__name__}; a patched model makes its own "
                             "MLAGenerationCache per generate call (pass none)")
         cache = given if given is not None else state.new_cache(longest_sequence(self, args, kwargs))
+        cache.prompt_tokens = prompt_length(args, kwargs)  # past it, every row must have a real token cached
         kwargs[state.cache_kw] = cache
         try:
             return original(self, *args, **kwargs)

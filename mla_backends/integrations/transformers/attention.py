@@ -150,10 +150,8 @@ def before_forward(state: PatchState, module: torch.nn.Module, args: tuple, kwar
         cache = state.new_cache()
     else:  # a cache that outlives the step: transformers reads the next token from the last position
         cache.check_usable(shape[0])
-        if cache.pages:
-            check_left_padded(new, cache.context, decode=shape[1] == 1)
-        else:
-            check_left_padded(new, [0] * shape[0], decode=False)
+        generating = cache.prompt_tokens is not None and cache.seen >= cache.prompt_tokens
+        check_left_padded(new, cache.context if cache.pages else [0] * shape[0], generating=generating)
     cache.begin_step(new)
     STEP_GATE.enter(state, cache, temporary)
 

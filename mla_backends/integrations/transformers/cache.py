@@ -56,6 +56,8 @@ class MLAGenerationCache(Cache):
         self.step: tuple[BatchMetadata, torch.Tensor | None] | None = None
         self.released = False
         self.allocations = 0  # pools allocated (one per layer each time the pool is sized)
+        #: prompt tokens per request of the generate call using the cache (set by it; None: not known)
+        self.prompt_tokens: int | None = None
         self._q: list[int] = []
 
     # ---- what transformers asks ---------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 __all__ = ["UnsupportedGenerationError", "GENERATE_OPTIONS", "PACKED_SEQUENCE_KWARGS", "check_generate_options",
-           "check_forward_options", "step_mask", "check_left_padded", "check_prompt_mask", "longest_sequence"]
+           "check_forward_options", "step_mask", "check_left_padded", "check_prompt_mask", "prompt_length",
+           "longest_sequence"]
 
 
 class UnsupportedGenerationError(NotImplementedError):
@@ -90,14 +91,15 @@ def step_mask(mask: Any, shape: tuple[int, int], device: torch.device) -> torch.
     return mask[:, -S:].to(torch.bool)
 
 
-def check_left_padded(new: torch.Tensor, context: list[int], *, decode: bool) -> None:
+def check_left_padded(new: torch.Tensor, context: list[int], *, generating: bool) -> None:
     """The padding rule of a step into a cache that outlives it (``generate``'s): within a row, every token
     after its first real one is real (left padding), and a row has a real prompt token.
 
     ``new [B, S]`` bool is the step's real-token flags, ``context[b]`` the real tokens row ``b`` has cached,
-    ``decode`` whether this is a one-token step after the first. transformers computes the first token of a
-    right-padded row (or a row of padding only) from a padding position, whose output a patched model does not
-    compute (it neither caches nor attends padding), so these are refused instead of answered differently.
+    ``generating`` whether the whole prompt is cached already (a step of generated tokens; a row with nothing
+    cached then had a prompt of padding only). transformers computes the first token of a right-padded row
+    (or a row of padding only) from a padding position, whose output a patched model does not compute (it
+    neither caches nor attends padding), so these are refused instead of answered differently.
     """
     rows = new.cpu()
     started = torch.tensor([c > 0 for c in context], dtype=torch.bool).unsqueeze(1)
@@ -107,7 +109,7 @@ def check_left_padded(new: torch.Tensor, context: list[int], *, decode: bool) ->
         raise UnsupportedGenerationError(
             f"attention_mask: row {bad[0]} has padding after a real token (right padding); a patched model's "
             "generate takes left-padded rows only (tokenizer padding_side='left', as transformers recommends)")
-    if decode:
+    if generating:
         empty = [b for b, c in enumerate(context) if c == 0]
         if empty:
             raise UnsupportedGenerationError(
@@ -125,18 +127,25 @@ def check_prompt_mask(mask: Any) -> None:
             raise UnsupportedGenerationError(
                 f"attention_mask: row {empty[0]} is all padding; a patched model's generate needs at least one "
                 "real token in every row")
-        check_left_padded(rows, [0] * rows.shape[0], decode=False)
+        check_left_padded(rows, [0] * rows.shape[0], generating=False)
+
+
+def prompt_length(args: tuple, kwargs: dict) -> int | None:
+    """Tokens per request of the prompt of a ``generate(*args, **kwargs)`` call (its ``input_ids``, else
+    ``inputs_embeds``), or None when it is not a ``[batch, length, ...]`` tensor."""
+    prompt = kwargs.get("input_ids", args[0] if args else None)
+    if prompt is None:
+        prompt = kwargs.get("inputs_embeds")
+    return prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 else None
 
 
 def longest_sequence(model: torch.nn.Module, args: tuple, kwargs: dict) -> int | None:
     """Tokens per request a ``generate(*args, **kwargs)`` call can reach (prompt + ``max_new_tokens``, else
     ``max_length``), or None when it cannot be told before the call."""
     config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    prompt = kwargs.get("input_ids", args[0] if args else None)
-    if prompt is None:
-        prompt = kwargs.get("inputs_embeds")
+    prompt = prompt_length(args, kwargs)
     new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-    if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 and isinstance(new, int) and new >= 0:
-        return max(1, prompt.shape[1] + new)
+    if prompt is not None and isinstance(new, int) and new >= 0:
+        return max(1, prompt + new)
     longest = kwargs.get("max_length", getattr(config, "max_length", None))
     return longest if isinstance(longest, int) and longest >= 1 else None
