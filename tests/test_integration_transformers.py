@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import left_padded, tiny_v2, tiny_v3
+from hf_models import LOGITS_RTOL, generate_greedy, left_padded, tiny_v2, tiny_v3
+from hf_models import compare_generations as _compare
 
 pytest.importorskip("transformers")
 from mla_backends.integrations.transformers import (  # noqa: E402
@@ -19,31 +20,10 @@ from mla_backends.integrations.transformers import (  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW_TOKENS = 32
-TIE = 1e-5  # relative gap of the unpatched top two logits below which the patched model may pick either
-LOGITS_RTOL = 1e-4
 
 
 def _generate(model, ids, mask, **kw):
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                              return_dict_in_generate=True, output_logits=True, pad_token_id=0, **kw)
-
-
-def _compare(ref, got) -> int:
-    """Steps compared before a (near-tie) divergence; fails on any other difference."""
-    steps = len(ref.logits)
-    for t in range(steps):
-        a, b = ref.logits[t], got.logits[t]
-        err = ((a - b).abs().amax(-1) / a.abs().amax(-1)).max().item()
-        assert err < LOGITS_RTOL, f"step {t}: logits differ by {err:.2e} relative"
-        ta, tb = a.argmax(-1), b.argmax(-1)
-        if not torch.equal(ta, tb):
-            top2 = a.topk(2, dim=-1).values
-            gap = ((top2[:, 0] - top2[:, 1]) / top2[:, 0].abs())[ta != tb]
-            assert (gap < TIE).all(), f"step {t}: tokens differ away from a near-tie (gap {gap.tolist()})"
-            return t
-    assert torch.equal(ref.sequences, got.sequences)
-    return steps
+    return generate_greedy(model, ids, mask, NEW_TOKENS, **kw)
 
 
 @pytest.mark.parametrize("build", [tiny_v3, tiny_v2], ids=["v3_moe_yarn_qlora", "v2_q_proj"])
@@ -51,7 +31,7 @@ def test_greedy_generate_matches_unpatched(build):
     model = build()
     ids, mask = left_padded([5, 11, 3])
     ref = _generate(model, ids, mask)
-    patch_model(model, backend="REF_TORCH", block_size=4)  # small pages: the pool grows during the call
+    patch_model(model, backend="REF_TORCH", block_size=4)  # small pages: many per request
     assert all(isinstance(layer.self_attn, PatchedMLAAttention) for layer in model.model.layers)
     got = _generate(model, ids, mask)
     assert len(got.logits) == NEW_TOKENS
@@ -83,8 +63,8 @@ def test_plain_forward_and_cache_lifetime():
         patch_model(model, backend="REF_TORCH")
         got = model(ids, attention_mask=mask).logits
     assert ((ref - got).abs().max() / ref.abs().max()).item() < LOGITS_RTOL
-    state = model.__dict__["_mla_backends_patch"]
-    assert state.active is None  # the forward's temporary cache is gone
+    from mla_backends.integrations.transformers.attention import STEP_GATE
+    assert STEP_GATE.thread is None and STEP_GATE.cache is None  # the forward's step and temporary cache are gone
     seen = []
     original = MLAGenerationCache.release
 
