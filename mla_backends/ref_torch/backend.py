@@ -31,9 +31,12 @@ __all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]
 #: a request is streamed (page chunks, each cached row read once, the chunk kept in cache) when the padded
 #: rows of the whole batch, ``requests x its sequence x row bytes`` in the compute dtype, reach this many
 #: bytes: below it one gather and two batched matmuls over all rows are faster, above it the gathered rows
-#: no longer stay in cache between the two matmuls. Measured crossovers (benchmarks/bench_ref_decode_cpu.py,
-#: fp32, 576-wide rows): between 19 and 28 MiB at 8 requests, 9 and 19 MiB at 32
-STREAM_MIN_BYTES = 24 << 20
+#: no longer stay in cache between the two matmuls. Measured (benchmarks/bench_ref_decode_cpu.py --crossover,
+#: float32, 576-wide rows, results in benchmarks/results/ref-decode-cpu.json): on the loaded 2-core CI machine
+#: (32 MiB L3) the two forms are within 20 % of each other from 8 to 24 MiB, padded/streamed crossing 1.0
+#: near 16 MiB at 8 requests, and the padded form falls off a cliff at 32 MiB (2-3x slower); issue 29's
+#: quiet-machine figures at 8 requests x 1,064 rows (19.6 MB) had padded 2.8 ms against streamed 3.2 ms
+STREAM_MIN_BYTES = 20 << 20
 #: ... and never shorter than this many rows: shorter streamed chunks cost more in kernel calls than they save
 STREAM_MIN_ROWS = 256
 #: bytes of gathered rows per streamed chunk, all requests of a group together. Small enough that the chunk
@@ -234,10 +237,10 @@ class RefTorchBackend(MLABackend):
         return RefStep()
 
     def _step(self, meta: BatchMetadata) -> RefStep:
+        """This step's plans (``meta.prepare(self)``). A subclass whose ``prepare`` returns a state of its own
+        gets fresh plans on every call: the same numbers, made per layer instead of once per step."""
         state = meta.prepare(self)
-        if not isinstance(state, RefStep):
-            raise TypeError(f"{self.name}.prepare: got {type(state).__name__}; supported RefStep")
-        return state
+        return state if isinstance(state, RefStep) else RefStep()
 
     def _dense(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
                out: torch.Tensor, lse_out: torch.Tensor) -> None:
