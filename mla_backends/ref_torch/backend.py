@@ -30,12 +30,12 @@ __all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]
 
 #: a request is streamed (page chunks, each cached row read once, the chunk kept in cache) when the padded
 #: rows of the whole batch, ``requests x its sequence x row bytes`` in the compute dtype, reach this many
-#: bytes: below it one gather and two batched matmuls over all rows are faster, above it the gathered rows
-#: no longer stay in cache between the two matmuls. Measured (benchmarks/bench_ref_decode_cpu.py --crossover,
-#: float32, 576-wide rows, results in benchmarks/results/ref-decode-cpu.json): on the loaded 2-core CI machine
-#: (32 MiB L3) the two forms are within 20 % of each other from 8 to 24 MiB, padded/streamed crossing 1.0
-#: near 16 MiB at 8 requests, and the padded form falls off a cliff at 32 MiB (2-3x slower); issue 29's
-#: quiet-machine figures at 8 requests x 1,064 rows (19.6 MB) had padded 2.8 ms against streamed 3.2 ms
+#: bytes: below it one gather and two batched matmuls over all rows are as fast or faster, above it the
+#: gathered rows no longer stay in cache between the two matmuls. Measured (benchmarks/bench_ref_decode_cpu.py
+#: --crossover, float32, 576-wide rows; benchmarks/results/ref-decode-cpu.json) on the loaded 2-core machine
+#: (32 MiB L3, 1 thread): from 8 to 24 MiB the two forms are within about 20 % (padded ahead at 32 requests,
+#: streamed ahead at 8, mixed at 2), and from 32 MiB on the padded form is 2-3x slower. Issue 29's
+#: quiet-machine figures at 8 requests x 1,064 rows (19.6 MB): padded 2.8 ms, streamed 3.2 ms
 STREAM_MIN_BYTES = 20 << 20
 #: ... and never shorter than this many rows: shorter streamed chunks cost more in kernel calls than they save
 STREAM_MIN_ROWS = 256
