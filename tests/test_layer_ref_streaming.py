@@ -1,7 +1,10 @@
-"""REF_TORCH's streamed dense path (sequences >= STREAM_MIN_ROWS, split-K over page chunks whose partials are
+"""REF_TORCH's streamed dense path (sequences >= stream_min_rows, split-K over page chunks whose partials are
 folded every STREAM_FOLD_CHUNKS chunks), which the layer's decode benchmark relies on, against a plain float64
 absorbed reference: decode and multi-token queries, long and short requests mixed, pages that do not divide
-the lengths, fp8 and bf16 caches, default and tiny chunks (many folds, chunks a short request sees nothing in)."""
+the lengths, fp8 and bf16 caches, default and tiny chunks (many folds, chunks a short request sees nothing in).
+
+The tiny rows here (24 wide) would never reach STREAM_MIN_BYTES: the module sets it to 0, so the row floor
+STREAM_MIN_ROWS alone decides what streams."""
 
 from __future__ import annotations
 
@@ -13,9 +16,14 @@ from mla_backends.cache import LatentKVCache
 from mla_backends.metadata import BatchMetadata
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.ref_torch import backend as ref_backend
-from mla_backends.ref_torch.backend import STREAM_MAX_CHUNK_ROWS, STREAM_MIN_ROWS, stream_chunk_pages
+from mla_backends.ref_torch.backend import STREAM_MAX_CHUNK_ROWS, STREAM_MIN_ROWS, stream_chunk_pages, stream_min_rows
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "stream_by_rows")
+
+
+@pytest.fixture
+def stream_by_rows(monkeypatch):
+    monkeypatch.setattr(ref_backend, "STREAM_MIN_BYTES", 0)
 
 H, r, R = 2, 16, 8
 
@@ -43,7 +51,7 @@ def _reference(q, rows, ctx, n, scale):
 @pytest.mark.parametrize("block_size", [16, 48])
 @pytest.mark.parametrize("chunking", ["default", "tiny", "fold-each"])
 def test_streamed_requests_match_reference(kv_cache_dtype, dtype, tol, block_size, chunking, monkeypatch):
-    assert STREAM_MIN_ROWS > 40 and STREAM_MAX_CHUNK_ROWS <= STREAM_MIN_ROWS
+    assert STREAM_MIN_ROWS > 40
     if chunking == "tiny":  # ~50 rows per request per chunk, partials folded every 3 chunks
         monkeypatch.setattr(ref_backend, "STREAM_CHUNK_BYTES", 2 * (r + R) * 8 * 50)
         monkeypatch.setattr(ref_backend, "STREAM_FOLD_CHUNKS", 3)
@@ -91,6 +99,51 @@ def test_stream_chunk_pages_splits_the_byte_budget():
         stream_chunk_pages(2, row, 0)
     with pytest.raises(TypeError, match="num_requests: got float"):
         stream_chunk_pages(2.0, row, 16)
+
+
+def test_stream_min_rows_splits_the_byte_budget(monkeypatch):
+    monkeypatch.setattr(ref_backend, "STREAM_MIN_BYTES", 24 << 20)
+    row = 576 * 4
+    assert stream_min_rows(8, row) == -(-(24 << 20) // (8 * row)) == 1366  # V2-Lite decode, 8 requests
+    assert stream_min_rows(4, row) == 2 * stream_min_rows(8, row) - 1  # rounded up
+    assert stream_min_rows(1024, row) == STREAM_MIN_ROWS  # never below the row floor
+    with pytest.raises(ValueError, match="num_requests: got 0; supported >= 1"):
+        stream_min_rows(0, row)
+    with pytest.raises(TypeError, match="row_bytes: got float"):
+        stream_min_rows(8, 2.0)
+
+
+def test_batch_size_decides_what_streams(monkeypatch):
+    """The same sequence is streamed in a big batch and padded in a small one: the byte budget covers the
+    whole batch's rows."""
+    monkeypatch.setattr(ref_backend, "STREAM_MIN_BYTES", 4 * 300 * (r + R) * 8)  # 4 requests of 300 float64 rows
+    seen = []
+    inner = RefTorchBackend._stream
+
+    def spy(q, cache_, block_rows, context_lens, seq_lens, *rest):
+        seen.append(tuple(seq_lens))
+        return inner(q, cache_, block_rows, context_lens, seq_lens, *rest)
+
+    monkeypatch.setattr(RefTorchBackend, "_stream", staticmethod(spy))
+    g = torch.Generator().manual_seed(5)
+    bs = 16
+    for n_req, streamed in ((2, False), (4, True)):
+        ctx = [299] * n_req
+        pages = -(-300 // bs)
+        nb = n_req * pages + 1
+        bt = torch.randperm(nb, generator=g)[: n_req * pages].view(n_req, pages).int()
+        cache = LatentKVCache(nb, bs, r, R, model_dtype=torch.float64)
+        cache.data.copy_(torch.randn(cache.data.shape, generator=g, dtype=torch.float64))
+        meta = BatchMetadata.build([1] * n_req, ctx, bt, bs)
+        q = torch.randn(n_req, H, r + R, generator=g, dtype=torch.float64)
+        seen.clear()
+        out, lse = RefTorchBackend().forward_mqa(q[..., :r].contiguous(), q[..., r:].contiguous(), cache, meta,
+                                                 scale=0.2)
+        assert seen == ([(300,) * n_req] if streamed else [])
+        for b in range(n_req):
+            ref_o, ref_l = _reference(q[b: b + 1], cache.gather(meta.block_table[b], 300, torch.float64), 299, 1, 0.2)
+            torch.testing.assert_close(out[b: b + 1], ref_o, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(lse[b: b + 1], ref_l, rtol=1e-10, atol=1e-10)
 
 
 def test_streamed_groups_hold_requests_of_similar_length(monkeypatch):

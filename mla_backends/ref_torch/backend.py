@@ -1,15 +1,16 @@
 """``REF_TORCH``: absorbed MLA decode in plain PyTorch, vectorised over requests, heads and pages.
 
-Dense path, two forms. Requests whose sequence reaches ``STREAM_MIN_ROWS`` are streamed, split-K: a few pages
-of every request of a run are gathered into one cache-sized buffer, scored with one batched matmul, and turned
-into a partial result normalised by its own maximum; the partials are folded into the running result every
-``STREAM_FOLD_CHUNKS`` chunks, so each cached row leaves memory once and memory stays bounded. Shorter requests
-are processed in padded groups whose working set fits a fixed element budget: the pages named by the block
-table are gathered once into ``[requests, positions, 576]``, scores are one batched matmul against it, the
-causal mask is applied, and the output is the softmax-weighted sum of the leading ``kv_lora_rank`` columns of
-the same rows (the latent serves as K and V). Sparse path: the top-k rows of every token are gathered and
-attended the same way.
-"""
+Dense path, two forms, chosen by the size of the batch's rows (:func:`stream_min_rows`). While the padded rows
+of all requests (``requests x sequence x 576`` in the compute dtype) stay under ``STREAM_MIN_BYTES``, the
+requests are processed in padded groups: the pages named by the block table are gathered once, with one
+``index_select``, into ``[requests, positions, 576]``; scores are one batched matmul against it, the causal
+and length mask is applied, and the output is the softmax-weighted sum of the leading ``kv_lora_rank``
+columns of the same rows (the latent serves as K and V). The index and mask tensors are made once per step
+(:mod:`mla_backends.ref_torch.plans`). Longer requests are streamed, split-K: a few pages of every request of
+a run are gathered into one cache-sized buffer, scored with one batched matmul, and turned into a partial
+result normalised by its own maximum; the partials are folded into the running result every
+``STREAM_FOLD_CHUNKS`` chunks, so each cached row leaves memory once and memory stays bounded. Sparse path:
+the top-k rows of every token are gathered and attended the same way."""
 
 from __future__ import annotations
 
@@ -17,17 +18,27 @@ from typing import ClassVar
 
 import torch
 
-from ..attention_math import GROUP_ELEMENT_BUDGET, padded_groups, softmax_with_lse
+from ..attention_math import GROUP_ELEMENT_BUDGET, softmax_with_lse
 from ..backend import Capabilities, MLABackend, QueryLenSupport
 from ..cache import LatentKVCache, position_slots
 from ..dtypes import KV_CACHE_DTYPES, accumulate_dtype
 from ..metadata import BatchMetadata
 from ..validation import require_int
+from .plans import RefStep, dense_groups
 
-__all__ = ["RefTorchBackend", "stream_chunk_pages"]
+__all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]
 
-#: sequences at least this long are streamed in page chunks (each cached row read once, chunk kept in cache)
-STREAM_MIN_ROWS = 1024
+#: a request is streamed (page chunks, each cached row read once, the chunk kept in cache) when the padded
+#: rows of the whole batch, ``requests x its sequence x row bytes`` in the compute dtype, reach this many
+#: bytes: below it one gather and two batched matmuls over all rows are as fast or faster, above it the
+#: gathered rows no longer stay in cache between the two matmuls. Measured (benchmarks/bench_ref_decode_cpu.py
+#: --crossover, float32, 576-wide rows; benchmarks/results/ref-decode-cpu.json) on the loaded 2-core machine
+#: (32 MiB L3, 1 thread): from 8 to 24 MiB the two forms are within about 20 % (padded ahead at 32 requests,
+#: streamed ahead at 8, mixed at 2), and from 32 MiB on the padded form is 2-3x slower. Issue 29's
+#: quiet-machine figures at 8 requests x 1,064 rows (19.6 MB): padded 2.8 ms, streamed 3.2 ms
+STREAM_MIN_BYTES = 20 << 20
+#: ... and never shorter than this many rows: shorter streamed chunks cost more in kernel calls than they save
+STREAM_MIN_ROWS = 256
 #: bytes of gathered rows per streamed chunk, all requests of a group together. Small enough that the chunk
 #: is still in cache (two 1 MiB L2s, an 8 MiB L3 on the CI machine) when both matmuls read it. At 8 requests
 #: x 128 rows x 576 fp32 this is ~20 % faster than 1024-row chunks (benchmarks/bench_layer_cpu.py).
@@ -56,6 +67,14 @@ def stream_chunk_pages(num_requests: int, row_bytes: int, block_size: int) -> in
     require_int("block_size", block_size, minimum=1)
     rows = min(STREAM_MAX_CHUNK_ROWS, STREAM_CHUNK_BYTES // (num_requests * row_bytes))
     return max(1, rows // block_size)
+
+
+def stream_min_rows(num_requests: int, row_bytes: int) -> int:
+    """Shortest sequence streamed in a batch of ``num_requests`` requests whose rows take ``row_bytes`` each
+    in the compute dtype: ``STREAM_MIN_BYTES`` split over the requests, at least ``STREAM_MIN_ROWS``."""
+    require_int("num_requests", num_requests, minimum=1)
+    require_int("row_bytes", row_bytes, minimum=1)
+    return max(STREAM_MIN_ROWS, -(-STREAM_MIN_BYTES // (num_requests * row_bytes)))
 
 
 class RefTorchBackend(MLABackend):
@@ -104,19 +123,21 @@ class RefTorchBackend(MLABackend):
     # ---- dense -----------------------------------------------------------------------------------------
     def _dense_dispatch(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
                         out: torch.Tensor, lse_out: torch.Tensor) -> None:
-        """Long sequences stream through page chunks (:meth:`_stream`), several consecutive requests of one
-        query length and similar lengths (within ``STREAM_LENGTH_RATIO``) at a time; runs of short sequences
-        take the padded batched path (:meth:`_dense`)."""
+        """Long sequences (at least :func:`stream_min_rows` for this batch) stream through page chunks
+        (:meth:`_stream`), several consecutive requests of one query length and similar lengths (within
+        ``STREAM_LENGTH_RATIO``) at a time; runs of short sequences take the padded batched path
+        (:meth:`_dense`)."""
         seqs, qlens = meta.seq_lens_list, meta.query_lens_list
-        if all(s < STREAM_MIN_ROWS for s in seqs):
+        min_rows = stream_min_rows(meta.num_requests, q.shape[-1] * q.element_size())
+        if all(s < min_rows for s in seqs):
             self._dense(q, cache, meta, scale, out, lse_out)
             return
         starts = meta.query_starts_list
         b = 0
         while b < meta.num_requests:
-            long_run = seqs[b] >= STREAM_MIN_ROWS
+            long_run = seqs[b] >= min_rows
             e, lo, hi = b + 1, seqs[b], seqs[b]
-            while e < meta.num_requests and (seqs[e] >= STREAM_MIN_ROWS) == long_run:
+            while e < meta.num_requests and (seqs[e] >= min_rows) == long_run:
                 if long_run:  # one query length, bounded size, and lengths close enough that padding is cheap
                     lo, hi = min(lo, seqs[e]), max(hi, seqs[e])
                     if qlens[e] != qlens[b] or e - b >= STREAM_MAX_REQUESTS or hi > STREAM_LENGTH_RATIO * lo:
@@ -152,12 +173,10 @@ class RefTorchBackend(MLABackend):
         per = stream_chunk_pages(b, cache.row_width * q.element_size(), bs)
         pages = [-(-s // bs) for s in seq_lens]
         n_chunks = -(-max(pages) // per)
-        ids = block_rows[:, : max(pages)].long()
-        # page ids per chunk, [chunks, b, per], short requests padded with their last page
-        padded = torch.empty(b, n_chunks * per, dtype=torch.long, device=dev)
-        for i, p in enumerate(pages):
-            padded[i, :p] = ids[i, :p]
-            padded[i, p:] = ids[i, p - 1]
+        # page ids per chunk, [chunks, b, per], short requests padded with their last page (one gather; the
+        # column of every entry comes from the host page counts)
+        col = torch.minimum(torch.arange(n_chunks * per)[None, :], torch.tensor(pages)[:, None] - 1)
+        padded = block_rows[:, : max(pages)].long().gather(1, col.to(dev))
         chunk_ids = padded.view(b, n_chunks, per).transpose(0, 1).contiguous()
         rows = per * bs
         direct = cache.data.dtype == cdt and not cache.is_fp8
@@ -212,44 +231,50 @@ class RefTorchBackend(MLABackend):
         out.copy_((acc / l_sum[..., None]).view(b * n, H, r).to(out.dtype))
         lse_out.copy_((m + torch.log(l_sum)).view(b * n, H).to(lse_out.dtype))
 
+    def prepare(self, meta: BatchMetadata) -> RefStep:
+        """A fresh :class:`~mla_backends.ref_torch.plans.RefStep` for ``meta``'s step: the dense groups' page
+        ids and masks, filled by the first layer that needs them and reused by the others."""
+        return RefStep()
+
+    def _step(self, meta: BatchMetadata) -> RefStep:
+        """This step's plans (``meta.prepare(self)``). A subclass whose ``prepare`` returns a state of its own
+        gets fresh plans on every call: the same numbers, made per layer instead of once per step."""
+        state = meta.prepare(self)
+        return state if isinstance(state, RefStep) else RefStep()
+
     def _dense(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
                out: torch.Tensor, lse_out: torch.Tensor) -> None:
+        """Padded groups (``q [T, H, 576]``, compute dtype): per group one ``index_select`` of its pages into
+        ``kv [b, L, 576]``, scores ``(q * scale) @ kv^T`` in one batched matmul ``[b, Q*H, L]``, the hidden
+        positions set to a large negative finite score, ``exp(s - max)`` in place, and the output
+        ``exp @ kv[..., :512]`` divided by the row sums. Index and mask tensors come from the step's plan."""
         T, H, W = q.shape
-        r, bs = cache.kv_lora_rank, cache.block_size
-        starts = meta.query_starts_list
-        dev = q.device
-        for g0, g1 in padded_groups(meta.seq_lens_list, meta.query_lens_list, W, H, GROUP_ELEMENT_BUDGET):
-            qlens = meta.query_lens_list[g0:g1]
-            if not any(qlens):
-                continue
-            seqs = meta.seq_lens_list[g0:g1]
-            b, S, Q = g1 - g0, max(seqs), max(qlens)
-            pages = -(-S // bs)
-            bt = meta.block_table[g0:g1, :pages].long().clamp_min(0)
-            kv = cache.dequantize(cache.data[bt].reshape(b, pages * bs, W)[:, :S], q.dtype)  # [b, S, W]
-            tok0 = starts[g0]
-            if all(n == Q for n in qlens):  # uniform query length: a plain view, no padding
-                qg = q[tok0: tok0 + b * Q].reshape(b, Q * H, W)
-                tok_idx = None
-            else:  # padded rows gather token 0 and are dropped below; indices from host data (no mask)
-                tok_idx = [starts[g0 + i] + j if j < n else -1 for i, n in enumerate(qlens) for j in range(Q)]
-                gather = torch.tensor([max(t, 0) for t in tok_idx], dtype=torch.long, device=dev)
-                qg = q.index_select(0, gather).reshape(b, Q * H, W)
-            scores = torch.matmul(qg, kv.transpose(1, 2)).mul_(scale)  # [b, Q*H, S]
-            ctx = torch.tensor(meta.context_lens_list[g0:g1], device=dev)
-            limit = ctx[:, None] + torch.arange(Q, device=dev)[None, :]  # last visible position per query
-            visible = torch.arange(S, device=dev)[None, None, :] <= limit[:, :, None]  # [b, Q, S]
-            scores = scores.view(b, Q, H, S).masked_fill_(~visible[:, :, None, :], float("-inf")).view(b, Q * H, S)
-            o, lse = softmax_with_lse(scores, kv[..., :r])
-            o, lse = o.view(b * Q, H, r), lse.view(b * Q, H)
-            if tok_idx is None:
+        r = cache.kv_lora_rank
+        key = (W, H, GROUP_ELEMENT_BUDGET)
+        step = self._step(meta)
+        groups = step.groups.get(key)
+        if groups is None:
+            groups = step.groups[key] = dense_groups(meta, W, H, GROUP_ELEMENT_BUDGET)
+        for grp in groups:
+            b, Q, L = grp.stop - grp.start, grp.q_len, grp.rows
+            kv = cache.dequantize(torch.index_select(cache.data, 0, grp.page_ids), q.dtype).view(b, L, W)
+            tok0 = grp.first_token
+            if grp.token_rows is None:  # uniform query length: a plain view, no padding
+                qg = q[tok0: tok0 + b * Q].reshape(b, Q * H, W) * scale
+            else:
+                qg = q.index_select(0, grp.token_rows).reshape(b, Q * H, W).mul_(scale)
+            s = torch.bmm(qg, kv.transpose(1, 2))  # [b, Q*H, L]
+            s.view(b, Q, H, L).masked_fill_(grp.hidden, _HIDDEN_SCORE)
+            m = s.amax(dim=-1, keepdim=True)  # a real score: every row sees position 0
+            l_sum = s.sub_(m).exp_().sum(dim=-1, keepdim=True)
+            o = torch.bmm(s, kv[..., :r]).div_(l_sum).view(b * Q, H, r)
+            lse = (m + torch.log(l_sum)).view(b * Q, H)
+            if grp.token_rows is None:
                 out[tok0: tok0 + b * Q] = o.to(out.dtype)
                 lse_out[tok0: tok0 + b * Q] = lse.to(lse_out.dtype)
             else:
-                keep = torch.tensor([i for i, t in enumerate(tok_idx) if t >= 0], dtype=torch.long, device=dev)
-                dest = torch.tensor([t for t in tok_idx if t >= 0], dtype=torch.long, device=dev)
-                out.index_copy_(0, dest, o.index_select(0, keep).to(out.dtype))
-                lse_out.index_copy_(0, dest, lse.index_select(0, keep).to(lse_out.dtype))
+                out.index_copy_(0, grp.dest, o.index_select(0, grp.keep).to(out.dtype))
+                lse_out.index_copy_(0, grp.dest, lse.index_select(0, grp.keep).to(lse_out.dtype))
 
     # ---- sparse ----------------------------------------------------------------------------------------
     def _sparse(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, topk: torch.Tensor,

@@ -1,0 +1,103 @@
+"""``REF_TORCH``'s per-step plans: the index and mask tensors of its dense padded groups, made once per step.
+
+Every layer of a step runs the same dense groups over the same metadata, so what they need besides the
+cache and the queries is worked out once, from the metadata's host lists (no device read), and kept in the
+step's :class:`RefStep` (``meta.prepare(backend)``):
+
+- the page ids of each group, ``[requests * pages]``, one ``index_select`` of the cache away from the
+  padded ``[requests, pages * block_size, 576]`` rows (pages past a request's last one read page 0, hidden);
+- the hidden positions, ``[requests, q_len, 1, pages * block_size]`` bool: position ``p`` of request ``b``
+  is hidden from its token ``j`` when ``p > context_lens[b] + j`` (causal among the new tokens, and every
+  padded position past the sequence);
+- for groups of mixed query lengths, which query token fills each padded row and where the kept rows go.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from ..attention_math import padded_groups
+from ..metadata import BatchMetadata
+
+__all__ = ["DenseGroup", "RefStep", "dense_groups", "group_page_ids"]
+
+
+class DenseGroup(NamedTuple):
+    """One padded group of requests ``start:stop`` (processing order, within the metadata it was made for).
+
+    Attributes:
+        start, stop: the group's requests.
+        q_len: its longest query (``Q``); every request's tokens are padded to it.
+        rows: padded positions per request, ``pages * block_size`` (``L``).
+        page_ids: ``[requests * pages]`` int64 page of every padded page (page 0 past a request's last page).
+        hidden: ``[requests, Q, 1, L]`` bool, True where a (token, position) pair is masked.
+        token_rows: None when every query has ``Q`` tokens (a plain view); else ``[requests * Q]`` int64 query
+            token of every padded row (token 0 for padding rows).
+        keep, dest: None, or the padded rows that hold real tokens and the tokens they belong to (``[n]``).
+        first_token: the group's first token in the metadata's token axis.
+    """
+
+    start: int
+    stop: int
+    q_len: int
+    rows: int
+    page_ids: torch.Tensor
+    hidden: torch.Tensor
+    token_rows: torch.Tensor | None
+    keep: torch.Tensor | None
+    dest: torch.Tensor | None
+    first_token: int
+
+
+@dataclass(eq=False)
+class RefStep:
+    """What ``REF_TORCH`` keeps for one step: its dense groups by ``(row width, heads, element budget)``."""
+
+    groups: dict[Hashable, tuple[DenseGroup, ...]] = field(default_factory=dict)
+
+
+def group_page_ids(block_table: torch.Tensor, seq_lens: tuple[int, ...], block_size: int) -> torch.Tensor:
+    """``[len(seq_lens) * pages]`` int64 page ids of the padded rows of requests ``seq_lens`` (rows of
+    ``block_table [B, >= pages]``, on its device), ``pages`` the longest request's page count. Entries past a
+    request's last page are replaced by page 0 (the table may hold -1 or stale ids there) without reading the
+    table: the keep mask comes from the host lengths."""
+    pages = -(-max(seq_lens) // block_size)
+    used = torch.tensor([-(-s // block_size) for s in seq_lens], dtype=torch.int64)
+    live = (torch.arange(pages)[None, :] < used[:, None]).to(block_table.device)
+    ids = torch.where(live, block_table[:, :pages].long(), 0)
+    return ids.reshape(-1)
+
+
+def hidden_positions(context_lens: tuple[int, ...], q_len: int, rows: int, device: torch.device) -> torch.Tensor:
+    """``[requests, q_len, 1, rows]`` bool: position ``p`` hidden from token ``j`` of request ``b`` when
+    ``p > context_lens[b] + j``."""
+    limit = torch.tensor(context_lens, dtype=torch.int64)[:, None] + torch.arange(q_len)[None, :]
+    return (torch.arange(rows)[None, None, :] > limit[:, :, None]).unsqueeze(2).to(device)
+
+
+def dense_groups(meta: BatchMetadata, row_width: int, heads: int, budget: int) -> tuple[DenseGroup, ...]:
+    """The padded groups of ``meta``'s requests (:func:`~mla_backends.attention_math.padded_groups` with
+    ``budget`` elements), each with its index and mask tensors, from host lists only; groups without tokens
+    are left out."""
+    seqs, qlens, ctxs = meta.seq_lens_list, meta.query_lens_list, meta.context_lens_list
+    starts, bs, dev = meta.query_starts_list, meta.block_size, meta.device
+    out = []
+    for g0, g1 in padded_groups(seqs, qlens, row_width, heads, budget):
+        q_len = max(qlens[g0:g1])
+        if not q_len:
+            continue
+        rows = -(-max(seqs[g0:g1]) // bs) * bs
+        page_ids = group_page_ids(meta.block_table[g0:g1], seqs[g0:g1], bs)
+        hidden = hidden_positions(ctxs[g0:g1], q_len, rows, dev)
+        token_rows = keep = dest = None
+        if any(n != q_len for n in qlens[g0:g1]):  # padding rows read token 0 and are dropped
+            tok = [starts[g0 + i] + j if j < n else -1 for i, n in enumerate(qlens[g0:g1]) for j in range(q_len)]
+            token_rows = torch.tensor([max(t, 0) for t in tok], dtype=torch.int64, device=dev)
+            keep = torch.tensor([i for i, t in enumerate(tok) if t >= 0], dtype=torch.int64, device=dev)
+            dest = torch.tensor([t for t in tok if t >= 0], dtype=torch.int64, device=dev)
+        out.append(DenseGroup(g0, g1, q_len, rows, page_ids, hidden, token_rows, keep, dest, starts[g0]))
+    return tuple(out)

@@ -1,0 +1,35 @@
+"""``benchmarks/bench_ref_decode_cpu.py`` runs end to end at one tiny point (no timed assertions): every variant
+is timed, the forced paths really are the paths they name, and ``--before`` loads a second copy of the package."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bench_scripts import ROOT, load_benchmark
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_one_point_writes_every_variant(tmp_path, monkeypatch):
+    bench = load_benchmark("bench_ref_decode_cpu")
+    from mla_backends.ref_torch import backend as ref
+
+    paths = []
+    inner = ref.RefTorchBackend._stream
+
+    def spy(*args):
+        paths.append("streamed")
+        return inner(*args)
+
+    monkeypatch.setattr(ref.RefTorchBackend, "_stream", staticmethod(spy))
+    out = tmp_path / "r.json"
+    assert bench.main(["--contexts", "20", "--rounds", "1", "--threads", "1", "--before", ROOT,
+                       "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["decode"][0]
+    assert row["context"] == 20 and row["path"] == "padded"
+    assert all(row[f"{k}_ms"] > 0 for k in ("ref", "padded", "streamed", "baseline", "before"))
+    assert paths and len(paths) == 1 + 1  # the streamed variant only: its warm-up call and its timed round
+    assert json.loads(out.read_text())["clock"] == "thread"
+    with pytest.raises(SystemExit):
+        bench.main(["--before", str(tmp_path), "--json", str(out)])

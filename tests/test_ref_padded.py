@@ -1,0 +1,154 @@
+"""REF_TORCH's padded dense path (batches whose rows stay under STREAM_MIN_BYTES: one ``index_select`` of every
+group's pages, two batched matmuls, a length and causal mask; index and mask tensors made once per step)
+against a float64 absorbed reference written plainly here, one token and one visible position at a time.
+
+Covered: ragged decode lengths (1, a page - 1, a page, a page + 1, several pages), a scattered block table
+whose entries past each request's last page are -1 or stale ids, model dtypes and cache formats (fp8 with a
+scale != 1), mixed query lengths with an empty request, the LSE, the per-step plan being built once and
+reused, and no host sync once the step is prepared.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mla_backends.cache import LatentKVCache
+from mla_backends.metadata import BatchMetadata
+from mla_backends.ref_torch import RefTorchBackend, plans
+from mla_backends.ref_torch import backend as ref_backend
+from mla_backends.testing import no_host_sync
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+H, r, R, BS = 3, 32, 8, 16
+SCALE = 0.3
+
+
+def naive(q, rows, context_len):
+    """float64, one token and one position at a time: ``q [n, H, r + R]``, ``rows [S, r + R]`` (the request's
+    positions in order). Token ``j`` sees positions ``0 .. context_len + j``; the latent (first ``r``
+    columns) is the value. Returns ``(out [n, H, r], lse [n, H])``."""
+    n = q.shape[0]
+    out = torch.zeros(n, H, r, dtype=torch.float64)
+    lse = torch.zeros(n, H, dtype=torch.float64)
+    for j in range(n):
+        for h in range(H):
+            scores = [float(q[j, h] @ rows[p]) * SCALE for p in range(context_len + j + 1)]
+            top = max(scores)
+            weights = [math.exp(s - top) for s in scores]
+            total = sum(weights)
+            for p, w in enumerate(weights):
+                out[j, h] += w / total * rows[p, :r]
+            lse[j, h] = top + math.log(total)
+    return out, lse
+
+
+def stored_rows(cache, block_row, length):
+    """The rows the cache holds for one sequence, read at ``page * BS + offset`` and times the scale, float64."""
+    pos = torch.arange(length)
+    slots = block_row.long()[pos // BS] * BS + pos % BS
+    return cache.data.reshape(-1, r + R)[slots].double() * float(cache.scale.item())
+
+
+def make_step(query_lens, context_lens, *, model_dtype=torch.float32, kv_cache_dtype="auto", scale=1.0,
+              past_last_page=-1, seed=0):
+    """A filled cache, a scattered block table (one spare column holding ``past_last_page`` on every row,
+    and every unused entry too) and the step's queries, in processing order (``reorder=False``)."""
+    g = torch.Generator().manual_seed(seed)
+    seqs = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
+    pages = [-(-s // BS) for s in seqs]
+    nb = sum(pages) + 3
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.full((len(seqs), max(pages) + 1), past_last_page, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages):
+        bt[b, :n] = perm[used: used + n]
+        used += n
+    cache = LatentKVCache(nb, BS, r, R, kv_cache_dtype=kv_cache_dtype, model_dtype=model_dtype, scale=scale)
+    for b, s in enumerate(seqs):
+        rows = torch.randn(s, r + R, generator=g, dtype=torch.float64).to(model_dtype)
+        pos = torch.arange(s)
+        cache.write(rows[:, :r], rows[:, r:], bt[b].long()[pos // BS] * BS + pos % BS)
+    meta = BatchMetadata.build(query_lens, context_lens, bt, BS, decode_threshold=0, reorder=False,
+                               num_blocks=nb)
+    q = torch.randn(sum(query_lens), H, r + R, generator=g, dtype=torch.float64).to(model_dtype)
+    return cache, meta, q
+
+
+def check(cache, meta, q, tol, lse_tol):
+    out, lse = RefTorchBackend().forward_mqa(q[..., :r].contiguous(), q[..., r:].contiguous(), cache, meta,
+                                             scale=SCALE)
+    t = 0
+    for b, (n, c) in enumerate(zip(meta.query_lens_list, meta.context_lens_list, strict=True)):
+        if n:
+            ref_o, ref_l = naive(q[t: t + n].double(), stored_rows(cache, meta.block_table[b], c + n), c)
+            torch.testing.assert_close(out[t: t + n].double(), ref_o, rtol=tol, atol=tol)
+            torch.testing.assert_close(lse[t: t + n].double(), ref_l, rtol=lse_tol, atol=lse_tol)
+        t += n
+    return out, lse
+
+
+RAGGED = [0, BS - 2, BS - 1, BS, 3 * BS + 4, 40]  # contexts: sequences of 1, a page - 1, a page, a page + 1, ...
+
+
+@pytest.mark.parametrize("model_dtype, kv_cache_dtype, scale, tol", [
+    (torch.float32, "auto", 1.0, 2e-5),
+    (torch.float64, "auto", 1.0, 1e-10),
+    (torch.bfloat16, "auto", 1.0, 1e-2),  # bf16 output rounding; the math runs in float32
+    (torch.float32, "fp8_e4m3", 0.37, 2e-5),  # the reference reads the stored fp8 values times the scale
+    (torch.float64, "fp8_e5m2", 1.9, 1e-6),  # the scale applied in float32 first (LatentKVCache.dequantize)
+])
+@pytest.mark.parametrize("past_last_page", [-1, 10**6])  # entries past the last page: padding or stale ids
+def test_ragged_decode_matches_naive(model_dtype, kv_cache_dtype, scale, tol, past_last_page):
+    cache, meta, q = make_step([1] * len(RAGGED), RAGGED, model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype,
+                               scale=scale, past_last_page=past_last_page)
+    assert max(meta.seq_lens_list) < ref_backend.stream_min_rows(meta.num_requests, (r + R) * 4)  # padded path
+    check(cache, meta, q, tol, max(tol, 1e-6))
+
+
+def test_mixed_query_lengths_and_an_empty_request():
+    """Queries of 1, 3, 0 and 2 tokens in one padded group: padded token rows are dropped, each token lands
+    at its own offset, and token j sees only positions up to context + j."""
+    cache, meta, q = make_step([1, 3, 0, 2], [BS, BS - 3, 5, 2 * BS + 1], model_dtype=torch.float64)
+    check(cache, meta, q, 1e-10, 1e-10)
+
+
+def test_plan_is_made_once_per_step_and_reused(monkeypatch):
+    """Every layer of a step reuses the step's groups (page ids, masks): built on the first call only, and
+    the second call computes exactly the same numbers."""
+    built = []
+    inner = plans.dense_groups
+
+    def spy(*args):
+        built.append(args[1:])
+        return inner(*args)
+
+    monkeypatch.setattr(ref_backend, "dense_groups", spy)
+    cache, meta, q = make_step([1] * 4, [3, BS, 2 * BS - 1, 7])
+    first, lse1 = check(cache, meta, q, 2e-5, 1e-6)
+    second, lse2 = RefTorchBackend().forward_mqa(q[..., :r].contiguous(), q[..., r:].contiguous(), cache, meta,
+                                                 scale=SCALE)
+    assert built == [(r + R, H, ref_backend.GROUP_ELEMENT_BUDGET)]
+    assert torch.equal(first, second) and torch.equal(lse1, lse2)
+    next_step = BatchMetadata.build([1] * 4, [3, BS, 2 * BS - 1, 7], meta.block_table, BS)
+    RefTorchBackend().forward_mqa(q[..., :r].contiguous(), q[..., r:].contiguous(), cache, next_step, scale=SCALE)
+    assert len(built) == 2  # a new step builds its own
+
+
+def test_group_page_ids_replace_entries_past_the_last_page():
+    table = torch.tensor([[5, 9, -1], [7, 11, 123456], [4, 8, 6]], dtype=torch.int32)
+    ids = plans.group_page_ids(table, (BS, BS + 1, 3 * BS), BS)
+    assert ids.tolist() == [5, 0, 0, 7, 11, 0, 4, 8, 6]
+
+
+def test_prepared_step_makes_no_host_sync():
+    cache, meta, q = make_step([1, 2, 1], [BS + 1, 4, 30])
+    backend = RefTorchBackend()
+    meta.prepare(backend)  # the engine's once-per-step call
+    ql, qr = q[..., :r].contiguous(), q[..., r:].contiguous()
+    with no_host_sync():
+        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE)  # the first layer builds the plan
+        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE)  # later layers reuse it
