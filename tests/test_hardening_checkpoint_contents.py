@@ -138,9 +138,8 @@ def _plain_dequant(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int])
     return out
 
 
-def test_fp8_rank_slices_that_start_inside_a_scale_block(tmp_path):
-    """Each rank's slice of a block-quantised weight equals the same rows / columns of the whole weight
-    dequantised plainly, although its first row (column) falls inside a scale block."""
+def _fp8_folder(tmp_path, scale_dtype: torch.dtype = torch.float32):
+    """Layer 0 with every matrix fp8 in ``BLOCK`` blocks; returns the folder and the plain float64 weights."""
     g = torch.Generator().manual_seed(1)
     tensors, full = {}, {}
     prefix = attention_prefix(0)
@@ -148,13 +147,19 @@ def test_fp8_rank_slices_that_start_inside_a_scale_block(tmp_path):
         if w.dim() == 2:
             q = w.to(torch.float8_e4m3fn)
             scale = torch.rand(-(-w.shape[0] // BLOCK[0]), -(-w.shape[1] // BLOCK[1]), generator=g) + 0.5
-            tensors[key], tensors[key + "_scale_inv"] = q, scale
+            tensors[key], tensors[key + "_scale_inv"] = q, scale.to(scale_dtype)
             full[key[len(prefix):]] = _plain_dequant(q, scale, BLOCK)
         else:
             tensors[key] = w
     config = {**CONFIG, "num_hidden_layers": 1,
               "quantization_config": {"quant_method": "fp8", "weight_block_size": list(BLOCK)}}
-    path = _folder(tmp_path, config=config, tensors=tensors)
+    return _folder(tmp_path, config=config, tensors=tensors), full
+
+
+def test_fp8_rank_slices_that_start_inside_a_scale_block(tmp_path):
+    """Each rank's slice of a block-quantised weight equals the same rows / columns of the whole weight
+    dequantised plainly, although its first row (column) falls inside a scale block."""
+    path, full = _fp8_folder(tmp_path)
     ckpt = Checkpoint(path)
     sliced = {"q_b_proj.weight": (0, 16), "kv_b_proj.weight": (0, 20), "o_proj.weight": (1, 12)}  # per head
     for tp_size in (2, 4):
@@ -169,6 +174,12 @@ def test_fp8_rank_slices_that_start_inside_a_scale_block(tmp_path):
     offsets = {(rank * per_head * 4 // tp) % BLOCK[dim] for dim, per_head in sliced.values() for tp in (2, 4)
                for rank in range(tp)}
     assert offsets - {0}, "no slice starts inside a block: the case this test is for is missing"
+
+
+def test_an_integer_fp8_scale_is_refused_naming_it(tmp_path):
+    path, _ = _fp8_folder(tmp_path, scale_dtype=torch.int32)
+    with pytest.raises(CheckpointError, match=r"self_attn\.\w+\.weight_scale_inv: scale_inv: got torch.int32"):
+        Checkpoint(path).read_attention_layer(0)
 
 
 # ---- missing test: every requested layer checked before anything is read ---------------------------------------
