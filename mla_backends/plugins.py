@@ -32,16 +32,9 @@ from typing import Any
 import pluggy
 
 from .backend import MLABackend, contract_problems
+from .errors import USER_CODE_FAILURES, failure_text
 from .hookspecs import PROJECT_NAME, MLABackendsSpec
-from .registry import (
-    USER_CODE_FAILURES,
-    BackendName,
-    PluginProblem,
-    RegisteredBackend,
-    RegistrationError,
-    Registry,
-    failure_text,
-)
+from .registry import BackendName, PluginProblem, RegisteredBackend, RegistrationError, Registry
 
 __all__ = ["ENTRY_POINT_GROUP", "DISABLE_AUTOLOAD_ENV", "autoload_enabled", "load_registry", "run_plugin",
            "add_plugin", "get_registry", "reset_registry", "get_backend", "registered_backends",

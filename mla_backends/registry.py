@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from .aliases import alias_names, alias_target, not_provided_note
 from .backend import Capabilities, MLABackend
+from .errors import USER_CODE_FAILURES, failure_text
 
 __all__ = [
     "BackendName",
@@ -32,23 +33,7 @@ __all__ = [
     "Registry",
     "validate_backend_class",
     "RESERVED_NAMES",
-    "USER_CODE_FAILURES",
-    "failure_text",
 ]
-
-#: what importing or running a plugin's code may raise that must not reach the caller: every ``Exception`` and
-#: ``SystemExit`` (a module calling ``sys.exit()`` on import would otherwise end the caller's process).
-#: ``KeyboardInterrupt`` (Ctrl-C) and ``GeneratorExit`` are not caught: they still stop the caller.
-USER_CODE_FAILURES: tuple[type[BaseException], ...] = (Exception, SystemExit)
-
-
-def failure_text(exc: BaseException) -> str:
-    """``"<Type>: <message>"`` for a failure of plugin code; a ``SystemExit`` says that the code called
-    ``sys.exit()`` (its bare message is only the exit code, often empty)."""
-    if isinstance(exc, SystemExit):
-        return f"SystemExit: the code called sys.exit({exc.code!r})" if exc.code is not None else \
-            "SystemExit: the code called sys.exit()"
-    return f"{type(exc).__name__}: {exc}"
 
 
 class BackendName(enum.StrEnum):

@@ -10,6 +10,7 @@ Classes: (1) ``SystemExit`` from any plugin code (an import path's module, a plu
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,7 +27,7 @@ from mla_backends.cli import main
 from mla_backends.dims import MLADims
 from mla_backends.hookspecs import hookimpl
 from mla_backends.ref_torch import RefTorchBackend
-from selector.select import clear_cache, select_backend
+from selector.select import BackendNotSupportedError, clear_cache, select_backend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V3 = MLADims.deepseek_v3()
@@ -187,3 +188,48 @@ def test_no_alias_note_when_a_plugin_registered_the_alias_name(monkeypatch):
     reg.add(plugin_cls, source="a_plugin")
     sel = select_backend(V3, device="cpu", backend="cutlass_mla")
     assert sel.backend is plugin_cls and sel.notes == ()
+
+
+def test_a_backend_whose_own_code_exits_is_shown_not_obeyed(tmp_path, monkeypatch, capsys):
+    """The same class past registration: a plugin backend's capability check, its launch-configuration table
+    and the package probe of its ``requires`` (``"pkg.sub"`` imports ``pkg``) each call sys.exit()."""
+    import dataclasses
+
+    from selector_fakes import install
+
+    pkg = tmp_path / "exits_as_parent"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import sys\nsys.exit(8)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "exits_as_parent", raising=False)
+
+    class ExitingCheck(RefTorchBackend):
+        name = "EXITING_CHECK"
+
+        @classmethod
+        def not_supported_reasons(cls, spec):
+            sys.exit(7)
+
+    class ExitingTable(RefTorchBackend):
+        name = "EXITING_TABLE"
+
+        @classmethod
+        def configurations(cls):
+            sys.exit(9)
+
+    class ExitingProbe(RefTorchBackend):
+        name = "EXITING_PROBE"
+        capabilities = dataclasses.replace(RefTorchBackend.capabilities, requires=("exits_as_parent.sub",))
+
+    reg = install(monkeypatch, plugins.load_registry(autoload=False))
+    for cls in (ExitingCheck, ExitingTable, ExitingProbe):
+        reg.add(cls, source="a_plugin")
+    with pytest.raises(BackendNotSupportedError, match="capability check: got SystemExit: the code called sys.exit") \
+            as info:
+        select_backend(V3, device="cpu", backend="EXITING_CHECK")
+    assert "sys.exit(7)" in str(info.value)
+    assert ExitingProbe.missing_requirements() == ["exits_as_parent.sub"]
+    assert main(["list", "--device", "cpu", "--json"]) == 0
+    listed = capsys.readouterr().out
+    table = next(b["configurations"] for b in json.loads(listed)["backends"] if b["name"] == "EXITING_TABLE")
+    assert table[0]["candidates"] == ["error: SystemExit: the code called sys.exit(9)"], table
