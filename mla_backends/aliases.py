@@ -89,7 +89,11 @@ NOT_PROVIDED: dict[str, str] = {
 }
 
 
-def _key(name: str) -> str:
+def _key(name: object) -> str:
+    """The normalised form of a backend name (upper case, ``-`` as ``_``); a non-string is a ``TypeError``
+    naming ``name`` (every helper below takes its name through here)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name: got {type(name).__name__} {name!r}; supported a backend name (str)")
     return name.strip().upper().replace("-", "_")
 
 
@@ -103,8 +107,6 @@ def alias_target(name: str) -> str | None:
     Case-insensitive; ``-`` reads as ``_``. Callers look up registered names first: an alias never shadows a
     registered backend.
     """
-    if not isinstance(name, str):
-        raise TypeError(f"backend name: got {type(name).__name__}; supported str")
     return _TARGETS.get(_key(name))
 
 

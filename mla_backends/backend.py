@@ -32,6 +32,7 @@ from .capabilities import (
 )
 from .device import DeviceInfo
 from .dtypes import FP8_CACHE_DTYPES, dtype_name, lse_dtype
+from .errors import USER_CODE_FAILURES
 from .mqa_inputs import check_declared_support, check_mqa_inputs
 from .reasons import Reason, ReasonKind, as_reason
 
@@ -89,9 +90,9 @@ class MLABackend:
         """Modules in ``capabilities.requires`` that cannot be found (``importlib.util.find_spec``; no import)."""
         missing = []
         for mod in cls.capabilities.requires:
-            try:
+            try:  # "pkg.sub" imports pkg, whose code may raise anything (or call sys.exit())
                 found = importlib.util.find_spec(mod) is not None
-            except (ImportError, ValueError):
+            except USER_CODE_FAILURES:
                 found = False
             if not found:
                 missing.append(mod)

@@ -11,7 +11,7 @@ import enum
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -132,8 +132,9 @@ class Capabilities:
 
     def __post_init__(self) -> None:
         problems = self.problems()
-        if problems:
-            raise ValueError("malformed Capabilities: " + "; ".join(problems))
+        if problems:  # a field of the wrong type (cpu="no") is a TypeError, an inconsistent value a ValueError
+            kind = TypeError if field_type_problems(self) else ValueError
+            raise kind("malformed Capabilities: " + "; ".join(problems))
 
     def problems(self) -> list[str]:
         """Problems of the declaration itself: every field's type first (:func:`field_type_problems`), then,
@@ -272,7 +273,7 @@ def field_type_problems(caps: Capabilities) -> list[str]:
     p = _collection_problem("kv_cache_dtypes", caps.kv_cache_dtypes, lambda n: True, "cache dtype names",
                             optional=False)
     out += [p] if p else []
-    for name in ("cpu", "dense", "sparse", "returns_lse", "deterministic"):
+    for name in _BOOL_FIELDS:  # every field declared bool: a string "no" is not read as True
         check(name, isinstance(getattr(caps, name), bool), "True or False")
     for name in ("cpu_env_switch", "cpu_hint", "extra"):
         value = getattr(caps, name)
@@ -304,3 +305,7 @@ def field_type_problems(caps: Capabilities) -> list[str]:
                                                       for k, v in tol.items()),
           "a dict of dtype name -> Tolerance")
     return out
+
+
+#: every :class:`Capabilities` field declared ``bool`` (read from the class, so a new flag is checked too)
+_BOOL_FIELDS = tuple(f.name for f in fields(Capabilities) if f.type in ("bool", bool))

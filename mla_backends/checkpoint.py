@@ -18,7 +18,6 @@ This module does not import the layer; :meth:`MLAAttention.from_pretrained` and
 
 from __future__ import annotations
 
-import json
 import os
 from collections import defaultdict
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .config_fields import load_json_file
 from .dims import MLADims, hf_config_value, read_config_json
 from .dtypes import parse_model_dtype
 from .fp8_checkpoint import SCALE_SUFFIX, dequantize_block_fp8, weight_block_size_from_config
@@ -39,6 +39,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 _FP8_NAMES = ("F8_E4M3", "F8_E5M2")
+#: safetensors dtype names of the floating-point tensors read as they are (cast to the layer dtype)
+_FLOAT_NAMES = ("F16", "BF16", "F32", "F64")
 
 
 class CheckpointError(ValueError):
@@ -88,10 +90,9 @@ class Checkpoint:
         self.weight_map: dict[str, str] | None
         if os.path.isfile(index):
             try:
-                with open(index, encoding="utf-8") as fh:
-                    parsed = json.load(fh)
-            except (OSError, ValueError) as err:  # ValueError: invalid JSON (json.JSONDecodeError)
-                raise CheckpointError(f"{index}: not a readable JSON index ({err})") from err
+                parsed = load_json_file(index)
+            except ValueError as err:  # unreadable, not JSON, nested too deeply
+                raise CheckpointError(f"{index}: not a readable JSON index ({err})") from None
             wm = parsed.get("weight_map") if isinstance(parsed, Mapping) else None
             if not isinstance(wm, Mapping):
                 raise CheckpointError(f"{index}: no weight_map; supported a safetensors index")
@@ -196,7 +197,12 @@ class Checkpoint:
         shape = tuple(sl.get_shape())
         if want is not None and shape != want:
             raise CheckpointError(f"{file}: {key} has shape {list(shape)}; supported {list(want)}")
-        fp8 = sl.get_dtype() in _FP8_NAMES
+        stored = sl.get_dtype()
+        if stored not in _FLOAT_NAMES + _FP8_NAMES:  # an int32 or bool weight is not cast into a layer
+            raise CheckpointError(f"{file}: {key} is stored as {stored}; supported floating point "
+                                  f"({', '.join(_FLOAT_NAMES)}) or fp8 ({', '.join(_FP8_NAMES)}) with its "
+                                  f"{SCALE_SUFFIX}")
+        fp8 = stored in _FP8_NAMES
         if fp8 and scale_key is None:
             raise CheckpointError(f"{file}: {key} is {sl.get_dtype()} without its {SCALE_SUFFIX}")
         rng = hf_shard_range(name, dims, tp_rank)

@@ -17,16 +17,29 @@ from typing import Any
 
 from .validation import require_finite
 
-__all__ = ["ConfigFields", "read_config_json"]
+__all__ = ["ConfigFields", "read_config_json", "load_json_file"]
 
 _ABSENT = object()
+
+
+def load_json_file(path: str) -> Any:
+    """The JSON document in the file ``path``. Every way the read can fail (the file unreadable, not UTF-8, not
+    JSON, or nested past the parser's recursion limit) is a ``ValueError`` saying why; callers add the file
+    and what they expected (a config, a checkpoint index, a threshold table)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to parse") from None
+    except (OSError, ValueError) as exc:  # ValueError: json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{type(exc).__name__}: {exc}") from None
 
 
 def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
     """The parsed ``config.json`` at ``path``, or inside ``path`` when it is a folder (a checkpoint's).
 
-    Raises ``ValueError`` naming the file when it is missing or not valid JSON, ``TypeError`` when it holds
-    something other than a JSON object.
+    Raises ``ValueError`` naming the file when it is missing, unreadable or not valid JSON (nested too deeply
+    included), ``TypeError`` when it holds something other than a JSON object.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"config: got {type(path).__name__}; supported a path to a config.json or its folder")
@@ -36,9 +49,8 @@ def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ValueError(f"config: got path {path!r}; supported a config.json file or a folder holding one")
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = load_json_file(path)
+    except ValueError as exc:
         raise ValueError(f"config: got invalid JSON in {path} ({exc}); supported a JSON object") from None
     if not isinstance(data, dict):
         raise TypeError(f"config: got a JSON {type(data).__name__} in {path}; supported a JSON object "

@@ -61,11 +61,16 @@ def dcp_group_for(tp_rank: int, tp_size: int, dcp_size: int, dcp_group: Any, *,
 
     Raises ValueError naming the argument: ``dcp_size`` not dividing ``tp_size``, a sparse (V3.2) layer, no
     group, a group whose size is not ``dcp_size``, or a process whose rank in the group is not
-    ``tp_rank % dcp_size``.
+    ``tp_rank % dcp_size``; TypeError naming ``dcp_group`` when it is not a ``ProcessGroup``.
     """
+    import torch.distributed as dist
+
     require_int("dcp_size", dcp_size, minimum=1)
     if tp_size % dcp_size:
         raise ValueError(f"dcp_size: got {dcp_size}; supported a divisor of tp_size {tp_size}")
+    if dcp_group is not None and dist.is_available() and not isinstance(dcp_group, dist.ProcessGroup):
+        raise TypeError(f"dcp_group: got {type(dcp_group).__name__}; supported a torch.distributed "
+                        "ProcessGroup (or None without decode context parallelism)")
     if dcp_size == 1:
         return None
     if sparse:
@@ -74,8 +79,6 @@ def dcp_group_for(tp_rank: int, tp_size: int, dcp_size: int, dcp_group: Any, *,
     want = f"the ProcessGroup of TP ranks g*{dcp_size} .. g*{dcp_size} + {dcp_size - 1} (g = tp_rank // {dcp_size})"
     if dcp_group is None:
         raise ValueError(f"dcp_group: got None with dcp_size {dcp_size}; supported {want}")
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(f"dcp_group: got a group but torch.distributed is not initialised; supported {want} "
                          "after init_process_group")

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from .metadata import BatchMetadata
-from .validation import require_int
+from .validation import require_device, require_int
 
 __all__ = ["DecodeGraphMetadata"]
 
@@ -50,6 +50,7 @@ class DecodeGraphMetadata:
 
     def __init__(self, max_batch: int, max_blocks: int, block_size: int, num_blocks: int, *,
                  device: str | torch.device = "cpu", max_context: int | None = None) -> None:
+        dev = require_device("device", device)
         self.max_batch = require_int("max_batch", max_batch, minimum=1)
         self.max_blocks = require_int("max_blocks", max_blocks, minimum=1)
         self.block_size = require_int("block_size", block_size, minimum=1)
@@ -59,7 +60,7 @@ class DecodeGraphMetadata:
         if self.max_context > limit:
             raise ValueError(f"max_context: got {max_context}; supported <= {limit} ({max_blocks} pages of "
                              f"{block_size}, one token left for the new one)")
-        B, dev = max_batch, torch.device(device)
+        B = max_batch
         ar = torch.arange(B, dtype=torch.int64, device=dev)
         table = torch.zeros(B, max_blocks, dtype=torch.int32, device=dev)
         self.meta = BatchMetadata(

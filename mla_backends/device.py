@@ -166,10 +166,10 @@ def parse_device_spec(device: object) -> DeviceInfo | int | None:
         return CPU_DEVICE
     if text == "cuda":
         return 0
-    if text.startswith("cuda:") and text[5:].isdigit():
+    if text.startswith("cuda:") and text[5:].isascii() and text[5:].isdigit():  # "cuda:²" is not an index
         return int(text[5:])
     sm = text.removeprefix("sm").removeprefix("_").rstrip("af")
-    if text.startswith("sm") and sm.isdigit() and len(sm) in (2, 3):
+    if text.startswith("sm") and sm.isascii() and sm.isdigit() and len(sm) in (2, 3):  # "sm9²" is no arch
         return simulated_device(int(sm[:-1]), int(sm[-1]))
     try:
         return simulated_gpu(text)

@@ -32,6 +32,7 @@ from typing import Any
 import pluggy
 
 from .backend import MLABackend, contract_problems
+from .errors import USER_CODE_FAILURES, failure_text
 from .hookspecs import PROJECT_NAME, MLABackendsSpec
 from .registry import BackendName, PluginProblem, RegisteredBackend, RegistrationError, Registry
 
@@ -131,7 +132,7 @@ def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: 
     With ``strict`` (the built-ins) errors propagate instead of being recorded.
     """
     def fail(stage: str, exc: BaseException | str) -> bool:
-        text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        text = exc if isinstance(exc, str) else failure_text(exc)
         if strict:
             if isinstance(exc, BaseException):
                 raise exc
@@ -144,7 +145,7 @@ def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: 
     pm.add_hookspecs(MLABackendsSpec)
     try:
         pm.register(plugin, name=plugin_name)
-    except Exception as exc:  # pluggy.PluginValidationError: wrong hook signature ...
+    except USER_CODE_FAILURES as exc:  # pluggy.PluginValidationError: wrong hook signature ...
         return fail("hook", exc)
     if not pm.hook.register_mla_backends.get_hookimpls():
         return fail("hook", "no @hookimpl register_mla_backends(register) found in the plugin")
@@ -165,7 +166,7 @@ def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: 
     try:
         with _plugin_code(registry):
             pm.hook.register_mla_backends(register=register)
-    except Exception as exc:
+    except USER_CODE_FAILURES as exc:  # a hook calling sys.exit() must not end the caller either
         return fail("hook", exc)
     finally:
         hook_running = False
@@ -186,9 +187,9 @@ def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: 
             registry.record(PluginProblem(plugin=plugin_name, stage="missing",
                                           error=f"{item.name or item.backend}: {exc}"))
             clean = False
-        except Exception as exc:  # RegistrationError, or an import error of a 'module:Class' target
+        except USER_CODE_FAILURES as exc:  # RegistrationError, or an import error of a 'module:Class' target
             label = item.name or getattr(item.backend, "__name__", item.backend)
-            fail("register", f"{label}: {type(exc).__name__}: {exc}" if not strict else exc)
+            fail("register", f"{label}: {failure_text(exc)}" if not strict else exc)
             clean = False
     registry.mark_loaded(plugin_name)
     return clean
@@ -247,9 +248,9 @@ def load_registry(*, autoload: bool | None = None) -> Registry:
         try:
             with _plugin_code(registry):
                 plugin = ep.load()
-        except (Exception, SystemExit) as exc:
-            log.warning("mla_backends plugin %r failed to import: %s: %s", ep.name, type(exc).__name__, exc)
-            error = f"{type(exc).__name__}: {exc}"
+        except USER_CODE_FAILURES as exc:
+            error = failure_text(exc)
+            log.warning("mla_backends plugin %r failed to import: %s", ep.name, error)
             registry.record(PluginProblem(plugin=ep.name, stage="import", error=error))
             continue
         run_plugin(registry, ep.name, plugin)

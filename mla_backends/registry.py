@@ -13,12 +13,15 @@ from __future__ import annotations
 import difflib
 import enum
 import importlib
+import os
 import re
+import sys
 import threading
 from dataclasses import dataclass
 
 from .aliases import alias_names, alias_target, not_provided_note
 from .backend import Capabilities, MLABackend
+from .errors import USER_CODE_FAILURES, failure_text
 
 __all__ = [
     "BackendName",
@@ -139,8 +142,8 @@ def validate_backend_class(cls: object) -> list[str]:
     else:
         try:
             problems += [f"capabilities: {p}" for p in caps.problems()]
-        except Exception as exc:  # a declaration so broken its own checks fail
-            problems.append(f"capabilities: unreadable ({type(exc).__name__}: {exc})")
+        except USER_CODE_FAILURES as exc:  # a declaration so broken its own checks fail
+            problems.append(f"capabilities: unreadable ({failure_text(exc)})")
     if cls._forward_mqa_impl is MLABackend._forward_mqa_impl and cls.forward_mqa is MLABackend.forward_mqa:
         problems.append("_forward_mqa_impl: got the abstract base method; supported an implementation")
     return problems
@@ -300,9 +303,9 @@ class Registry:
             raise ValueError(f"backend: got {text!r}; supported {supported}")
         try:
             obj = getattr(importlib.import_module(mod_name), attr)
-        except Exception as exc:  # ImportError, AttributeError, or whatever the module raises on import
-            raise ValueError(f"backend: got {text!r}, which cannot be imported ({type(exc).__name__}: {exc}); "
-                             f"supported {supported}") from exc
+        except USER_CODE_FAILURES as exc:  # ImportError, AttributeError, sys.exit(), whatever the module raises
+            raise ValueError(f"backend: got {text!r}, which cannot be imported ({failure_text(exc)})"
+                             f"{_not_found_hint(exc, mod_name)}; supported {supported}") from exc
         if not (isinstance(obj, type) and issubclass(obj, MLABackend)):
             raise TypeError(f"backend: got {text!r} -> {obj!r}; supported an MLABackend subclass")
         problems = validate_backend_class(obj)
@@ -310,3 +313,25 @@ class Registry:
             raise ValueError(f"backend {text}: " + "; ".join(problems))
         return self._entry_of(obj) or RegisteredBackend(name=obj.name.strip().upper(), cls=obj,
                                                         source=f"import path {text}")
+
+
+def _search_folders() -> list[str]:
+    """The folders an import searches now (``sys.path``, ``""`` being the current folder), absolute, each once."""
+    return list(dict.fromkeys(os.path.abspath(p or os.curdir) for p in sys.path if isinstance(p, str)))
+
+
+def _not_found_hint(exc: BaseException, mod_name: str) -> str:
+    """For the top module of an import path not being found: how to make the folder holding it searched (a
+    console script such as ``mla-backends`` does not search the current folder), and the folders searched."""
+    top = mod_name.split(".")[0]
+    if not isinstance(exc, ModuleNotFoundError) or exc.name != top:
+        return ""
+    folders = _search_folders()
+    here = os.getcwd()
+    found = next((f for f in (f"{top}.py", top) if os.path.exists(os.path.join(here, f))), None)
+    if found is not None and here not in folders:
+        fix = (f"the current folder {here} holds {found} but is not searched: run PYTHONPATH=. mla-backends ... "
+               "(or python -m mla_backends ..., which searches the current folder)")
+    else:
+        fix = f"set PYTHONPATH to the folder holding {top}.py (PYTHONPATH=. from that folder)"
+    return f"; {fix}; searched the folders {', '.join(folders) or 'none (sys.path is empty)'}"

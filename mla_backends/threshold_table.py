@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .config_fields import load_json_file
 from .validation import require_int
 
 __all__ = ["TABLE_FORMAT", "ContextThresholds", "ThresholdTable", "TunedThresholds"]
@@ -169,9 +170,8 @@ class ThresholdTable:
             raise ValueError(f"{argument}: got {p!r}, which is not a file; supported a JSON file written "
                              f"by 'mla-backends tune --output'")
         try:
-            with open(p, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except json.JSONDecodeError as exc:
+            data = load_json_file(p)
+        except ValueError as exc:  # unreadable, not UTF-8, not JSON, nested too deeply
             raise ValueError(f"{argument}: got {p!r}, not valid JSON ({exc}); supported a table "
                              f"written by 'mla-backends tune --output'") from None
         try:

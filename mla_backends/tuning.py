@@ -165,7 +165,7 @@ def tunable_backends(
     A backend qualifies when its packages are installed and it accepts the device, dtype, head count and
     multi-token queries (single-token backends have no absorbed path for ``Q > 1``).
     """
-    info = device_info_for(torch.device(device))
+    info = device_info_for(require_device("device", device))
     spec = AttentionSpec(
         num_heads=dims.num_heads,
         kv_lora_rank=dims.kv_lora_rank,
@@ -308,7 +308,7 @@ def _versions() -> dict[str, str]:
 
 
 def _device_record(device: str | torch.device) -> dict[str, Any]:
-    info = device_info_for(torch.device(device))
+    info = device_info_for(require_device("device", device))
     rec: dict[str, Any] = {"kind": info.kind, "name": info.name}
     if info.is_cuda:
         rec.update(

@@ -22,7 +22,7 @@ from collections.abc import Hashable
 import torch
 
 from .prefill import PrefillWorkspace
-from .validation import require_int
+from .validation import require_device, require_int
 
 __all__ = ["shared_workspace", "workspace_key", "shared_workspaces", "clear_shared_workspaces"]
 
@@ -30,10 +30,11 @@ _LOCK = threading.Lock()
 _SHARED: dict[Hashable, PrefillWorkspace] = {}
 
 
-def workspace_key(device: torch.device, dtype: torch.dtype, rows: int) -> tuple[Hashable, ...]:
+def workspace_key(device: str | torch.device, dtype: torch.dtype, rows: int) -> tuple[Hashable, ...]:
     """``(device, dtype, stream, rows)``: the key of the shared workspace a layer on ``device`` uses now
-    (``stream`` is the current CUDA stream's id on CUDA devices, None elsewhere)."""
-    device = torch.device(device)
+    (``stream`` is the current CUDA stream's id on CUDA devices, None elsewhere). ``device`` is checked by
+    :func:`~mla_backends.validation.require_device` (a CUDA index past the last device is a ValueError)."""
+    device = require_device("device", device)
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -46,10 +47,11 @@ def workspace_key(device: torch.device, dtype: torch.dtype, rows: int) -> tuple[
 def shared_workspace(device: str | torch.device, dtype: torch.dtype, rows: int) -> PrefillWorkspace:
     """The process-wide workspace of ``(device, dtype, current stream)`` with a chunk bound of ``rows``
     (created empty on first use; its buffers grow when a prefill over cached context needs them)."""
+    device = require_device("device", device)
     require_int("rows", rows, minimum=1)
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype: got {type(dtype).__name__}; supported a torch.dtype")
-    key = workspace_key(torch.device(device), dtype, rows)
+    key = workspace_key(device, dtype, rows)
     with _LOCK:
         ws = _SHARED.get(key)
         if ws is None:

@@ -43,7 +43,7 @@ def _handle(nvml: Any, index: int) -> Any:
     if index >= len(ids):
         raise IndexError(f"index {index} is not visible (CUDA_VISIBLE_DEVICES={visible!r})")
     ident = ids[index]
-    if ident.isdigit():
+    if ident.isascii() and ident.isdigit():
         return nvml.nvmlDeviceGetHandleByIndex(int(ident))
     return nvml.nvmlDeviceGetHandleByUUID(ident)
 

@@ -21,6 +21,7 @@ from mla_backends.capabilities import environment_snapshot
 from mla_backends.device import DeviceInfo
 from mla_backends.dims import MLADims
 from mla_backends.dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, parse_model_dtype
+from mla_backends.errors import USER_CODE_FAILURES, failure_text
 from mla_backends.plugins import get_registry
 from mla_backends.reasons import Reason, ReasonKind, all_of_kinds, as_reason
 from mla_backends.registry import BackendName, PluginProblem, Registry, UnknownBackendError
@@ -173,8 +174,8 @@ def evaluate(cls: type[MLABackend], spec: AttentionSpec) -> tuple[Reason, ...]:
     ``OTHER``), with a plugin's crashing check turned into a ``CHECK_FAILED`` reason."""
     try:
         return tuple(as_reason(r) for r in cls.not_supported_reasons(spec))
-    except Exception as exc:
-        return (Reason(ReasonKind.CHECK_FAILED, "capability check", f"{type(exc).__name__}: {exc}",
+    except USER_CODE_FAILURES as exc:  # sys.exit() in a plugin's check must not end the caller either
+        return (Reason(ReasonKind.CHECK_FAILED, "capability check", failure_text(exc),
                        "a check that returns reasons"),)
 
 

@@ -12,6 +12,8 @@ import argparse
 import json
 from typing import Any
 
+from ..errors import USER_CODE_FAILURES, failure_text
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", help="list registered backends: capabilities, importable / runs here, plugin",
@@ -55,9 +57,9 @@ def _configurations(cls: type) -> list[dict[str, object]] | None:
         return None
     try:
         return list(fn())
-    except Exception as exc:  # a plugin's table must not break the listing
+    except USER_CODE_FAILURES as exc:  # a plugin's table must not break (or end) the listing
         return [{"archs": "?", "heads": "?", "operands": "?", "attention": "?", "option": "",
-                 "candidates": [f"error: {exc}"]}]
+                 "candidates": [f"error: {failure_text(exc)}"]}]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,11 +76,10 @@ def run(args: argparse.Namespace) -> int:
     for e in reg.entries():
         try:  # a plugin's class that breaks while being described is shown as its problem, never raised
             described.append((e, _row(e, device), capability_summary(e.cls)))
-        except Exception as exc:
+        except USER_CODE_FAILURES as exc:
             if e.source == "builtin":
                 raise
-            shown.append(PluginProblem(plugin=e.source, stage="list",
-                                       error=f"{e.name}: {type(exc).__name__}: {exc}"))
+            shown.append(PluginProblem(plugin=e.source, stage="list", error=f"{e.name}: {failure_text(exc)}"))
     problems = [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in shown]
     rows = [r for _, r, _ in described]
     if args.json:

@@ -98,16 +98,11 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     else:
+        from ..validation import require_device
+
         device = args.device
-        try:
-            dev = torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"--device: got {device!r}; supported cpu or cuda[:N]") from None
-        if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
-            raise ValueError(
-                f"--device: got {device!r}; supported cpu"
-                + (" or cuda[:N]" if torch.cuda.is_available() else " (no CUDA device here)")
-            )
+        if require_device("--device", device).type == "meta":  # the one device check, then: kernels must run
+            raise ValueError(f"--device: got {device!r}; supported 'cpu', 'cuda' or 'cuda:N' (meta runs nothing)")
     if args.threads:
         torch.set_num_threads(args.threads)
     from ..dtypes import parse_model_dtype

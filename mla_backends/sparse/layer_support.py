@@ -19,7 +19,7 @@ import torch
 from ..cache import LatentKVCache
 from ..dims import MLADims
 from ..hf_loading import check_hf_state_dict
-from ..validation import require_int
+from ..validation import require_device, require_int
 from .indexer import Indexer
 from .indexer_cache import IndexerKeyCache
 
@@ -34,6 +34,7 @@ def build_indexer(dims: MLADims, layer_idx: int, *, dtype: torch.dtype,
                   device: str | torch.device) -> Indexer | None:
     """Layer ``layer_idx``'s indexer; None when ``dims`` is dense or the layer reuses the previous top-k."""
     require_int("layer_idx", layer_idx, minimum=0)
+    require_device("device", device)  # checked for dense layers too, which build nothing here
     if dims.indexer is None or not dims.indexer.indexes(layer_idx):
         return None
     return Indexer.from_dims(dims, dtype=dtype, device=device).requires_grad_(False)
