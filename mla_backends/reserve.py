@@ -32,10 +32,10 @@ CUDA-graph memory); ``mla-backends kv-cache --reserve SIZE`` replaces the modell
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .dims import MLADims
-from .validation import require_int
+if TYPE_CHECKING:  # this module is imported when the CLI builds its parser: no torch at import time
+    from .dims import MLADims
 
 __all__ = ["DEFAULT_MAX_NUM_BATCHED_TOKENS", "DEFAULT_MAX_NUM_SEQS", "CUDA_GRAPH_MAX_BATCH",
            "FUSED_MOE_CHUNK_TOKENS", "NCCL_BYTES_PER_COMMUNICATOR", "RESERVE_TERMS", "reserve_terms",
@@ -61,6 +61,8 @@ RESERVE_TERMS = ("activations", "moe_dispatch", "cuda_graph_pool", "nccl")
 def nccl_communicators(tp: int, dcp: int = 1) -> int:
     """Communicators of more than one rank a rank joins: the TP (or MoE) group when ``tp > 1``, plus the DCP
     group when ``dcp > 1``."""
+    from .validation import require_int
+
     return int(require_int("tp", tp, minimum=1) > 1) + int(require_int("dcp", dcp, minimum=1) > 1)
 
 
@@ -93,6 +95,8 @@ def reserve_terms(dims: MLADims, shape: Any, *, tp: int, dcp: int = 1, dp_attent
     plus 256 x 129,280 float32 logits), MoE dispatch 973,078,528 (8,192 x 118,784), CUDA-graph pool
     88,145,920 (512 x 172,160), NCCL 308,281,344 (one communicator; two with ``dcp > 1``).
     """
+    from .validation import require_int
+
     require_int("tp", tp, minimum=1)
     T = require_int("--max-num-batched-tokens", max_num_batched_tokens, minimum=1)
     S = require_int("max_num_seqs", max_num_seqs, minimum=1)

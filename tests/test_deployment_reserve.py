@@ -97,6 +97,8 @@ def _equation_holds(rep: dict) -> None:
     ["--gpu", "b200", "--tp", "8", "--dp-attention", "--max-num-batched-tokens", "16384"],
     ["--gpu", "h200", "--tp", "8", "--reserve", "2.5GiB"],
     ["--model", "deepseek-v2-lite", "--gpu-memory", "80GiB", "--tp", "1", "--reserve", "0"],
+    # 100 GiB x 0.57 is 61,203,283,968 exactly; the binary float product falls just short of it
+    ["--model", "deepseek-v2-lite", "--gpu-memory", "100", "--gpu-memory-utilization", "0.57"],
 ])
 def test_json_byte_equation_is_exact(capsys, argv):
     """usable_bytes = floor(memory x utilization) = weights + workspace + reserve + cache, in integers, and
