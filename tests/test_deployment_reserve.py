@@ -107,6 +107,14 @@ def test_json_byte_equation_is_exact(capsys, argv):
     _equation_holds(json.loads(capsys.readouterr().out))
 
 
+def test_gpu_memory_overrides_the_table(capsys):
+    assert main(["kv-cache", "--gpu", "h200", "--gpu-memory", "141GB", "--tp", "8", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["gpu_memory_bytes"] == 141 * 10**9 and rep["usable_bytes"] == 141 * 10**9 * 9 // 10
+    assert rep["gpu"] == "NVIDIA H200 SXM" and "gpu_memory_source" not in rep  # the table's figure was not used
+    _equation_holds(rep)
+
+
 def test_reserve_override_replaces_the_modelled_total(capsys):
     assert main(["kv-cache", "--gpu", "h200", "--tp", "8", "--json"]) == 0
     modelled = json.loads(capsys.readouterr().out)
