@@ -26,8 +26,9 @@ and communication. This module *models* those terms from the shapes, so a plan c
 
 These are estimates: engines differ by version, and the CUDA context, cuBLAS workspaces and allocator
 fragmentation are not counted. The terms are added, which errs high (one layer's attention and MoE buffers
-are not alive at once); under DP-attention the MoE term counts the rank's own tokens only. An engine's log gives the real figures (vLLM prints its peak activation and
-CUDA-graph memory); ``mla-backends kv-cache --reserve SIZE`` replaces the modelled total with such a figure.
+are not alive at once); under DP-attention the MoE term counts the rank's own tokens only. An engine's log
+gives the real figures (vLLM prints its peak activation and CUDA-graph memory); ``mla-backends kv-cache
+--reserve SIZE`` replaces the modelled total with such a figure.
 ``docs/cost-model.md`` works the terms through for DeepSeek-V3 on 8 H200.
 """
 
