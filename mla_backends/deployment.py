@@ -48,6 +48,7 @@ class ModelShape:
     n_routed_experts: int
     n_shared_experts: int
     first_k_dense_replace: int
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k); 0 for a dense model
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], source: str = "config dict") -> ModelShape:
@@ -63,16 +64,17 @@ class ModelShape:
         return cls(vocab_size=f.integer("vocab_size"), intermediate_size=f.integer("intermediate_size"),
                    moe_intermediate_size=moe, n_routed_experts=experts,
                    n_shared_experts=f.integer("n_shared_experts", 0, minimum=0),
-                   first_k_dense_replace=f.integer("first_k_dense_replace", 0, minimum=0) if experts else 10**9)
+                   first_k_dense_replace=f.integer("first_k_dense_replace", 0, minimum=0) if experts else 10**9,
+                   num_experts_per_tok=f.integer("num_experts_per_tok", 0, minimum=0) if experts else 0)
 
 
 #: the presets' published shapes (their config.json files)
 MODEL_SHAPES: dict[str, ModelShape] = {
-    "deepseek-v3": ModelShape(129280, 18432, 2048, 256, 1, 3),
-    "deepseek-v3.2": ModelShape(129280, 18432, 2048, 256, 1, 3),
-    "kimi-k2": ModelShape(163840, 18432, 2048, 384, 1, 1),
-    "deepseek-v2": ModelShape(102400, 12288, 1536, 160, 2, 1),
-    "deepseek-v2-lite": ModelShape(102400, 10944, 1408, 64, 2, 1),
+    "deepseek-v3": ModelShape(129280, 18432, 2048, 256, 1, 3, 8),
+    "deepseek-v3.2": ModelShape(129280, 18432, 2048, 256, 1, 3, 8),
+    "kimi-k2": ModelShape(163840, 18432, 2048, 384, 1, 1, 8),
+    "deepseek-v2": ModelShape(102400, 12288, 1536, 160, 2, 1, 6),
+    "deepseek-v2-lite": ModelShape(102400, 10944, 1408, 64, 2, 1, 6),
 }
 #: the dtype each preset's weights are published in (DeepSeek-V3/R1/V3.2, Kimi K2: fp8 e4m3, 128x128 blocks)
 PUBLISHED_WEIGHTS_DTYPE = {"deepseek-v3": "fp8_e4m3", "deepseek-v3.2": "fp8_e4m3", "kimi-k2": "fp8_e4m3",
@@ -90,13 +92,17 @@ def model_shape(dims: MLADims, config: dict[str, Any] | None = None) -> ModelSha
                      f"({', '.join(MODEL_SHAPES)}) for weight sizing")
 
 
-def parse_memory(text: str | float | int, argument: str = "--gpu-memory") -> int:
-    """``"141GB"`` (10**9), ``"80GiB"`` (2**30), ``"512MB"``/``"MiB"``, ``"1.5TB"``; a bare number is GiB."""
+def parse_memory(text: str | float | int, argument: str = "--gpu-memory", *, allow_zero: bool = False) -> int:
+    """``"141GB"`` (10**9), ``"80GiB"`` (2**30), ``"512MB"``/``"MiB"``, ``"1.5TB"``; a bare number is GiB.
+
+    Whole bytes, rounded down. ``allow_zero`` accepts ``0`` (``--reserve 0``: hold nothing back)."""
     if isinstance(text, bool):
         raise TypeError(f"{argument}: got bool; supported a size such as 141GB, 80GiB or a number of GiB")
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B)?\s*", str(text), re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0 or not math.isfinite(float(m.group(1))):
-        raise ValueError(f"{argument}: got {text!r}; supported a positive size such as 141GB, 80GiB or a bare "
+    value = float(m.group(1)) if m else math.nan
+    if not m or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        kind = "non-negative" if allow_zero else "positive"
+        raise ValueError(f"{argument}: got {text!r}; supported a {kind} size such as 141GB, 80GiB or a bare "
                          "number of GiB")
     unit = (m.group(2) or "GiB").upper()
     power = "KMGT".index(unit[0]) + 1

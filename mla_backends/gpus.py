@@ -1,9 +1,14 @@
-"""The package's one GPU table: vendor-stated facts per NVIDIA product, used for rooflines and device names.
+"""The package's one GPU table: per NVIDIA product, used for rooflines, device names and deployment sizing.
 
-Every figure is the vendor's *spec* (never a measurement): memory in bytes with GB = 10**9 (an H200 is
-141e9 bytes), bandwidth in bytes/s, tensor-core rates in dense TFLOP/s (sparsity figures halved). GeForce
-rates are the FP32-accumulate ones (what attention kernels use; GeForce runs FP32 accumulation at half the
-FP16-accumulate rate). ``fp8_tflops`` is None where the part has no fp8 tensor cores (Ampere).
+**Memory** is what the driver reports as the device's total (``nvidia-smi``'s ``Memory-Usage`` total, NVML's
+``memory.total``), in MiB as published driver output shows it: an H200 is 143,771 MiB = 150,754,820,096
+bytes, not the 141 GB on its data sheet. That is the figure an engine's memory fraction applies to, so the
+deployment sizing (``mla-backends kv-cache --gpu``) starts from it; ``--gpu-memory`` overrides it. Each row
+names where its figure comes from (``memory_source``); ``memory_confirmed`` is False where no published driver
+output was found to cite, and the row says what it holds instead. The other figures are the vendor's *spec*
+(never a measurement): bandwidth in bytes/s, tensor-core rates in dense TFLOP/s (sparsity figures halved).
+GeForce rates are the FP32-accumulate ones (what attention kernels use; GeForce runs FP32 accumulation at half
+the FP16-accumulate rate). ``fp8_tflops`` is None where the part has no fp8 tensor cores (Ampere).
 
     >>> gpu_spec("H200").bandwidth_bytes_per_s
     4800000000000.0
@@ -35,13 +40,16 @@ class GpuSpec:
         architecture: ``"Ampere"``, ``"Ada"``, ``"Hopper"``, ``"Blackwell"``, ``"Blackwell Ultra"``.
         compute_capability: ``(major, minor)``.
         sms: streaming multiprocessors enabled on the product.
-        memory_bytes: device memory in bytes (GB = 10**9).
+        memory_bytes: device memory in bytes: the driver-reported total (``nvidia-smi`` MiB x 2**20).
         memory_type: ``"HBM3e"``, ``"GDDR7"``, ...
         bandwidth_bytes_per_s: peak memory bandwidth in bytes/s.
         bf16_tflops: dense bf16 tensor-core rate, TFLOP/s (FP32 accumulate).
         fp8_tflops: dense fp8 (e4m3) tensor-core rate, TFLOP/s; None without fp8 tensor cores.
         device_names: regular expressions matched (case-insensitive) against a driver-reported name.
         note: where a figure needs a word (derivation, variant).
+        memory_source: where ``memory_bytes`` comes from (a published ``nvidia-smi`` output, or why none).
+        memory_confirmed: True when ``memory_bytes`` is a driver figure from a published, citable output.
+        datasheet_memory_gb: the data sheet's memory in GB (10**9 bytes), for reference (141 for the H200).
     """
 
     key: str
@@ -57,6 +65,9 @@ class GpuSpec:
     fp8_tflops: float | None
     device_names: tuple[str, ...]
     note: str = ""
+    memory_source: str = ""
+    memory_confirmed: bool = False
+    datasheet_memory_gb: float = 0.0
 
     @property
     def sm_label(self) -> str:
@@ -74,10 +85,46 @@ class GpuSpec:
         return self.tensor_flops_per_s(fp8_mma) / self.bandwidth_bytes_per_s
 
 
+MiB = 1 << 20
+
+
 def _g(key: str, aliases: tuple[str, ...], name: str, arch: str, cc: tuple[int, int], sms: int, gb: float,
        mem: str, tb_s: float, bf16: float, fp8: float | None, names: tuple[str, ...], note: str = "") -> GpuSpec:
-    return GpuSpec(key, aliases, name, arch, cc, sms, int(round(gb * 1e9)), mem, tb_s * 1e12, bf16, fp8,
-                   names, note)
+    """``gb``: the data sheet's memory (GB = 10**9); the row holds the driver's figure from :data:`_DRIVER_MEMORY`
+    where one was found, else the data sheet's."""
+    mib, source, confirmed = _DRIVER_MEMORY[key]
+    nbytes = mib * MiB if mib is not None else int(round(gb * 1e9))
+    return GpuSpec(key, aliases, name, arch, cc, sms, nbytes, mem, tb_s * 1e12, bf16, fp8, names, note,
+                   source, confirmed, gb)
+
+
+_SEEN = "nvidia-smi listing seen"
+_UNSOURCED = ("no published driver output found: the data sheet's GB (10**9 bytes), which undercounts what "
+              "the driver reports")
+#: key -> (MiB the driver reports, None where none was found; source; confirmed).
+#: Sources are public nvidia-smi outputs (GitHub issues/PRs); "seen" rows are figures read in public
+#: nvidia-smi listings whose origin could not be pinned to a citable thread: not confirmed.
+_DRIVER_MEMORY: dict[str, tuple[int | None, str, bool]] = {
+    "a100": (81920, "nvidia-smi 81920MiB (A100 80GB): modal-labs/modal-client#2797", True),
+    "a100-pcie": (None, _UNSOURCED, False),
+    "a100-40gb": (40960, "nvidia-smi 40960MiB: modal-labs/modal-client#2797", True),
+    "a10": (23028, "nvidia-smi 23028MiB: modal-labs/modal-client#2797", True),
+    "l4": (23034, "nvidia-smi 23034MiB: modal-labs/modal-client#2797", True),
+    "l40s": (46068, "nvidia-smi 46068MiB: modal-labs/modal-client#2797", True),
+    "rtx4090": (24564, "nvidia-smi 24564MiB: vllm-project/vllm#7553", True),
+    "h100": (81559, "nvidia-smi 81559MiB: NVIDIA/nccl#1264, modal-labs/modal-client#2797", True),
+    "h100-pcie": (None, _UNSOURCED, False),
+    "h100-nvl": (95830, f"{_SEEN} (95830MiB), no citable thread", False),
+    "h800": (81559, f"{_SEEN} (81559MiB, as the H100 SXM), no citable thread", False),
+    "h20": (97871, "nvidia-smi 97871MiB: deepseek-ai/DeepGEMM#268", True),
+    "h200": (143771, "nvidia-smi 143771MiB: sgl-project/sglang#3196", True),
+    "b200": (183359, "nvidia-smi 183359MiB: NVIDIA/TensorRT-LLM#10278", True),
+    "gb200": (189471, f"{_SEEN} (189471MiB), no citable thread", False),
+    "b300": (275040, f"{_SEEN} (275040MiB, 'B300 SXM6 AC'), no citable thread", False),
+    "gb300": (284208, f"{_SEEN} (284208MiB), no citable thread", False),
+    "rtx-pro-6000": (97887, "nvidia-smi 97887MiB (Server Edition): vllm-project/vllm#43412", True),
+    "rtx5090": (32607, "nvidia-smi 32607MiB: noonghunna/club-3090#617", True),
+}
 
 
 #: one row per product, oldest architecture first

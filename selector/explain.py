@@ -31,7 +31,7 @@ def _request_line(spec: AttentionSpec) -> str:
 
 
 def _device_line(device: DeviceInfo) -> str:
-    mem = f", {device.total_memory / 2**30:.0f} GiB" if device.total_memory else ""
+    mem = f", {device.total_memory / 2**30:.1f} GiB" if device.total_memory else ""  # nvidia-smi's total
     return device.describe() + mem
 
 

@@ -25,7 +25,9 @@ def _json_error(capsys, *argv: str) -> dict:
 
 
 # ---- --dcp / --dp-attention need --gpu or --gpu-memory -----------------------------------------------------
-@pytest.mark.parametrize("flags, flag", [(["--dcp", "2"], "--dcp"), (["--dp-attention"], "--dp-attention")])
+@pytest.mark.parametrize("flags, flag", [(["--dcp", "2"], "--dcp"), (["--dp-attention"], "--dp-attention"),
+                                         (["--max-num-batched-tokens", "4096"], "--max-num-batched-tokens"),
+                                         (["--reserve", "1GB"], "--reserve")])
 @pytest.mark.parametrize("memory", [["--cache-memory", "40"], []])
 def test_dcp_and_dp_attention_without_a_gpu_are_refused(capsys, flags, flag, memory):
     rc, out, err = _run(capsys, "kv-cache", "--tp", "8", *flags, *memory)
@@ -48,7 +50,7 @@ def test_kv_cache_help_says_dcp_needs_a_gpu(capsys):
     with pytest.raises(SystemExit):
         main(["kv-cache", "--help"])
     out = "".join(capsys.readouterr().out.split())  # argparse wraps lines at hyphens too
-    assert out.count("needs--gpuor--gpu-memory") == 2
+    assert out.count("needs--gpuor--gpu-memory") == 4  # --dcp, --dp-attention, --max-num-batched-tokens, --reserve
 
 
 # ---- conformance: only what follows -- goes to pytest -------------------------------------------------------

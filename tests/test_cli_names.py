@@ -144,9 +144,12 @@ def test_product_names_on_the_command_line(fakes, capsys):
     code, out = run_cli(capsys, "select", "--device", "b200", "--json")
     doc = json.loads(out)
     assert code == 0 and doc["device"]["name"] == "NVIDIA B200" and doc["device"]["compute_capability"] == [10, 0]
-    assert doc["device"]["total_memory"] == 180 * 10**9 and doc["backend"] == "FLASHINFER_MLA_TRTLLM"
+    assert doc["device"]["total_memory"] == 183_359 * 2**20 and doc["backend"] == "FLASHINFER_MLA_TRTLLM"
     assert run_cli(capsys, "select", "--device", "rtx-pro-6000")[1].startswith(
         "Device:  NVIDIA RTX PRO 6000 Blackwell [SM120] (simulated)")
+    # the driver's total (143,771 MiB), as nvidia-smi shows it, not the data sheet's 141 GB (131.3 GiB)
+    assert run_cli(capsys, "select", "--device", "h200")[1].startswith(
+        "Device:  NVIDIA H200 SXM [SM90] (simulated), 140.4 GiB\n")
     assert main(["select", "--device", "h300"]) == 2
     assert "a GPU product name (a100, " in capsys.readouterr().err
     with pytest.raises(ValueError, match="gpu name: got 'tpu'"):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mla_backends import costs, deployment
+from mla_backends import costs, deployment, reserve
 from mla_backends.cli import main, reports
 from mla_backends.dims import MLADims
 from mla_backends.gpus import gpu_spec
@@ -14,8 +14,8 @@ from mla_backends.gpus import gpu_spec
 V3 = MLADims.deepseek_v3()
 
 
-def test_gpu_table_uses_vendor_gigabytes():
-    assert gpu_spec("H200").memory_bytes == 141 * 10**9
+def test_gpu_table_holds_what_the_driver_reports():
+    assert gpu_spec("H200").memory_bytes == 143_771 * 2**20  # nvidia-smi's total, not the data sheet's 141e9
     for name in ("a100", "h100", "h200", "b200"):
         g = gpu_spec(name)
         assert g.sms > 0 and g.bandwidth_bytes_per_s > 1e12 and g.compute_capability[0] >= 8
@@ -49,14 +49,17 @@ def test_dcp_multiplies_cluster_tokens_and_costs_communication():
     base = reports.deployment_report(V3, gpu_memory_bytes=141 * 10**9, tp=8, dcp=1)
     for d in (2, 4, 8):
         rep = reports.deployment_report(V3, gpu_memory_bytes=141 * 10**9, tp=8, dcp=d)
-        assert rep["tokens_per_rank"] == base["tokens_per_rank"]
-        assert rep["cluster_tokens"] == d * base["cluster_tokens"]
+        # the same rows per rank, less the DCP group's own NCCL communicator buffers
+        assert rep["reserve_bytes"] == base["reserve_bytes"] + reserve.NCCL_BYTES_PER_COMMUNICATOR
+        assert rep["tokens_per_rank"] == (base["cache_bytes_per_rank"] - reserve.NCCL_BYTES_PER_COMMUNICATOR) // (
+            costs.cache_bytes_per_token(V3, 2))
+        assert rep["cluster_tokens"] == d * rep["tokens_per_rank"]
         comm = rep["dcp_comm_bytes_per_token_per_layer"]
         assert comm["decode_query_all_gather"] == (d - 1) * 16 * 576 * 2
         assert comm["decode_output_reduce_scatter"] == (d - 1) * 16 * 512 * 2
         assert comm["tp_all_reduce"] == base["dcp_comm_bytes_per_token_per_layer"]["tp_all_reduce"]
     assert all(v == 0 for k, v in base["dcp_comm_bytes_per_token_per_layer"].items() if k != "tp_all_reduce")
-    left = int(141e9 * 0.9) - base["weights_bytes_per_rank"] - base["workspace_bytes"]
+    left = 141 * 10**9 * 9 // 10 - base["weights_bytes_per_rank"] - base["workspace_bytes"] - base["reserve_bytes"]
     assert base["tokens_per_rank"] == left // costs.cache_bytes_per_token(V3, 2)
 
 
@@ -142,11 +145,12 @@ def _worked_table() -> list[list[str]]:
 
 
 def test_cost_model_worked_table_matches_deployment_report():
-    """docs/cost-model.md's V3-on-8-H200 table is what deployment_report gives for each row."""
+    """docs/cost-model.md's V3-on-8-H200 table (the driver's 143,771 MiB, the modelled reserve) is what
+    deployment_report gives for each row."""
     h200 = gpu_spec("h200")
     rows = _worked_table()
     assert len(rows) == 10
-    for layout, cache, weights, workspace, left, per_rank, cluster, decode in rows:
+    for layout, cache, weights, workspace, held, left, per_rank, cluster, decode in rows:
         dp = layout == "DP-attention"
         dcp = 1 if dp else int(layout.split("DCP=")[1])
         rep = reports.deployment_report(V3, gpu_memory_bytes=h200.memory_bytes, tp=8, dcp=dcp, dp_attention=dp,
@@ -154,6 +158,6 @@ def test_cost_model_worked_table_matches_deployment_report():
         comm = rep["dcp_comm_bytes_per_token_per_layer"]
         sent = comm["decode_query_all_gather"] + comm["decode_lse_all_gather"] + comm["decode_output_reduce_scatter"]
         shown = [f"{rep['weights_bytes_per_rank'] / 1e9:.2f}", f"{rep['workspace_bytes'] / 1e9:.2f}",
-                 f"{rep['cache_bytes_per_rank'] / 1e9:.2f}", f"{rep['tokens_per_rank']:,}",
-                 f"{rep['cluster_tokens']:,}", f"{sent:,}"]
-        assert [weights, workspace, left, per_rank, cluster, decode] == shown, layout
+                 f"{rep['reserve_bytes'] / 1e9:.2f}", f"{rep['cache_bytes_per_rank'] / 1e9:.2f}",
+                 f"{rep['tokens_per_rank']:,}", f"{rep['cluster_tokens']:,}", f"{sent:,}"]
+        assert [weights, workspace, held, left, per_rank, cluster, decode] == shown, layout

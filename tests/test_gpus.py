@@ -15,13 +15,39 @@ def test_required_products_and_vendor_figures():
                 "l4", "a10"):
         assert key in known_gpu_names()
     h200 = gpu_spec("h200")
-    assert h200.memory_bytes == 141 * 10**9 and h200.sms == 132 and h200.compute_capability == (9, 0)
+    assert h200.sms == 132 and h200.compute_capability == (9, 0) and h200.datasheet_memory_gb == 141
     assert h200.bandwidth_bytes_per_s == 4.8e12 and h200.bf16_tflops == pytest.approx(989.4)
     assert h200.ridge_flop_per_byte() == pytest.approx(206.1, abs=0.1)
     assert h200.ridge_flop_per_byte(fp8_mma=True) == pytest.approx(412.3, abs=0.1)
     assert gpu_spec("a100").fp8_tflops is None and gpu_spec("a100").tensor_flops_per_s(True) == 312e12
     assert gpu_spec("b300").compute_capability == (10, 3) and gpu_spec("rtx5090").sm_label == "sm120"
     assert len({g.key for g in GPU_TABLE}) == len(GPU_TABLE)
+
+
+# what published nvidia-smi output shows as the total, in MiB (each row's memory_source cites it)
+DRIVER_MIB = {"h200": 143_771, "h100": 81_559, "a100": 81_920, "a100-40gb": 40_960, "a10": 23_028, "l4": 23_034,
+              "l40s": 46_068, "rtx4090": 24_564, "h20": 97_871, "b200": 183_359, "rtx-pro-6000": 97_887,
+              "rtx5090": 32_607}
+
+
+def test_memory_is_what_the_driver_reports():
+    """The table holds the driver's total (nvidia-smi MiB), not the data sheet's GB: an H200 is 143,771 MiB =
+    150,754,820,096 bytes (140.4 GiB), 6.9% more than the 141e9 of its data sheet."""
+    assert gpu_spec("h200").memory_bytes == 143_771 * 2**20 == 150_754_820_096
+    assert gpu_spec("h100").memory_bytes == 81_559 * 2**20 == 85_520_809_984
+    for key, mib in DRIVER_MIB.items():
+        g = gpu_spec(key)
+        assert g.memory_bytes == mib * 2**20 and g.memory_confirmed, key
+        assert f"{mib}MiB" in g.memory_source and "#" in g.memory_source, key  # names the thread it is from
+    unconfirmed = {g.key for g in GPU_TABLE if not g.memory_confirmed}
+    assert unconfirmed == {"a100-pcie", "h100-pcie", "h100-nvl", "h800", "gb200", "b300", "gb300"}
+    for g in GPU_TABLE:
+        assert g.memory_source, g.key  # every row says where its figure comes from
+        assert g.memory_confirmed or "not" in g.memory_source or "no " in g.memory_source, g.key
+    assert gpu_spec("h100-pcie").memory_bytes == 80 * 10**9  # no driver figure found: the data sheet's, flagged
+    page = render_gpus_doc()
+    assert "| 143,771 MiB HBM3e | 141 |" in page and "`h200`: nvidia-smi 143771MiB: sgl-project/sglang#3196" in page
+    assert "80 GB (not confirmed)" in page and "`h800`: nvidia-smi listing seen" in page
 
 
 @pytest.mark.parametrize("spelling", ["H200", "h200", " h-200 ", "H_200", "h200-sxm"])

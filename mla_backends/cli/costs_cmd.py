@@ -11,9 +11,10 @@ import argparse
 import json
 from typing import Any
 
-from .args import add_model_args, csv_text, int_list, load_model_dims, per_rank_dims
+from .. import reserve
+from .args import add_model_args, csv_text, int_at_least, int_list, load_model_dims, per_rank_dims
 
-__all__ = ["register", "load_model_dims", "per_rank_dims", "run_kv_cache", "run_crossover"]
+__all__ = ["register", "load_model_dims", "per_rank_dims", "run_kv_cache", "run_crossover", "model_label"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +42,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu", default=None, metavar="NAME", help="size a deployment on this GPU (a100, h100, h200, "
                    "b200): weights, prefill workspace, what is left for the cache")
     p.add_argument("--gpu-memory", default=None, metavar="SIZE",
-                   help="the GPU's memory (141GB = 141e9 bytes, 80GiB; a bare number is GiB); overrides --gpu's")
+                   help="the GPU's memory (143771MiB, 150.75GB = 150.75e9 bytes, 140GiB; a bare number is GiB); "
+                        "overrides --gpu's, which is what the driver reports (nvidia-smi's total)")
+    p.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None, metavar="T",
+                   help="tokens one engine step runs, which sizes the activation reserve (default "
+                        f"{reserve.DEFAULT_MAX_NUM_BATCHED_TOKENS:,}, vLLM's; needs --gpu or --gpu-memory)")
+    p.add_argument("--reserve", default=None, metavar="SIZE",
+                   help="memory per rank the engine holds back before the cache (activations, MoE buffers, "
+                        "CUDA graphs, NCCL), replacing the modelled terms: e.g. the figures an engine logs "
+                        "(2.5GiB; 0 holds nothing back; needs --gpu or --gpu-memory)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                    help="fraction of the GPU's memory the engine uses (default 0.9)")
     p.add_argument("--dcp", type=int, default=1, metavar="N",
@@ -81,6 +90,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_crossover)
 
 
+def model_label(spec: str, dims: Any) -> str:
+    """The name a report shows: the preset the user asked for (``--model deepseek-r1`` has V3's dims and is
+    still called ``deepseek-r1``; ``r1`` and ``deepseek_r1`` spell it too), or the config's own name."""
+    import os
+
+    from ..dims import PRESET_NAMES
+
+    if os.path.exists(str(spec)):
+        return dims.name
+    key = str(spec).strip().lower().replace("_", "-")
+    for name in (key, f"deepseek-{key}"):
+        if name in PRESET_NAMES:
+            return name
+    return dims.name
+
+
 def _kib(n: float) -> str:
     return f"{n / 1024:,.3f} KiB"
 
@@ -103,9 +128,16 @@ def run_kv_cache(args: argparse.Namespace) -> int:
         raise ValueError("--dp-attention: got it without --gpu or --gpu-memory; supported only with --gpu or "
                          "--gpu-memory (the deployment sizing, which applies it); --cache-memory alone sizes one "
                          "rank of a replicated cache")
+    for flag, value in (("--max-num-batched-tokens", args.max_num_batched_tokens), ("--reserve", args.reserve)):
+        if value is not None:
+            raise ValueError(f"{flag}: got {value} without --gpu or --gpu-memory; supported only with --gpu or "
+                             "--gpu-memory (the deployment sizing, which holds the reserve back); --cache-memory "
+                             "is the cache's own memory, with nothing held back")
     contexts = args.context or [None]
+    label = model_label(args.model, dims)
     reps = [reports.kv_cache_report(dims, kv_cache_dtype=args.kv_cache_dtype, model_dtype=args.dtype, tp=tp,
-                                    context_len=s, gpu_memory_gib=args.cache_memory) for s in contexts]
+                                    context_len=s, gpu_memory_gib=args.cache_memory, model_name=label)
+            for s in contexts]
     rep = reps[0]  # the first --context's per-sequence figures stay at the top level
     if args.context:
         rep["sequences"] = [{k: r[k] for k in ("context_len", "bytes_per_sequence", "sequences_that_fit")
@@ -172,6 +204,7 @@ def run_crossover(args: argparse.Namespace) -> int:
     if args.query_lens:
         kwargs["query_lens"] = args.query_lens
     rep = reports.crossover_report(dims, **kwargs)
+    rep["model"] = model_label(args.model, dims)
     if args.json:
         print(json.dumps(rep, indent=2))
         return 0
@@ -208,21 +241,48 @@ def _run_deployment(args: argparse.Namespace, dims: Any) -> int:
 
     gpu = gpu_spec(args.gpu) if args.gpu is not None else None
     mem = deployment.parse_memory(args.gpu_memory) if args.gpu_memory is not None else gpu.memory_bytes  # type: ignore[union-attr]
+    held = None if args.reserve is None else deployment.parse_memory(args.reserve, "--reserve", allow_zero=True)
+    tokens = args.max_num_batched_tokens or reserve.DEFAULT_MAX_NUM_BATCHED_TOKENS
     config = load_model_config(args.model)  # its MLP/MoE fields checked, errors under --model
     rep = reports.deployment_report(
         dims, gpu_memory_bytes=mem, gpu_name=gpu.name if gpu else None,
         gpu_memory_utilization=args.gpu_memory_utilization, tp=args.tp, dcp=args.dcp,
         dp_attention=args.dp_attention, kv_cache_dtype=args.kv_cache_dtype, model_dtype=args.dtype,
         weights_dtype=args.weights_dtype, config=config,
-        context_len=args.context[0] if args.context else None)  # the first --context
+        context_len=args.context[0] if args.context else None,  # the first --context
+        max_num_batched_tokens=tokens, reserve_bytes=held, model_name=model_label(args.model, dims))
+    if gpu is not None and args.gpu_memory is None:
+        rep["gpu_memory_source"] = gpu.memory_source
+        rep["gpu_memory_confirmed"] = gpu.memory_confirmed
     if args.json:
         print(json.dumps(rep, indent=2))
         return 0
+    _print_deployment(rep, mem)
+    return 0
+
+
+def _print_deployment(rep: dict[str, Any], mem: int) -> None:
     mode = "DP-attention" if rep["dp_attention"] else f"DCP={rep['dcp']}"
-    print(f"{rep['model']} on {rep['tp']} x {rep['gpu'] or 'GPU'} ({mem / 1e9:,.1f} GB, "
+    print(f"{rep['model']} on {rep['tp']} x {rep['gpu'] or 'GPU'} ({mem / 1e9:,.1f} GB = {mem / 2**30:,.1f} GiB, "
           f"utilization {rep['gpu_memory_utilization']:g}), TP={rep['tp']}, {mode}, {rep['kv_cache_dtype']} cache")
+    if rep.get("gpu_memory_confirmed") is False:
+        print(f"  note: this GPU's memory is not confirmed ({rep['gpu_memory_source']}); pass --gpu-memory")
+    print(f"  usable            {rep['usable_bytes'] / 1e9:>10,.2f} GB per rank (memory x utilization)")
     print(f"  weights           {rep['weights_bytes_per_rank'] / 1e9:>10,.2f} GB per rank ({rep['weights_dtype']})")
     print(f"  prefill workspace {rep['workspace_bytes'] / 1e9:>10,.2f} GB ({rep['workspace_rows']:,} rows)")
+    terms = rep["reserve_terms"]
+    if rep["reserve_source"] == "--reserve":
+        print(f"  reserve           {rep['reserve_bytes'] / 1e9:>10,.2f} GB per rank (--reserve)")
+    else:
+        print(f"  reserve           {rep['reserve_bytes'] / 1e9:>10,.2f} GB per rank held back (modelled; "
+              "--reserve overrides)")
+        print(f"    activations     {terms['activations'] / 1e9:>10,.2f} GB "
+              f"({rep['max_num_batched_tokens']:,} batched tokens, {rep['max_num_seqs']} sequences' logits)")
+        print(f"    MoE dispatch    {terms['moe_dispatch'] / 1e9:>10,.2f} GB (per-expert buffers of those tokens)")
+        print(f"    CUDA-graph pool {terms['cuda_graph_pool'] / 1e9:>10,.2f} GB (decode batches up to "
+              f"{reserve.CUDA_GRAPH_MAX_BATCH})")
+        print(f"    NCCL            {terms['nccl'] / 1e9:>10,.2f} GB ({rep['nccl_communicators']} "
+              f"communicator{'s' if rep['nccl_communicators'] != 1 else ''})")
     print(f"  latent cache      {rep['cache_bytes_per_rank'] / 1e9:>10,.2f} GB per rank, "
           f"{rep['cache_bytes_per_token']:,} B per token")
     print(f"  tokens per rank {rep['tokens_per_rank']:,}; per DCP group {rep['tokens_per_dcp_group']:,}; "
@@ -239,4 +299,3 @@ def _run_deployment(args: argparse.Namespace, dims: Any) -> int:
         print(f"  sequences of {rep['context_len']:,} per DCP group: {rep['sequences_per_dcp_group']:,}")
     for w in rep["warnings"]:
         print(f"  warning: {w}")
-    return 0

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from fractions import Fraction
 from typing import Any
 
-from .. import costs, deployment
+from .. import costs, deployment, reserve
 from ..dims import MLADims
 from ..dtypes import parse_model_dtype, resolve_kv_cache_dtype
 from ..prefill import MAX_WORKSPACE_ROWS, workspace_widths
 from ..validation import require_int
 
-__all__ = ["kv_cache_report", "crossover_report", "deployment_report", "prefill_workspace_figures",
+__all__ = ["kv_cache_report", "crossover_report", "deployment_report", "usable_bytes", "prefill_workspace_figures",
            "DEFAULT_QUERY_LENS", "DEFAULT_CONTEXTS"]
 
 
@@ -29,12 +30,14 @@ def kv_cache_report(
     context_len: int | None = None,
     gpu_memory_gib: float | None = None,
     gqa: costs.GQAConfig = costs.LLAMA3_70B,
+    model_name: str | None = None,
 ) -> dict[str, Any]:
     """Everything ``mla-backends kv-cache`` prints, as a JSON-ready dict (bytes are per rank unless noted).
 
     ``gpu_memory_gib`` is the memory one rank gives to the KV cache; ``tokens_that_fit`` counts latent plus
     indexer bytes. ``context_len`` adds per-sequence bytes and how many such sequences fit. ``kv_cache_dtype``
-    in the result is the stored dtype (``auto`` resolved against ``model_dtype``).
+    in the result is the stored dtype (``auto`` resolved against ``model_dtype``). ``model_name`` labels the
+    report (default ``dims.name``: ``deepseek-r1`` has V3's dims and keeps its own name).
     """
     b = costs.element_bytes(kv_cache_dtype, model_dtype)
     per_layer = costs.latent_bytes_per_token_per_layer(dims, b)  # checks dims
@@ -42,7 +45,7 @@ def kv_cache_report(
     d = dims
     cell = costs.cache_bytes_per_token(d, b)
     rep: dict[str, Any] = {
-        "model": d.name,
+        "model": model_name or d.name,
         "kv_cache_dtype": resolve_kv_cache_dtype(kv_cache_dtype, parse_model_dtype(model_dtype)),
         "element_bytes": b,
         "num_layers": d.num_layers,
@@ -156,6 +159,12 @@ def crossover_report(
     }
 
 
+def usable_bytes(gpu_memory_bytes: int, gpu_memory_utilization: float) -> int:
+    """``gpu_memory_bytes x gpu_memory_utilization`` rounded down to a whole byte, the utilization taken as the
+    decimal it prints as (``0.9`` is 9/10 exactly, not the binary float): the JSON's ``usable_bytes``."""
+    return math.floor(Fraction(gpu_memory_bytes) * Fraction(repr(float(gpu_memory_utilization))))
+
+
 def deployment_report(
     dims: MLADims,
     *,
@@ -170,13 +179,22 @@ def deployment_report(
     weights_dtype: str | None = None,
     config: dict[str, Any] | None = None,
     context_len: int | None = None,
+    max_num_batched_tokens: int = reserve.DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    reserve_bytes: int | None = None,
+    model_name: str | None = None,
 ) -> dict[str, Any]:
-    """What one rank of a deployment of ``tp`` GPUs holds: weights, the prefill workspace and the latent cache
-    in what is left of ``gpu_memory_bytes * gpu_memory_utilization``; tokens per rank and ``cluster_tokens``
+    """What one rank of a deployment of ``tp`` GPUs holds: weights, the prefill workspace, the reserve (what
+    an engine holds back: :mod:`mla_backends.reserve`, or ``reserve_bytes`` given) and the latent cache in what
+    is left of ``gpu_memory_bytes * gpu_memory_utilization``; tokens per rank and ``cluster_tokens``
     (``tokens per rank x dcp x data-parallel groups``: DP-attention makes every rank a group); the DCP
-    communication per token per layer. ValueError when the weights and workspace do not fit."""
-    if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+    communication per token per layer. Exact in whole bytes: ``usable_bytes`` (:func:`usable_bytes`) equals
+    ``weights_bytes_per_rank + workspace_bytes + reserve_bytes + cache_bytes_per_rank``, and the
+    ``reserve_terms`` sum to ``reserve_bytes``. ``model_name`` labels the report (default ``dims.name``).
+    ValueError when the weights, workspace and reserve do not fit."""
+    if (isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float))
+            or not 0 < gpu_memory_utilization <= 1):
         raise ValueError(f"--gpu-memory-utilization: got {gpu_memory_utilization!r}; supported (0, 1]")
+    require_int("--gpu-memory", gpu_memory_bytes, minimum=1)
     require_int("tp", tp, minimum=1)
     require_int("dcp", dcp, minimum=1)
     if tp % dcp:
@@ -184,6 +202,8 @@ def deployment_report(
     if dp_attention and dcp > 1:
         raise ValueError(f"--dcp: got {dcp} with --dp-attention; supported 1 (DP-attention runs attention at "
                          "TP=1 on every rank, so there is no TP group to split the cache across)")
+    if reserve_bytes is not None:
+        require_int("--reserve", reserve_bytes, minimum=0)
     attn_tp = 1 if dp_attention else tp
     b = costs.element_bytes(kv_cache_dtype, model_dtype)
     mb = costs.element_bytes("auto", model_dtype)
@@ -192,23 +212,36 @@ def deployment_report(
     weights = deployment.weight_bytes_per_rank(dims, shape, weights_dtype=wdt, tp=tp, dp_attention=dp_attention)
     rows = costs.workspace_rows(dims.max_position_embeddings, 256, 16)
     workspace = prefill_workspace_figures(dims, model_dtype, attn_tp, rows=rows)["prefill_workspace_bytes"]
-    usable = int(gpu_memory_bytes * gpu_memory_utilization)
-    left = usable - weights - workspace
+    modelled = reserve.reserve_terms(dims, shape, tp=tp, dcp=dcp, dp_attention=dp_attention, model_bytes=mb,
+                                     max_num_batched_tokens=max_num_batched_tokens)
+    terms = modelled if reserve_bytes is None else {"reserve_override": reserve_bytes}
+    held = sum(terms.values())
+    usable = usable_bytes(gpu_memory_bytes, gpu_memory_utilization)
+    left = usable - weights - workspace - held
     where = f"{gpu_name or 'the GPU'} ({gpu_memory_bytes / 1e9:,.1f} GB x {gpu_memory_utilization:g})"
     if left <= 0:
-        raise ValueError(f"--tp: got {tp}; {dims.name}'s weights ({weights / 1e9:,.1f} GB per rank, {wdt}) and "
-                         f"the prefill workspace ({workspace / 1e9:,.2f} GB) do not fit {where}; supported a "
-                         "larger --tp, a smaller --weights-dtype or a larger GPU")
+        raise ValueError(f"--tp: got {tp}; {dims.name}'s weights ({weights / 1e9:,.1f} GB per rank, {wdt}), "
+                         f"the prefill workspace ({workspace / 1e9:,.2f} GB) and the reserve "
+                         f"({held / 1e9:,.2f} GB) do not fit {where}; supported a larger --tp, a smaller "
+                         "--weights-dtype, a smaller --reserve or --max-num-batched-tokens, or a larger GPU")
     cell = costs.cache_bytes_per_token(dims, b)  # a rank stores 1/dcp of each token: rows, not tokens
     per_rank = left // cell
     dp_groups = tp if dp_attention else 1
     rep: dict[str, Any] = {
-        "model": dims.name, "gpu": gpu_name, "gpu_memory_bytes": gpu_memory_bytes,
-        "gpu_memory_utilization": gpu_memory_utilization, "tp": tp, "dcp": dcp, "dp_attention": dp_attention,
+        "model": model_name or dims.name, "gpu": gpu_name, "gpu_memory_bytes": gpu_memory_bytes,
+        "gpu_memory_utilization": gpu_memory_utilization, "usable_bytes": usable,
+        "usable_rule": "floor(gpu_memory_bytes x gpu_memory_utilization), the utilization as a decimal; "
+                       "usable_bytes = weights_bytes_per_rank + workspace_bytes + reserve_bytes + "
+                       "cache_bytes_per_rank",
+        "tp": tp, "dcp": dcp, "dp_attention": dp_attention,
         "kv_cache_dtype": resolve_kv_cache_dtype(kv_cache_dtype, parse_model_dtype(model_dtype)),
         "weights_dtype": wdt, "weights_rule": deployment.WEIGHTS_RULE, "weights_bytes_per_rank": weights,
-        "workspace_rows": rows, "workspace_bytes": workspace, "cache_bytes_per_rank": left,
-        "cache_bytes_per_token": cell, "tokens_per_rank": per_rank,
+        "workspace_rows": rows, "workspace_bytes": workspace,
+        "reserve_bytes": held, "reserve_terms": terms,
+        "reserve_source": "model" if reserve_bytes is None else "--reserve",
+        "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": reserve.DEFAULT_MAX_NUM_SEQS,
+        "nccl_communicators": reserve.nccl_communicators(tp, dcp),
+        "cache_bytes_per_rank": left, "cache_bytes_per_token": cell, "tokens_per_rank": per_rank,
         "tokens_per_dcp_group": per_rank * dcp, "data_parallel_groups": dp_groups,
         "cluster_tokens": per_rank * dcp * dp_groups,
         "max_position_embeddings": dims.max_position_embeddings,
@@ -216,6 +249,8 @@ def deployment_report(
             dims, tp=attn_tp, dcp=dcp, dtype_bytes=mb, cache_bytes=b),
         "warnings": [],
     }
+    if reserve_bytes is not None:
+        rep["reserve_modelled_terms"] = modelled  # what the model would hold back, for comparison
     if context_len is not None:
         s = require_int("context_len", context_len, minimum=1)
         rep["context_len"] = s
