@@ -77,6 +77,7 @@ class DecodeGraphMetadata:
             query_lens_list=(1,) * B,
             context_lens_list=(self.max_context,) * B,
             num_blocks=num_blocks,
+            graph_static=True,  # host lists are bounds: backends without cuda_graphs refuse it (meta_checks)
             verified_block_table=table,  # every update() validates the step with build() first
         )
         self.num_requests = 0
