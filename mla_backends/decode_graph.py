@@ -16,7 +16,8 @@ replay it for every later step, an engine keeps static:
 see; its tensors never move. Its host lists describe the padded batch at its longest (every request at
 ``max_context``), which is what host-side choices (such as a split count) see during capture (pin
 ``TritonMLABackend``'s ``num_kv_splits`` so the grid does not depend on it). Only backends declaring
-``cuda_graphs`` read lengths and block ids from the device tensors, so only they replay correctly.
+``cuda_graphs`` read lengths and block ids from the device tensors, so only they replay correctly; :attr:`meta`
+is marked ``graph_static`` and every other consumer refuses it (:mod:`mla_backends.meta_checks`).
 
 Per step, outside any capture: ``graph_meta.update(context_lens, block_table)`` then
 ``graph_meta.meta.prepare(backend)`` (idempotent; :meth:`update` starts a fresh step plan), then
