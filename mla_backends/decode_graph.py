@@ -16,7 +16,8 @@ replay it for every later step, an engine keeps static:
 see; its tensors never move. Its host lists describe the padded batch at its longest (every request at
 ``max_context``), which is what host-side choices (such as a split count) see during capture (pin
 ``TritonMLABackend``'s ``num_kv_splits`` so the grid does not depend on it). Only backends declaring
-``cuda_graphs`` read lengths and block ids from the device tensors, so only they replay correctly.
+``cuda_graphs`` read lengths and block ids from the device tensors, so only they replay correctly; :attr:`meta`
+is marked ``graph_static`` and every other consumer refuses it (:mod:`mla_backends.meta_checks`).
 
 Per step, outside any capture: ``graph_meta.update(context_lens, block_table)`` then
 ``graph_meta.meta.prepare(backend)`` (idempotent; :meth:`update` starts a fresh step plan), then
@@ -78,6 +79,7 @@ class DecodeGraphMetadata:
             query_lens_list=(1,) * B,
             context_lens_list=(self.max_context,) * B,
             num_blocks=num_blocks,
+            graph_static=True,  # host lists are bounds: backends without cuda_graphs refuse it (meta_checks)
             verified_block_table=table,  # every update() validates the step with build() first
         )
         self.num_requests = 0

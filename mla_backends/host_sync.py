@@ -16,24 +16,35 @@ only to the calling thread's own stack of active guards.
 :func:`host_sync_allowed` pauses the guard (Triton's interpreter copies to the host by design;
 ``TRITON_MLA`` wraps each interpreted launch in it).
 
+A guard ends in the thread that entered it. Exiting one in another thread (a context manager handed over
+by hand) raises :class:`GuardThreadError` naming both threads, and the guard is over all the same: the
+entering thread is no longer guarded (or paused), and its later guards work as usual. (The dispatch mode
+of such a guard stays on the entering thread's mode stack, inert, until that thread's next guard starts or
+ends and drops it.)
+
 This module imports only torch (foundation layer); :mod:`mla_backends.testing` re-exports the public names.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-__all__ = ["HostSyncError", "SyncRecord", "no_host_sync", "host_sync_allowed", "SYNC_OPS"]
+__all__ = ["HostSyncError", "GuardThreadError", "SyncRecord", "no_host_sync", "host_sync_allowed", "SYNC_OPS"]
 
 
 class HostSyncError(RuntimeError):
     """A device-to-host synchronisation happened under :func:`no_host_sync`; the message names the operation."""
+
+
+class GuardThreadError(RuntimeError):
+    """A :func:`no_host_sync` or :func:`host_sync_allowed` block was exited in a thread other than the one
+    that entered it; the message names both threads. The guard is over all the same."""
 
 
 #: aten overload packets that always synchronise (their result is a host value or a data-dependent shape)
@@ -45,24 +56,73 @@ SYNC_OPS: frozenset[str] = frozenset({
 #: Tensor methods that copy to the host without a dispatcher op the mode always sees (patched while active):
 #: ``tolist``/``cpu``/``numpy``/``__array__`` never reach it as such, and under ``torch.inference_mode`` the
 #: scalar reads (``item``, ``int()``, ``float()``, ``bool()``, ``__index__``) skip the Python dispatch key.
-#: ``_STATE`` (per thread): ``paused`` (depth of :func:`host_sync_allowed`), ``guards`` (active guards' callbacks)
+#: ``_STATE.state`` (per thread): that thread's :class:`_ThreadState`
 _PATCHED = ("tolist", "cpu", "numpy", "__array__", "item", "__int__", "__float__", "__bool__", "__index__")
 
 _STATE = threading.local()
 
 
+class _ThreadState:
+    """One thread's guard state: ``paused`` (depth of :func:`host_sync_allowed`), ``guards`` (its active
+    guards' report callbacks, outermost first). A guard keeps a reference to its thread's state, so an exit
+    in another thread still ends it there."""
+
+    __slots__ = ("paused", "guards")
+
+    def __init__(self) -> None:
+        self.paused = 0
+        self.guards: list[Callable[[str], None]] = []
+
+
+def _state() -> _ThreadState:
+    """The calling thread's guard state (created on first use)."""
+    st = getattr(_STATE, "state", None)
+    if st is None:
+        st = _STATE.state = _ThreadState()
+    return st
+
+
 def _paused() -> bool:
-    return getattr(_STATE, "paused", 0) > 0
+    st = getattr(_STATE, "state", None)
+    return st is not None and st.paused > 0
 
 
-@contextlib.contextmanager
-def host_sync_allowed() -> Iterator[None]:
+def _thread_error(what: str, owner: threading.Thread) -> GuardThreadError:
+    here = threading.current_thread()
+    return GuardThreadError(
+        f"{what}: exited in thread {here.name!r} (ident {here.ident}), entered in thread {owner.name!r} "
+        f"(ident {owner.ident}); supported exiting in the thread that entered it. The guard is over: thread "
+        f"{owner.name!r} is no longer affected by it")
+
+
+class _Pause:
+    """The context manager :func:`host_sync_allowed` returns (one ``with`` block)."""
+
+    def __init__(self) -> None:
+        self._state: _ThreadState | None = None
+        self._owner: threading.Thread | None = None
+
+    def __enter__(self) -> None:
+        if self._state is not None:
+            raise RuntimeError("host_sync_allowed(): this block was already entered; call host_sync_allowed() "
+                               "for each with-block")
+        self._state, self._owner = _state(), threading.current_thread()
+        self._state.paused += 1
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        st, owner = self._state, self._owner
+        if st is None or owner is None:
+            return
+        self._state = None  # over, whichever thread ends it
+        st.paused -= 1  # the entering thread's count, even when another thread exits
+        if owner is not threading.current_thread():
+            raise _thread_error("host_sync_allowed()", owner)
+
+
+def host_sync_allowed() -> _Pause:
     """Pause any active :func:`no_host_sync` guard of this thread (for code that syncs by design)."""
-    _STATE.paused = getattr(_STATE, "paused", 0) + 1
-    try:
-        yield
-    finally:
-        _STATE.paused -= 1
+    return _Pause()
 
 
 class SyncRecord:
@@ -103,10 +163,11 @@ class _SyncMode(TorchDispatchMode):
     def __init__(self, on_sync: Callable[[str], None]) -> None:
         super().__init__()
         self.on_sync = on_sync
+        self.ended = False  # set when its guard is over: from then on it reports nothing
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if not _paused():
+        if not self.ended and not _paused():
             why = sync_reason(func, args, kwargs)
             if why is not None:
                 self.on_sync(f"aten.{why}")
@@ -121,12 +182,10 @@ _PATCH_USERS = 0
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 
 
-def _guards() -> list[Callable[[str], None]]:
-    """This thread's stack of active guards (their report callbacks, outermost first)."""
-    stack = getattr(_STATE, "guards", None)
-    if stack is None:
-        stack = _STATE.guards = []
-    return stack
+def _drop_ended_modes() -> None:
+    """Pop the modes of guards that ended in another thread from the top of this thread's mode stack."""
+    while isinstance(top := _get_current_dispatch_mode(), _SyncMode) and top.ended:
+        top.__exit__(None, None, None)
 
 
 def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -134,8 +193,9 @@ def _wrapper(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     ``original`` with the guards paused (so the copy is not reported again as ``_local_scalar_dense``)."""
 
     def method(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        stack = getattr(_STATE, "guards", None)
-        if stack and not _paused():
+        st = getattr(_STATE, "state", None)
+        stack = None if st is None else st.guards
+        if stack and not st.paused:
             for on_sync in reversed(list(stack)):
                 on_sync(f"Tensor.{name}")
         with host_sync_allowed():
@@ -170,8 +230,60 @@ def _release_patches() -> None:
             _ORIGINALS.clear()
 
 
-@contextlib.contextmanager
-def no_host_sync(*, count: bool = False) -> Iterator[SyncRecord]:
+class _Guard:
+    """The context manager :func:`no_host_sync` returns (one ``with`` block); entering yields its record."""
+
+    def __init__(self, count: bool) -> None:
+        self.count = count
+        self.record = SyncRecord()
+        self._report = self._on_sync  # one bound method: found again by identity in the thread's stack
+        self._mode: _SyncMode | None = None
+        self._state: _ThreadState | None = None
+        self._owner: threading.Thread | None = None
+
+    def _on_sync(self, what: str) -> None:
+        if self.count:
+            self.record.ops.append(what)
+        else:
+            raise HostSyncError(f"host sync under no_host_sync(): {what}")
+
+    def __enter__(self) -> SyncRecord:
+        if self._owner is not None:
+            raise RuntimeError("no_host_sync(): this guard was already entered; call no_host_sync() for each "
+                               "with-block")
+        _drop_ended_modes()
+        mode = _SyncMode(self._report)
+        _acquire_patches()
+        try:
+            mode.__enter__()
+        except BaseException:
+            _release_patches()
+            raise
+        self._mode, self._state, self._owner = mode, _state(), threading.current_thread()
+        self._state.guards.append(self._report)
+        return self.record
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        mode, st, owner = self._mode, self._state, self._owner
+        if mode is None or st is None or owner is None or mode.ended:
+            return
+        mode.ended = True  # over, whichever thread ends it: it reports nothing from now on
+        stack = st.guards  # the entering thread's stack, even when another thread exits
+        for i in range(len(stack) - 1, -1, -1):  # by identity: this guard's entry, wherever it is
+            if stack[i] is self._report:
+                del stack[i]
+                break
+        try:
+            if owner is threading.current_thread():
+                _drop_ended_modes()  # pops this guard's mode when it is on top (the usual, nested case)
+        finally:
+            _release_patches()
+        if owner is not threading.current_thread():
+            raise _thread_error("no_host_sync()", owner)
+
+
+def no_host_sync(*, count: bool = False) -> _Guard:
     """Raise :class:`HostSyncError` at the first device-to-host sync inside the block (``count=False``), or
     record every one in the yielded :class:`SyncRecord` and raise nothing (``count=True``).
 
@@ -179,27 +291,9 @@ def no_host_sync(*, count: bool = False) -> Iterator[SyncRecord]:
     the dispatch mode is per thread, and the patched ``Tensor`` methods (installed process-wide while any
     guard in the process is active) report to the calling thread's active guards only. Nested guards all
     see a sync, innermost first (a raising one stops it reaching those outside). Paused inside
-    :func:`host_sync_allowed`.
+    :func:`host_sync_allowed`. Exited in another thread than the one that entered it, the guard ends and
+    :class:`GuardThreadError` names both threads (module docstring).
     """
     if not isinstance(count, bool):
         raise TypeError(f"count: got {type(count).__name__}; supported bool")
-    record = SyncRecord()
-
-    def on_sync(what: str) -> None:
-        if count:
-            record.ops.append(what)
-        else:
-            raise HostSyncError(f"host sync under no_host_sync(): {what}")
-
-    _acquire_patches()
-    stack = _guards()
-    stack.append(on_sync)
-    try:
-        with _SyncMode(on_sync):
-            yield record
-    finally:
-        for i in range(len(stack) - 1, -1, -1):  # by identity: this guard's entry, wherever it is
-            if stack[i] is on_sync:
-                del stack[i]
-                break
-        _release_patches()
+    return _Guard(count)

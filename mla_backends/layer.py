@@ -37,14 +37,11 @@ from .device import cuda_device_index, device_info_for
 from .dims import MLADims, read_config_json
 from .dispatch import DispatchPolicy, decode_threshold, layer_policy, step_runs
 from .dtypes import dtype_name, parse_model_dtype
-from .fp8_checkpoint import (
-    DEFAULT_WEIGHT_BLOCK_SIZE,
-    check_weight_block_size,
-    weight_block_size_from_config,
-)
+from .fp8_checkpoint import DEFAULT_WEIGHT_BLOCK_SIZE, check_weight_block_size, weight_block_size_from_config
 from .hf_loading import hf_attention_bias
 from .layer_inputs import check_step_inputs
 from .layer_weights import add_attention_weights, load_hf_weights
+from .meta_checks import check_graph_step
 from .metadata import BatchMetadata
 from .plugins import get_backend
 from .prefill import PrefillWorkspace, default_workspace_rows, forward_mha
@@ -329,6 +326,8 @@ class MLAAttention(torch.nn.Module):
         check_step_inputs(self.dims, self.dtype, self.weight_device, hidden_states, positions, cache, meta,
                           topk_indices, reuses_topk=self.indexer is None, layer_idx=self.layer_idx)
         parallel.check_dcp_metadata(self.dcp, meta)
+        check_graph_step(meta, self.backend_cls, lambda: self.runs(meta, sparse=self.dims.is_sparse),
+                         indexer=self.indexer is not None and topk_indices is None)  # DecodeGraphMetadata
         meta.check_cache(cache)  # the whole step against this cache, before anything is written (host only)
 
     @property

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import PagedRows, duplicate_slot, position_slots
+from .dcp_layout import dcp_local_len
 from .step_plan import StepPlan
 from .validation import require_device, require_int
 
@@ -36,11 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["BatchMetadata", "dcp_local_len"]
 
 IntsLike = Sequence[int] | torch.Tensor
-
-
-def dcp_local_len(length: int, dcp_rank: int, dcp_size: int) -> int:
-    """How many of positions ``0 .. length - 1`` DCP rank ``dcp_rank`` of ``dcp_size`` stores (``p % D``)."""
-    return max(0, (length - dcp_rank + dcp_size - 1) // dcp_size)
 
 
 #: the largest length, offset or block id the int32 metadata tensors can hold
@@ -116,6 +112,8 @@ class BatchMetadata:
             when the table is on a GPU); :meth:`check_cache` compares it with a cache's ``num_blocks``, so no
             layer reads the table again. None on metadata made by hand: then the first check reads the table
             once (one sync) and the verdict is kept for the step.
+        graph_static: True on :class:`~mla_backends.decode_graph.DecodeGraphMetadata`'s persistent metadata,
+            whose host lists are the captured bounds, not the step's lengths (:mod:`mla_backends.meta_checks`).
         verified_block_table: the ``block_table`` object that ``num_blocks`` and ``max_block_ids`` describe
             (set by :meth:`build` and :meth:`select_requests`). A copy whose table was swapped
             (``dataclasses.replace(meta, block_table=...)``) no longer matches it, so :meth:`check_cache` reads
@@ -142,6 +140,7 @@ class BatchMetadata:
     dcp_rank: int = 0
     dcp_size: int = 1
     max_block_ids: tuple[int, ...] | None = None
+    graph_static: bool = False
     verified_block_table: torch.Tensor | None = field(default=None, repr=False, compare=False)
     step_plan: StepPlan = field(default_factory=StepPlan, init=False, repr=False)
 
@@ -437,6 +436,7 @@ class BatchMetadata:
             dcp_rank=self.dcp_rank,
             dcp_size=self.dcp_size,
             max_block_ids=None if self.max_block_ids is None else self.max_block_ids[start:stop],
+            graph_static=self.graph_static,
             verified_block_table=sub_table if self.verified_block_table is self.block_table else None,
         )
         self.step_plan.sub_batches[key] = sub

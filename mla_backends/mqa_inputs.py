@@ -8,6 +8,7 @@ from .cache import LatentKVCache
 from .capabilities import AttentionSpec, QueryLenSupport
 from .device import device_info_for
 from .dtypes import MODEL_DTYPES, lse_dtype
+from .meta_checks import require_graph_support, require_whole_sequences
 from .metadata import BatchMetadata
 from .reasons import Reason, ReasonKind, all_of_kinds, without_kinds
 from .validation import require_no_alias, require_on_device, require_scale, require_tensor
@@ -38,6 +39,7 @@ def check_mqa_inputs(
         raise TypeError(f"cache: got {type(cache).__name__}; supported LatentKVCache")
     if not isinstance(meta, BatchMetadata):
         raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata")
+    require_whole_sequences(meta, "forward_mqa")  # DCP metadata: the layer hands over the rank's local one
     T = meta.num_tokens
     require_tensor("q_latent", q_latent, shape=(T, None, cache.kv_lora_rank), dtypes=MODEL_DTYPES)
     H = q_latent.shape[1]
@@ -96,6 +98,7 @@ def check_declared_support(
         TypeError: when every reason is about a dtype.
         ValueError: otherwise. Message: ``"<BACKEND> cannot run these inputs: <reason>; <reason> ..."``.
     """
+    require_graph_support(backend_cls, meta)  # DecodeGraphMetadata: only backends declaring cuda_graphs
     # every layer of a step shares ``meta``: an accepted combination is looked up, not re-derived (hot path)
     key = ("declared", backend_cls, q_latent.dtype, q_latent.shape[1], cache.kv_cache_dtype, cache.block_size,
            cache.kv_lora_rank, cache.qk_rope_head_dim, cache.device, topk_indices is None, lse_out is None)

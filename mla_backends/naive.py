@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .cache import LatentKVCache
+from .meta_checks import require_step_lengths, require_whole_sequences
 from .metadata import BatchMetadata
 from .validation import require_scale
 
@@ -32,6 +33,8 @@ def expanded_decode(
         ``[B, H, v_head_dim]``.
     """
     require_scale("scale", scale)
+    require_whole_sequences(meta, "expanded_decode")
+    require_step_lengths(meta, "expanded_decode")
     if meta.max_query_len > 1:
         raise ValueError(f"meta: got query length {meta.max_query_len}; supported 1 (decode only)")
     r = cache.kv_lora_rank

@@ -28,6 +28,7 @@ import torch
 from .attention_math import merge_attention_states, softmax_with_lse
 from .cache import LatentKVCache, position_slots
 from .dtypes import accumulate_dtype
+from .meta_checks import require_step_lengths
 from .metadata import BatchMetadata
 from .prefill_kernels import (
     KernelChoice,
@@ -346,6 +347,7 @@ def forward_mha(
     require_on_device(cache.device, q=q, kv_c=kv_c, k_pe=k_pe, kv_b_weight=kv_b_weight)
     if fused is not None and not isinstance(fused, bool):
         raise TypeError(f"fused: got {type(fused).__name__}; supported None, True or False")
+    require_step_lengths(meta, "forward_mha")
     if context_rows is None and meta.dcp_size > 1:
         raise ValueError(f"context_rows: got None for metadata of DCP rank {meta.dcp_rank} of {meta.dcp_size}; "
                          "supported the group's reader (mla_backends.dcp.context_rows), as the cache holds only "

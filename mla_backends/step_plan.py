@@ -35,6 +35,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from .meta_checks import require_whole_sequences
+
 if TYPE_CHECKING:
     from .backend import MLABackend
     from .metadata import BatchMetadata
@@ -79,6 +81,7 @@ class StepPlan:
             backend: an :class:`~mla_backends.backend.MLABackend` instance.
             meta: the metadata this plan belongs to (``meta.step_plan is self``).
         """
+        require_whole_sequences(meta, "meta.prepare(backend)")
         if meta.step_plan is not self:
             raise ValueError("meta: got metadata whose step_plan is another plan; supported the metadata this "
                              "plan belongs to (call meta.prepare(backend))")

@@ -81,7 +81,7 @@ def assert_topk_is_best(sel: torch.Tensor, scores: torch.Tensor, positions: list
         assert all(0 <= v <= p for v in got) and len(set(got)) == n, f"token {t} at {p}: {row}"
         best = torch.sort(scores[t, : p + 1], descending=True).values[:n]
         mine = torch.sort(scores[t, got], descending=True).values
-        torch.testing.assert_close(mine, best, rtol=1e-7, atol=1e-9)
+        torch.testing.assert_close(mine, best, rtol=1e-5, atol=1e-6)  # float32 scores may swap near-ties
 
 
 def run_steps(ix: Indexer, cache: IndexerKeyCache, steps, seqs_x, seqs_qr, block_table, bs):
@@ -237,7 +237,16 @@ def test_result_does_not_depend_on_the_work_split(monkeypatch):
     items = indexer_mod._work_items(meta, per_row=4, per_pos=128 + 132)
     assert len(items) > 3 and any(j0 > 0 for _, _, j0, _ in items)
     split = indexer_mod.causal_topk(q, w, cache, meta, 8)
-    assert torch.equal(split, whole)
+    # the groups have other shapes, so BLAS may round the float32 scores differently: the picks agree, except
+    # that positions whose scores tie within that rounding may swap (checked against a plain float64 score)
+    for t, (b, p) in enumerate(zip(meta.token_request.tolist(), meta.token_positions.tolist(), strict=True)):
+        if torch.equal(split[t], whole[t]):
+            continue
+        keys = cache.gather(meta.block_table[b], p + 1, torch.float64)
+        s = (w[t].double()[:, None] * torch.relu(q[t].double() @ keys.T)).sum(0)
+        n = min(8, p + 1)
+        assert split[t, n:].eq(-1).all() and whole[t, n:].eq(-1).all(), t
+        torch.testing.assert_close(s[split[t, :n].long()], s[whole[t, :n].long()], rtol=1e-5, atol=1e-6)
 
 
 def test_fp8_keys_select_nearly_the_same_positions():

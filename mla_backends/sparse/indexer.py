@@ -33,6 +33,7 @@ from ..attention_math import GROUP_ELEMENT_BUDGET, padded_groups
 from ..cache import LatentKVCache
 from ..dims import IndexerDims, MLADims
 from ..dtypes import accumulate_dtype
+from ..meta_checks import require_step_lengths, require_whole_sequences
 from ..metadata import BatchMetadata
 from ..rope import RotaryEmbedding
 from ..validation import require_device, require_int, require_on_device, require_tensor
@@ -123,6 +124,8 @@ def causal_topk(q: torch.Tensor, weights: torch.Tensor, cache: IndexerKeyCache, 
         raise TypeError(f"q/weights: got dtypes {q.dtype}/{weights.dtype}; supported floating point")
     if meta.block_size != cache.block_size:
         raise ValueError(f"meta.block_size: got {meta.block_size}; supported the cache's {cache.block_size}")
+    require_whole_sequences(meta, "causal_topk")
+    require_step_lengths(meta, "causal_topk")
     require_on_device(cache.device, q=q, weights=weights, **{"meta.block_table": meta.block_table})
 
     dev = q.device
@@ -306,6 +309,8 @@ class Indexer(nn.Module):
             ``int32 [T, topk]`` positions, best first, ``-1`` padded (``forward_mqa``'s ``topk_indices``).
         """
         keys_cache, positions = self._checked(hidden_states, cache, meta, positions)
+        require_whole_sequences(meta, "the sparse indexer")  # before the keys are written
+        require_step_lengths(meta, "the sparse indexer")
         require_tensor("q_resid", q_resid, shape=(meta.num_tokens, self.wq_b.in_features))
         k_topk = self.topk if topk is None else require_int("topk", topk, minimum=1)
         keys_cache.write(self.keys(hidden_states, positions), meta.slot_mapping.to(keys_cache.device))

@@ -11,7 +11,8 @@ Subclass :class:`BackendConformance` in a pytest module (``backend = "MY_BACKEND
 - :mod:`.suite`: :class:`BackendConformance`, the pytest test class (needs pytest);
 - :mod:`.plugin`: the opt-in pytest plugin (``-p mla_backends.testing.plugin``), never auto-loaded;
 - :mod:`.broken`: deliberately broken backends the suite must catch (its own self-test);
-- :func:`no_host_sync` / :class:`HostSyncError` / :func:`host_sync_allowed`: the host-sync guard
+- :func:`no_host_sync` / :class:`HostSyncError` / :func:`host_sync_allowed` / :class:`GuardThreadError`: the
+  host-sync guard
   (defined in :mod:`mla_backends.host_sync`), for engines' own tests of their hot path.
 
 Importing this package (or ``reference``, ``cases``, ``checks``) does not import pytest;
@@ -25,12 +26,13 @@ import warnings
 from typing import Any
 
 __all__ = ["BackendConformance", "resolve_backend", "build_matrix", "reference_mqa", "no_host_sync",
-           "HostSyncError", "host_sync_allowed"]
+           "HostSyncError", "host_sync_allowed", "GuardThreadError"]
 
 _LAZY = {
     "no_host_sync": "..host_sync",
     "HostSyncError": "..host_sync",
     "host_sync_allowed": "..host_sync",
+    "GuardThreadError": "..host_sync",
     "BackendConformance": ".suite",
     "resolve_backend": ".suite",
     "build_matrix": ".matrix",
