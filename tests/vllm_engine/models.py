@@ -32,7 +32,8 @@ def build(kind: str, path: str | Path, seed: int = 0) -> Path:
     import transformers
 
     if kind == "v3":  # vLLM needs noaux_tc + sigmoid (it loads e_score_correction_bias)
-        cfg = transformers.DeepseekV3Config(**COMMON, q_lora_rank=32, topk_method="noaux_tc", scoring_func="sigmoid", rope_interleave=True)
+        cfg = transformers.DeepseekV3Config(**COMMON, q_lora_rank=32, topk_method="noaux_tc", scoring_func="sigmoid",
+                                            rope_interleave=True)
         model = transformers.DeepseekV3ForCausalLM(cfg)
     elif kind == "v2":
         cfg = transformers.DeepseekV2Config(**COMMON, q_lora_rank=None, topk_method="greedy")

@@ -1,6 +1,6 @@
-"""Runs vLLM for tests/vllm in one process per checkpoint (engine in-process, one worker), writing a JSON report.
+"""Runs vLLM for tests/vllm_engine in one process per checkpoint (engine in-process, one worker), writing a JSON report.
 
-    python tests/vllm/driver.py {v2|v3} WORKDIR
+    python tests/vllm_engine/driver.py {v2|v3} WORKDIR
 
 Phases, in order, each one ``LLM`` started and shut down: ``own`` (MLA_BACKENDS_VLLM unset: vLLM's CPU_MLA),
 ``plugin`` (the plugin enabled through the same ``register()`` vLLM calls, decode forced onto the spy backend
@@ -103,6 +103,7 @@ def main(kind: str, work: str) -> None:
     if kind == "v3":
         print("=== phase tp2", flush=True)
         _reset_selection()
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
         report["tp2"] = _phase(str(ckpt), tensor_parallel_size=2, distributed_executor_backend="mp")
         report["tp2"]["spy"] = spy.read_text().splitlines() if spy.exists() else []
     else:
