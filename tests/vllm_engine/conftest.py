@@ -39,6 +39,7 @@ def _driver_report(kind: str, workdir: Path) -> dict:
     env = {**os.environ, **LOOPBACK}
     env.pop("MLA_BACKENDS_VLLM", None)
     env.pop("MLA_BACKEND", None)
+    env.pop("TRITON_INTERPRET", None)  # the suite's interpreter switch would make TRITON_MLA run on the CPU
     log = workdir / f"driver-{kind}.log"
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, str(HERE / "driver.py"), kind, str(workdir)], stdout=f,

@@ -71,6 +71,7 @@ def main(kind: str, work: str) -> None:
     os.environ.update(ENV)
     os.environ.pop("MLA_BACKENDS_VLLM", None)
     os.environ.pop("MLA_BACKEND", None)
+    os.environ.pop("TRITON_INTERPRET", None)  # the refused phase needs TRITON_MLA to be CPU-less, as shipped
     wd = Path(work)
     ckpt = wd / kind
     if not (ckpt / "config.json").exists():

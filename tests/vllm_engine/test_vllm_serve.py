@@ -39,7 +39,8 @@ def server(report_v3: dict, workdir: Path):  # type: ignore[no-untyped-def]
     env = {**os.environ, **LOOPBACK, "MLA_BACKENDS_VLLM": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     env.pop("MLA_BACKEND", None)  # the selector's own choice this time
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, str(HERE / "serve.py"), "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
            "--max-model-len", str(LLM_ARGS["max_model_len"]), "--max-num-seqs", "8",
            "--distributed-executor-backend", "uni",
