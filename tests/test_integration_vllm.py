@@ -191,3 +191,20 @@ def test_env_reports_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(env_cmd, "package_version", lambda d: ("0.35.0", "vllm"))
     st = env_cmd.vllm_status()
     assert not st["plugin_would_activate"] and "supported vllm>=0.32,<0.34" in st["reason"]
+
+
+def test_latent_cache_from_tensor_wraps_without_copy_and_checks_input() -> None:
+    data = torch.randn(2, BS, R + 4)
+    c = LatentKVCache.from_tensor(data, kv_lora_rank=R, model_dtype=torch.float32)
+    data[1, 2] = 7.0  # the engine writes; the wrapper sees it
+    assert torch.equal(c.read_slots(torch.tensor([BS + 2])), torch.full((1, R + 4), 7.0))
+    with pytest.raises(ValueError, match=r"data: got shape \[2, 4\]; supported 3-D"):
+        LatentKVCache.from_tensor(torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="rows of >= kv_lora_rank"):
+        LatentKVCache.from_tensor(torch.zeros(2, BS, 4), kv_lora_rank=R)
+    with pytest.raises(TypeError, match="data: got dtype int8"):
+        LatentKVCache.from_tensor(torch.zeros(2, BS, R + 4, dtype=torch.int8), kv_lora_rank=R)
+    with pytest.raises(ValueError, match="supported rows contiguous"):
+        LatentKVCache.from_tensor(torch.zeros(2, R + 4, BS).transpose(1, 2), kv_lora_rank=R)
+    with pytest.raises(ValueError, match="scale: got 0.5 for a float32 cache"):
+        LatentKVCache.from_tensor(data, kv_lora_rank=R, model_dtype=torch.float32, scale=0.5)
