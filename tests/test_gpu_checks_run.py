@@ -95,12 +95,15 @@ def test_decode_benchmark_keeps_its_points_when_killed(monkeypatch, tmp_path):
 def test_whole_run_with_faked_cuda_returns_3_files_and_keeps_the_cut_tests_report(tmp_path):
     slow = tmp_path / "cases" / "test_cut.py"
     slow.parent.mkdir()
+    # the cap (90 s) must fall while the second test sleeps: pytest's start on a loaded 2-core machine can
+    # take most of a minute
     slow.write_text("import time\n\ndef test_passes():\n    pass\n\ndef test_runs_past_the_cap():\n"
                     "    time.sleep(600)\n")
     out = tmp_path / "out"
     env = dict(os.environ, MLA_FAKE_CUDA="1", PYTHON=sys.executable, PYTHONPATH=FAKE,
                PATH=os.path.join(FAKE, "bin") + os.pathsep + os.environ["PATH"],
-               GPU_CHECKS_TEST_FILES=str(slow), GPU_CHECKS_TESTS_CAP_S="30", GPU_CHECKS_BENCH_CAP_S="1",
+               GPU_CHECKS_TEST_FILES=str(slow), GPU_CHECKS_TESTS_CAP_S="90", GPU_CHECKS_TESTS_KILL_S="90",
+               GPU_CHECKS_BENCH_CAP_S="1",
                GPU_CHECKS_TARGETS_CAP_S="1", TMPDIR=str(tmp_path),
                GPU_CHECKS_BENCH_ARGS="--backends REF_TORCH --batch 1 --context 64 --heads 16 "
                                      "--kv-dtypes bfloat16 --warmup 0 --iters 1 --no-profiler")
