@@ -19,9 +19,10 @@ GPU table (``mla_backends.gpus``; the detected device's name, or ``--gpu``); ``-
 fp8 MMA (:data:`FP8_MMA_BACKENDS`). Each record: ``backend, gpu, batch, context, heads, kv_cache_dtype, bytes,
 flops, roofline_us, bound`` (``"memory"`` or ``"compute"``); a timed run adds ``time_us`` (the kernel time
 from the profiler when it works, else the whole call from CUDA events) and ``roofline_fraction``
-(roofline_us / time_us). ``--dry-run`` lists (and with ``--json`` writes) the records a run would make on
-the GPU named, with each backend's verdict from its declarations on that (simulated) device, and a time
-estimate. Without a CUDA device a timed run prints why and exits 0.
+(roofline_us / time_us). A timed run rewrites its JSON after every point (and once before the first), so a
+run killed by its time cap keeps the points it measured. ``--dry-run`` lists (and with ``--json`` writes) the
+records a run would make on the GPU named, with each backend's verdict from its declarations on that
+(simulated) device, and a time estimate. Without a CUDA device a timed run prints why and exits 0.
 """
 
 from __future__ import annotations
@@ -333,12 +334,17 @@ def print_row(r: dict[str, Any]) -> None:
           f"{('%.0f%%' % (100 * frac)) if frac is not None else '-':>6}", flush=True)
 
 
-def write_json(path: str, payload: dict[str, Any]) -> None:
+def write_json(path: str, payload: dict[str, Any], quiet: bool = False) -> None:
+    """Write ``payload`` to ``path`` whole or not at all (a temporary file renamed over it), so a run killed
+    while writing leaves the previous version."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(payload, f, indent=2, default=str)
-    print(f"wrote {path}")
+    os.replace(tmp, path)
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def runnable_points(torch: Any, args: argparse.Namespace, device: Any, gpu_key: str, spec: Any, bw: float | None,
@@ -426,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     payload["skipped"] = skipped
     by_key = {(r["backend"], r["batch"], r["context"], r["heads"], r["kv_cache_dtype"]): r for r in records}
     instances: dict[str, Any] = {}
+    path = args.output or "bench_decode_gpu.json"
+    write_json(path, payload, quiet=True)  # the grid and the skips, before anything is timed
     t0 = time.monotonic()
     for point, runnable in todo:
         if args.max_seconds and time.monotonic() - t0 > args.max_seconds:
@@ -460,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
             print_row(rec)
         del inputs
         torch.cuda.empty_cache()
+        write_json(path, payload, quiet=True)  # what was measured so far survives a kill
     target = [r for r in payload["records"] if r["backend"] == "TRITON_MLA" and r["batch"] >= 64
               and r["context"] >= 4096 and r["heads"] == 128 and r.get("roofline_fraction") is not None]
     if target:
@@ -468,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         payload["triton_target"] = {"worst_fraction": worst, "target": TRITON_TARGET_FRACTION, "met": met}
         print(f"TRITON_MLA at batch>=64, context>=4k, 128 heads: worst {100 * worst:.0f}% of its roofline "
               f"({'meets' if met else 'misses'} the {100 * TRITON_TARGET_FRACTION:.0f}% target)")
-    write_json(args.output or "bench_decode_gpu.json", payload)
+    write_json(path, payload)
     return 0
 
 

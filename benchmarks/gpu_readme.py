@@ -27,10 +27,10 @@ END = "<!-- gpu-results:end -->"
 _DATE = re.compile(r"-(\d{4}-\d{2}-\d{2})-")
 
 HOW_TO = """\
-To record one: on a machine with an NVIDIA GPU run `bash benchmarks/gpu_checks.sh OUT` (it needs only
-`python3` with torch and Triton; `bash benchmarks/gpu_checks.sh --dry-run` lists what it runs), copy
-`OUT/<gpu>-<yyyy-mm-dd>-<label>.json` into `benchmarks/results/`, run `python benchmarks/gpu_readme.py` and
-commit both."""
+To record one: on a machine with an NVIDIA GPU run `bash benchmarks/gpu_checks.sh --commit SHA OUT` (SHA:
+`git rev-parse HEAD` of the checkout; it needs only `python3` with torch and Triton; `bash
+benchmarks/gpu_checks.sh --dry-run` lists what it runs), copy `OUT/<gpu>-<yyyy-mm-dd>-<label>.json` into
+`benchmarks/results/`, run `python benchmarks/gpu_readme.py` and commit both."""
 
 
 def newest_results(directory: str = RESULTS_DIR) -> str | None:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Assemble one device run's results file: ``<gpu>-<yyyy-mm-dd>-<label>.json``.
 
-    python benchmarks/gpu_results.py --outdir OUT --label first --bench OUT/bench_decode_gpu.json \\
+    python benchmarks/gpu_results.py --outdir OUT --label first --commit SHA --bench OUT/bench_decode_gpu.json \\
         --junit OUT/gpu-tests.xml [--targets OUT/bench_triton_targets.json] [--absent flashinfer]
+    python benchmarks/gpu_results.py --versions-only --commit SHA    # the versions as JSON, on stdout
 
 Writes ``OUT/<gpu>-<date>-<label>.json`` = ``{"gpu", "date", "label", "versions", "records", "tests",
 "skipped", "errors", "not_run", "triton_targets", "absent"}``: the benchmark's records (see
@@ -37,8 +38,21 @@ def _version(module: str) -> str:
         return f"absent ({type(exc).__name__})"
 
 
-def versions() -> dict[str, Any]:
-    """Python, torch (and its CUDA), Triton, FlashInfer, numpy, the driver, nvcc, and this checkout's commit."""
+#: a commit as the results file records it: 7-40 hex digits, ``-dirty`` when the tree had changes
+COMMIT_RE = re.compile(r"[0-9a-f]{7,40}(-dirty)?")
+
+
+def check_commit(commit: str | None) -> str:
+    """``commit`` when it is a commit id (:data:`COMMIT_RE`), else ValueError naming what it got."""
+    if not isinstance(commit, str) or not COMMIT_RE.fullmatch(commit):
+        raise ValueError(f"commit: got {commit!r}; supported 7-40 lowercase hex digits, optionally '-dirty' "
+                         "(pass --commit $(git rev-parse HEAD) where the checkout was made)")
+    return commit
+
+
+def versions(commit: str | None = None) -> dict[str, Any]:
+    """Python, torch (and its CUDA), Triton, FlashInfer, numpy, the driver, nvcc, and the checkout's commit
+    (``commit`` when given, else ``git rev-parse HEAD``, None without git)."""
     out: dict[str, Any] = {"python": platform.python_version()}
     for mod in ("torch", "triton", "flashinfer", "numpy", "pynvml"):
         out[mod] = _version(mod)
@@ -52,8 +66,13 @@ def versions() -> dict[str, Any]:
                              "sm_count": p.multi_processor_count, "total_memory": p.total_memory}
     except Exception:
         pass
-    for key, cmd in (("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
-                     ("nvcc", ["nvcc", "--version"]), ("commit", ["git", "-C", ROOT, "rev-parse", "HEAD"])):
+    tools = [("driver", ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]),
+             ("nvcc", ["nvcc", "--version"])]
+    if commit is None:
+        tools.append(("commit", ["git", "-C", ROOT, "rev-parse", "HEAD"]))
+    else:
+        out["commit"] = commit
+    for key, cmd in tools:
         try:
             text = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.strip()
         except (OSError, subprocess.SubprocessError):
@@ -69,7 +88,10 @@ def junit_summary(path: str) -> dict[str, Any]:
     """Counts and failures from a pytest JUnit XML file (``{"available": False}`` when there is none)."""
     if not os.path.exists(path):
         return {"available": False}
-    root = ET.parse(path).getroot()
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as exc:  # a report cut off while being written
+        return {"available": False, "error": f"unreadable JUnit XML: {exc}"}
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "time_s": 0.0}
     failed: list[dict[str, str]] = []
     for suite in root.iter("testsuite"):
@@ -96,11 +118,12 @@ def results_name(gpu: str, date: str, label: str) -> str:
 
 
 def assemble(bench: dict[str, Any], tests: dict[str, Any], label: str, date: str,
-             absent: list[str], targets: dict[str, Any] | None = None) -> dict[str, Any]:
+             absent: list[str], targets: dict[str, Any] | None = None, commit: str | None = None) -> dict[str, Any]:
     """The results file's content from the benchmark payload, the test summary and (optionally) the
-    ``bench_triton_targets.py`` payload (its records and targets, under ``triton_targets``)."""
+    ``bench_triton_targets.py`` payload (its records and targets, under ``triton_targets``); ``commit``
+    goes into ``versions`` (None: asked of git)."""
     return {"format": FORMAT, "gpu": bench.get("gpu", "unknown"), "date": date, "label": label,
-            "versions": versions(), "peaks": bench.get("peaks"), "records": bench.get("records", []),
+            "versions": versions(commit), "peaks": bench.get("peaks"), "records": bench.get("records", []),
             "tests": tests, "skipped": bench.get("skipped", []), "errors": bench.get("errors", []),
             "not_run": bench.get("not_run", []), "triton_target": bench.get("triton_target"),
             "triton_targets": None if targets is None else {
@@ -110,13 +133,25 @@ def assemble(bench: dict[str, Any], tests: dict[str, Any], label: str, date: str
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--outdir", required=True)
+    p.add_argument("--outdir")
     p.add_argument("--label", default="checks")
-    p.add_argument("--bench", required=True, help="bench_decode_gpu.py's JSON")
-    p.add_argument("--junit", required=True, help="pytest --junitxml file")
+    p.add_argument("--commit", required=True, help="the checkout's commit (git rev-parse HEAD where it was made)")
+    p.add_argument("--bench", help="bench_decode_gpu.py's JSON")
+    p.add_argument("--junit", help="pytest --junitxml file")
     p.add_argument("--absent", action="append", default=[], help="an optional piece that was not there")
     p.add_argument("--targets", default=None, help="bench_triton_targets.py's JSON (optional)")
+    p.add_argument("--versions-only", action="store_true", help="print the versions as JSON and stop")
     args = p.parse_args(argv)
+    try:
+        check_commit(args.commit)
+    except ValueError as exc:
+        p.error(f"--commit: {exc}; no results file written")
+    if args.versions_only:
+        print(json.dumps(versions(args.commit), indent=2))
+        return 0
+    for flag in ("outdir", "bench", "junit"):
+        if not getattr(args, flag):
+            p.error(f"--{flag} is required")
     bench: dict[str, Any] = {}
     if os.path.exists(args.bench):
         with open(args.bench) as f:
@@ -126,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.targets) as f:
             targets = json.load(f)
     date = _dt.date.today().isoformat()
-    payload = assemble(bench, junit_summary(args.junit), args.label, date, args.absent, targets)
+    payload = assemble(bench, junit_summary(args.junit), args.label, date, args.absent, targets, args.commit)
     path = os.path.join(args.outdir, results_name(payload["gpu"], date, args.label))
     with open(path, "w") as f:
         json.dump(payload, f, indent=2, default=str)

@@ -18,7 +18,13 @@ FILE gets ``{"arch": ..., "triton": ..., "configs": [...]}``, one entry per comp
 ``config``, ``chosen``, ``splits``, ``arch``, ``heads``, ``dtype``, ``kv_cache_dtype``, ``sparse``,
 ``heads_per_program`` (rows a program holds: heads x query tokens), ``uses_wgmma`` (``wgmma`` instructions
 in the PTX), ``registers`` (per thread), ``spills`` (spill store + load bytes; 0 = none), ``shared_bytes``
-and ``shared_limit``. A few minutes on 2 cores. Triton's private ``JITFunction._pack_args`` is used
+and ``shared_limit``, ``compile_s`` (wall) and ``compile_cpu_s`` (CPU seconds, ptxas included: the cost
+without waiting for a shared core; run with an empty ``TRITON_CACHE_DIR`` so that nothing comes from the
+cache), ``mma_instructions`` (the SASS's tensor-core instructions per role, score / output /
+merge, by opcode and shape: ``{"score": {"HGMMA.64x16x16": 72}, ...}``) and ``mma_tiles`` (per role, the
+dots' result tiles and the rows x columns each warpgroup computes, from the TTGIR's ``warpsPerCTA``;
+``copies`` > 1 means every warpgroup computes the whole tile); ``benchmarks/mma_roles.py`` reads them.
+A few minutes on 2 cores. Triton's private ``JITFunction._pack_args`` is used
 (same in 3.6 and 3.9).
 """
 
@@ -28,6 +34,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -36,8 +43,9 @@ import time
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter: before any triton import
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "benchmarks")):  # the package, and mma_roles next to this script
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
 #: architecture name -> (compute capability, opt-in shared memory per block in bytes)
 ARCHS = {
@@ -104,9 +112,25 @@ def _ptxas_usage(ptx: str, cc: int) -> tuple[int, int]:
     return regs, spills
 
 
+def _sass(cubin: bytes) -> str:
+    """``cuobjdump -sass`` of ``cubin``, with the cuobjdump of the triton wheel (as ``ptxas``)."""
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", path], capture_output=True, text=True)
+    if res.returncode:
+        raise RuntimeError(f"cuobjdump failed: {res.stderr[-2000:]}")
+    return res.stdout
+
+
 def _compile(launch, cc: int) -> dict[str, object]:
-    """Compile one launch for ``sm_<cc>`` through Triton's binder: shared bytes, PTX, registers, spills."""
+    """Compile one launch for ``sm_<cc>`` through Triton's binder: shared bytes, PTX, registers, spills,
+    the tensor-core instructions per role (SASS) and the warpgroups' tiles (TTGIR)."""
     import triton
+    from mma_roles import mma_summary
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -123,9 +147,18 @@ def _compile(launch, cc: int) -> dict[str, object]:
     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     ptx = compiled.asm["ptx"]
     regs, spills = _ptxas_usage(ptx, cc)
+    instructions, tiles = mma_summary(launch.kernel, compiled.asm["ttgir"], _sass(compiled.asm["cubin"]),
+                                      launch.options.get("BLOCK_N"), int(options.num_warps))
     return {"shared_bytes": int(compiled.metadata.shared), "uses_wgmma": "wgmma.mma_async" in ptx,
-            "registers": regs, "spills": spills, "signature": {k: v for k, v in signature.items()
-                                                              if v != "constexpr"}}
+            "registers": regs, "spills": spills, "mma_instructions": instructions, "mma_tiles": tiles,
+            "signature": {k: v for k, v in signature.items() if v != "constexpr"}}
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (ptxas, cuobjdump) so far: a compile's cost
+    without the wait for a shared core (``compile_s`` is the wall time)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _int_specialization(args: tuple) -> tuple:
@@ -146,7 +179,7 @@ def _record(configs: list, seen: dict, launch, cfg, chosen: bool, arch: str, cc:
             seen[key]["also_heads"].append(heads)
         seen[key]["chosen"] = seen[key]["chosen"] or chosen
         return
-    t0 = time.time()
+    t0, cpu0 = time.time(), _cpu_seconds()
     res = _compile(launch, cc)
     merge = launch.kernel in ("mla_decode_stage2", "mla_decode_merge")
     if launch.kernel == "mla_decode_rows":
@@ -160,13 +193,14 @@ def _record(configs: list, seen: dict, launch, cfg, chosen: bool, arch: str, cc:
         "arch": arch, "heads": heads, "dtype": q_name, "kv_cache_dtype": kv_name, "sparse": sparse,
         "fp8_qk": cfg.qk_fp8, "heads_per_program": rows, "block_n": launch.options.get("BLOCK_N"),
         "num_warps": launch.options.get("num_warps"), "num_stages": launch.options.get("num_stages"),
-        "shared_limit": smem, "compile_s": round(time.time() - t0, 1), "also_heads": [], **res,
+        "shared_limit": smem, "compile_s": round(time.time() - t0, 1),
+        "compile_cpu_s": round(_cpu_seconds() - cpu0, 2), "also_heads": [], **res,
     })
     seen[key] = configs[-1]
     print(f"{arch} {launch.kernel:18s} {configs[-1]['config']:24s} H={heads:<3d} {q_name}/{kv_name}"
           f"{' sparse' if sparse else ''} splits={splits}{'' if chosen else ' (fallback)'}: "
           f"regs {res['registers']} spills {res['spills']} smem {res['shared_bytes']} "
-          f"wgmma {res['uses_wgmma']} ({configs[-1]['compile_s']} s)",
+          f"wgmma {res['uses_wgmma']} mma {res['mma_instructions']} ({configs[-1]['compile_s']} s)",
           flush=True)
 
 

@@ -22,7 +22,8 @@ def test_rendering_without_reports_says_so(tmp_path):
 
 def test_committed_sm90_reports_cover_every_rows_candidate_without_spills():
     """A change to the table's SM90 candidates must come with fresh compile reports (Triton 3.6, the device
-    image's, and the installed one): each candidate compiled at 16, 64 and 128 heads with no spills."""
+    image's, and the installed one): each candidate compiled at 16, 64 and 128 heads with no spills (fp8 scores:
+at most 32 bytes, docs/triton.md)."""
     reports = [d for d in compile_reports() if d["arch"] == "sm90a"]
     assert {d["triton"].rsplit(".", 1)[0] for d in reports} >= {"3.6", "3.9"}, [d["triton"] for d in reports]
     rows_names = {c.name for rule in CONFIG_TABLE if rule.archs == (9,) for c in rule.candidates
@@ -33,5 +34,6 @@ def test_committed_sm90_reports_cover_every_rows_candidate_without_spills():
         for name in rows_names:
             heads = {h for c in rows if c["config"] == name for h in (c["heads"], *c["also_heads"])}
             assert heads == {16, 64, 128}, (doc["triton"], name, heads)
-        assert all(c["spills"] == 0 and c["uses_wgmma"] for c in rows), doc["triton"]
+        # no spills, except the fp8-score kernels' promoted accumulator (max_num_imprecise_acc=128): <= 32 B
+        assert all(c["spills"] <= (32 if c["fp8_qk"] else 0) and c["uses_wgmma"] for c in rows), doc["triton"]
         assert all(c["shared_bytes"] <= c["shared_limit"] for c in doc["configs"]), doc["triton"]

@@ -134,9 +134,12 @@ _PORTABLE_32 = (
 # 32 heads a program only on SM8x, where the 99 KiB parts (SM86/89) fall back to 16 heads (SM90 spills at 32)
 _PORTABLE_FP32_16 = (_heads("fp32-heads16-n16", 16, 16, True),)
 _PORTABLE_FP32_32 = (_heads("fp32-heads32-n16", 32, 16, True), _heads("fp32-heads16-n16", 16, 16, True))
-# 32-row tiles at 3 stages first: the score product's A operand (the 64 x 576 query block) is read from
-# shared memory once per tile by each warpgroup, so a tile of 32 rows halves that traffic per FLOP against 16
-# rows (model in docs/triton.md, "Tile size"). Both compile without spills under Triton 3.6 (the device
+# 32-row tiles at 3 stages first: every score instruction reads a [64, 16] slice of the query block from
+# shared memory whatever the tile's width, so 32-row tiles read less per FLOP than 16-row ones. The score is
+# not split between the two warpgroups: Triton gives the chained score dots warpsPerCTA [8, 1], so each
+# warpgroup computes the whole [64, BLOCK_N] score (72 HGMMA.64x16x16 a 32-row tile each); only the output
+# product is split, 256 columns a warpgroup (SASS figures and the model: docs/triton.md, "What the compiled
+# kernel runs" and "Tile size and the ceiling it gives"). Both compile without spills under Triton 3.6 (the device
 # image's) and 3.9 at 16/64/128 heads; the 16-row tiles (4, then 2 stages: less shared memory) follow as the
 # fallbacks. fp8 score products: the fp8 tiles take half the bytes, so 4 stages fit in 110,592 bytes.
 _ROWS = (_rows("sm90-rows64-n32-s3", 32, 3), _rows("sm90-rows64-n16-s4", 16, 4), _rows("sm90-rows64-n16", 16, 2))

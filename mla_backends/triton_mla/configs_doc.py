@@ -55,8 +55,10 @@ ptxas of its wheel, on the exact arguments a launch passes), committed as
 spill stores plus loads in bytes; shared memory is what the compiled kernel allocates. "chosen" marks the
 configuration the table takes at the architecture's shared memory; the others are its fallbacks. "splits" is
 the split count the launch was compiled for (Triton specialises it and the partials' strides on `== 1` and
-`% 16`, so the chosen configuration is compiled at 1, 2 and 16). Stage 2 (merge) kernels are left out here;
-the JSON files list them.
+`% 16`, so the chosen configuration is compiled at 1, 2 and 16). "MMA" is each warpgroup's tensor-core
+instructions from the SASS (`mma_instructions`: score / output; "x2" when both warpgroups compute the whole
+score tile, from the TTGIR's `warpsPerCTA` in `mma_tiles`; "score+output" where `mma.sync`'s one shape serves
+both; reports without the field show "-"). Stage 2 (merge) kernels are left out here; the JSON files list them.
 """
 
 
@@ -99,10 +101,28 @@ def _candidates_section() -> list[str]:
     return lines
 
 
+def _mma_cell(c: dict) -> str:
+    """``72 HGMMA.64x16x16 (x2) / 4 HGMMA.64x128x16`` from a report entry's ``mma_instructions``."""
+    instr = c.get("mma_instructions")
+    if instr is None:
+        return "-"
+
+    def fmt(role: str) -> str:
+        text = ", ".join(f"{n} {k}" for k, n in instr.get(role, {}).items())
+        copies = max((t["copies"] for t in c.get("mma_tiles", {}).get(role, [])), default=1)
+        return f"{text} (x{copies:g})" if text and copies > 1 else text
+
+    parts = [fmt("score") or "none", fmt("output") or "none"]
+    shared = {role: fmt(role) for role in instr if role not in ("score", "output", "merge") and instr[role]}
+    if shared and parts == ["none", "none"]:
+        return "; ".join(f"{v} ({role})" for role, v in shared.items())
+    return " / ".join(parts)
+
+
 def _report_section(doc: dict) -> list[str]:
     lines = [f"### {doc['arch']}, Triton {doc['triton']}", "",
              "| kernel | config | chosen | heads | splits | query / cache | attention | registers | spills (B) | "
-             "shared (B) | wgmma |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "shared (B) | wgmma | MMA: score / output |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in doc["configs"]:
         if c["config"] == "merge":
             continue
@@ -111,7 +131,7 @@ def _report_section(doc: dict) -> list[str]:
             f"| `{c['kernel']}` | `{c['config']}` | {'yes' if c.get('chosen', True) else 'fallback'} | {heads} | "
             f"{c.get('splits', '-')} | "
             f"{c['dtype']} / {c['kv_cache_dtype']} | {'sparse' if c['sparse'] else 'dense'} | {c['registers']} | "
-            f"{c['spills']} | {c['shared_bytes']:,} | {'yes' if c['uses_wgmma'] else 'no'} |")
+            f"{c['spills']} | {c['shared_bytes']:,} | {'yes' if c['uses_wgmma'] else 'no'} | {_mma_cell(c)} |")
     return lines
 
 
