@@ -66,10 +66,13 @@ needs_toolchain = pytest.mark.skipif(_toolchain_reason() is not None, reason=str
 
 
 def _fp8qk_spill_limit(c: dict, triton_version: str) -> int:
-    """Spill bytes allowed: none, except the fp8-score rows kernels, whose promoted accumulator
-    (``max_num_imprecise_acc=128``: a second score accumulator) spills up to 24 bytes at 255 registers under
-    Triton 3.6 and 3.9 (32 allowed)."""
-    return 32 if c["kernel"] == "mla_decode_rows" and c["fp8_qk"] else 0
+    """Spill bytes allowed: none; with the fp8 score promotion on (``kernels_rows.QK_FP8_PROMOTE`` > 0, off by
+    default: a second score accumulator) the fp8-score rows kernels spilled up to 24 bytes at 255 registers
+    under Triton 3.6 and 3.9 (32 allowed then)."""
+    from mla_backends.triton_mla.kernels_rows import QK_FP8_PROMOTE
+
+    promoted = int(getattr(QK_FP8_PROMOTE, "value", QK_FP8_PROMOTE)) > 0
+    return 32 if promoted and c["kernel"] == "mla_decode_rows" and c["fp8_qk"] else 0
 
 
 @needs_toolchain

@@ -37,8 +37,10 @@ __all__ = ["mla_decode_rows", "mla_decode_merge", "QK_FP8_PROMOTE"]
 #: fp8 score products (``QK_FP8``): the products summed in the tensor core's reduced-precision accumulator
 #: before they are added into the fp32 accumulator (Triton's ``max_num_imprecise_acc``; 4 fp8 ``wgmma``
 #: of K = 32). Triton's default for fp8 is 2**30, i.e. the 576-long sum is never promoted. A dot shorter
-#: than this promotes once, at its end.
-QK_FP8_PROMOTE = tl.constexpr(128)
+#: than this promotes once, at its end. 0 (the default) keeps Triton's default: 128 costs a second score
+#: accumulator, 255 registers and 8-24 B of spills on sm90a (docs/triton.md, "fp8 score products"), so it stays
+#: off until a GPU run measures its speed and error against the default (issue 27).
+QK_FP8_PROMOTE = tl.constexpr(0)
 
 
 @triton.jit
@@ -101,7 +103,8 @@ def mla_decode_rows(
 ):
     BLOCK_M: tl.constexpr = HEADS_PB * TOKS_PB
     HALF: tl.constexpr = RANK_PAD // 2
-    # fp8 scores: promote every QK_FP8_PROMOTE products (at most the dot's K); 16-bit dots ignore it
+    # fp8 scores: promote every QK_FP8_PROMOTE products (at most the dot's K; 0: Triton's default); 16-bit dots
+    # ignore it
     PROMOTE_L: tl.constexpr = QK_FP8_PROMOTE if HALF >= QK_FP8_PROMOTE else HALF
     PROMOTE_R: tl.constexpr = QK_FP8_PROMOTE if ROPE_PAD >= QK_FP8_PROMOTE else ROPE_PAD
     pid = tl.program_id(0)
@@ -173,16 +176,16 @@ def mla_decode_rows(
             kv0 = load_2d(row, offs_d, mask_n, mask_d0)
             kv1 = load_2d(row + HALF, offs_d, mask_n, mask_d1)
         qk = tl.dot(q0, tl.trans(kv0.to(QK_DTYPE)), input_precision=DOT_PRECISION,
-                    max_num_imprecise_acc=PROMOTE_L if QK_FP8 else None)
+                    max_num_imprecise_acc=PROMOTE_L if QK_FP8 and QK_FP8_PROMOTE > 0 else None)
         qk = tl.dot(q1, tl.trans(kv1.to(QK_DTYPE)), qk, input_precision=DOT_PRECISION,
-                    max_num_imprecise_acc=PROMOTE_L if QK_FP8 else None)
+                    max_num_imprecise_acc=PROMOTE_L if QK_FP8 and QK_FP8_PROMOTE > 0 else None)
         if ROPE > 0:
             if ROPE == ROPE_PAD:
                 kr = tl.load(row[:, None] + RANK + offs_r[None, :])
             else:
                 kr = load_2d(row + RANK, offs_r, mask_n, mask_r)
             qk = tl.dot(qr, tl.trans(kr.to(QK_DTYPE)), qk, input_precision=DOT_PRECISION,
-                        max_num_imprecise_acc=PROMOTE_R if QK_FP8 else None)
+                        max_num_imprecise_acc=PROMOTE_R if QK_FP8 and QK_FP8_PROMOTE > 0 else None)
         if QK_FP8:
             qk = qk * qk_scale[:, None]
         else:
