@@ -7,10 +7,10 @@ once the last guard ends. Every thread runs with a timeout."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 
 import pytest
 import torch
+from thread_runs import run_in_thread
 
 from mla_backends.testing import GuardThreadError, HostSyncError, host_sync_allowed, no_host_sync
 
@@ -29,23 +29,6 @@ def _exit_elsewhere(cm) -> list[BaseException]:
             errors.append(e)
 
     t = threading.Thread(target=body, name="other")
-    t.start()
-    t.join(timeout=60)
-    assert not t.is_alive()
-    return errors
-
-
-def _in_thread(target: Callable[[], None], name: str) -> list[BaseException]:
-    """Run ``target`` in a new thread (so the test's own thread keeps no guard state); return what it raised."""
-    errors: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            target()
-        except BaseException as e:  # noqa: BLE001 - handed back to the test thread
-            errors.append(e)
-
-    t = threading.Thread(target=body, name=name)
     t.start()
     t.join(timeout=60)
     assert not t.is_alive()
@@ -82,7 +65,7 @@ def test_a_guard_exited_in_another_thread_ends_for_the_entering_thread(inference
 
         assert _get_current_dispatch_mode() is None  # the later guards dropped the inert mode
 
-    assert _in_thread(owner, "owner") == []
+    assert run_in_thread(owner, "owner") == []
     assert {name: getattr(torch.Tensor, name) for name in PATCHED} == originals
 
 
@@ -100,7 +83,7 @@ def test_a_pause_exited_in_another_thread_no_longer_pauses_later_guards():
             X[2].item()
         assert rec.ops == ["Tensor.item"]
 
-    assert _in_thread(owner, "owner") == []
+    assert run_in_thread(owner, "owner") == []
 
 
 def test_a_guard_exited_in_another_thread_leaves_that_threads_own_guard_alone():
@@ -133,7 +116,7 @@ def test_a_guard_exited_in_another_thread_leaves_that_threads_own_guard_alone():
         assert not other.is_alive()
         X.sum().item()  # not guarded any more
 
-    assert _in_thread(owner, "owner") == []
+    assert run_in_thread(owner, "owner") == []
     assert len(seen) == 2 and "entered in thread 'owner'" in seen[0] and seen[1] == "Tensor.item"
 
 

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from thread_runs import run_in_thread
 
 from mla_backends.testing import HostSyncError, no_host_sync
 
@@ -16,23 +17,6 @@ PATCHED = ("tolist", "cpu", "numpy", "__array__", "item", "__int__", "__float__"
 
 def _methods() -> dict[str, object]:
     return {name: getattr(torch.Tensor, name) for name in PATCHED}
-
-
-def _run(target) -> list[BaseException]:
-    """Run ``target`` in a new thread and return what it raised (empty when nothing)."""
-    errors: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            target()
-        except BaseException as e:  # noqa: BLE001 - handed back to the test thread
-            errors.append(e)
-
-    t = threading.Thread(target=body)
-    t.start()
-    t.join(timeout=60)
-    assert not t.is_alive()
-    return errors
 
 
 def test_overlapping_guards_in_two_threads_ending_out_of_order_restore_the_originals():
@@ -83,14 +67,14 @@ def test_overlapping_guards_in_two_threads_ending_out_of_order_restore_the_origi
     assert seen["b"] == ["Tensor.tolist", "Tensor.item"]
     # no guard anywhere now: no thread (whatever id it gets) sees an error
     for _ in range(4):
-        assert _run(lambda: (X.tolist(), X[0].item(), float(X[2]), X.cpu())) == []
+        assert run_in_thread(lambda: (X.tolist(), X[0].item(), float(X[2]), X.cpu())) == []
 
 
 def test_a_guard_does_not_report_another_threads_syncs():
     with no_host_sync():  # raising guard in this thread
-        assert _run(lambda: (X.tolist(), X[0].item(), X.numpy())) == []
+        assert run_in_thread(lambda: (X.tolist(), X[0].item(), X.numpy())) == []
     with no_host_sync(count=True) as rec:
-        assert _run(lambda: X.tolist()) == []
+        assert run_in_thread(lambda: X.tolist()) == []
     assert rec.count == 0
 
 
