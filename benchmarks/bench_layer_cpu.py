@@ -67,6 +67,7 @@ def hot_path_figures(context: int, batch: int, block_size: int, repeat: int) -> 
     from mla_backends.hf_loading import random_hf_state_dict
     from mla_backends.layer import MLAAttention
     from mla_backends.metadata import BatchMetadata
+    from mla_backends.step_plan import plan_step
 
     torch.manual_seed(0)
     dims = MLADims.deepseek_v2_lite()
@@ -84,7 +85,7 @@ def hot_path_figures(context: int, batch: int, block_size: int, repeat: int) -> 
     meta = build()
     with torch.inference_mode():
         t_build = best_time(build, repeat * 10)
-        t_step = best_time(lambda: layer(x, None, cache, meta), repeat)
+        t_step = best_time(lambda: layer(x, None, cache, plan_step(meta, [layer])), repeat)  # plan + layer
     return {"build_s": t_build, "decode_step_s": t_step}
 
 
@@ -178,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from mla_backends.hf_loading import random_hf_state_dict
     from mla_backends.layer import MLAAttention
     from mla_backends.metadata import BatchMetadata
+    from mla_backends.step_plan import plan_step
 
     torch.manual_seed(0)
     dims = MLADims.deepseek_v2_lite()
@@ -214,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             rates = new if rates is None else best_rates(rates, new)
             t_mqa = min(t_mqa, best_time(lambda: backend.forward_mqa(q_lat, q_pe, cache, meta,
                                                                      scale=layer.scale), args.repeat))
-            t_layer = min(t_layer, best_time(lambda: layer(x, positions, cache, meta), args.repeat))
-        y_layer = layer(x, positions, cache, meta)
+            t_layer = min(t_layer, best_time(lambda: layer(x, positions, cache, plan_step(meta, [layer])),
+                                                args.repeat))
+        y_layer = layer(x, positions, cache, plan_step(meta, [layer]))
     assert rates is not None
     print(f"machine: fp32 matmul {rates['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, copy "
           f"{rates['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + write), {torch.get_num_threads()} threads")

@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from mla_backends.hf_loading import random_hf_state_dict
     from mla_backends.layer import MLAAttention
     from mla_backends.metadata import BatchMetadata
+    from mla_backends.step_plan import plan_step
 
     torch.manual_seed(0)
     dims = MLADims.deepseek_v2_lite()
@@ -56,10 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(q: list[int], c: list[int], counted: bool):
         meta = BatchMetadata.build(q, c, bt, bs)
+        plan = plan_step(meta, layers)  # once per step, before the first layer (outside the guard)
         x = torch.randn(sum(q), dims.hidden_size)
         if not counted:
             for layer, cache in zip(layers, caches, strict=True):
-                x = layer(x, None, cache, meta)
+                x = layer(x, None, cache, plan)
             return None
         inside: list[str] = []
         with guard.no_host_sync(count=True) as rec:
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 layer.backend.forward_mqa = wrapped
                 try:
-                    x = layer(x, None, cache, meta)
+                    x = layer(x, None, cache, plan)
                 finally:
                     del layer.backend.forward_mqa
         return rec, inside

@@ -8,20 +8,28 @@ into *every* :class:`~mla_backends.reasons.Reason` a request does not fit, each 
 
 :meth:`MLABackend.forward_mqa` is the one entry point and is written once, here: it validates the inputs (the
 shared :func:`~mla_backends.mqa_inputs.check_mqa_inputs` and the backend's declarations,
-:func:`~mla_backends.mqa_inputs.check_declared_support`), provides ``out`` / ``lse_out``, returns at once for
-zero tokens, calls the backend's kernel method :meth:`MLABackend._forward_mqa_impl`, and checks what came
-back. Backends implement only ``_forward_mqa_impl``; :func:`contract_problems` names a class that still
-overrides ``forward_mqa`` (recorded as a plugin problem when registered; it keeps working).
+:func:`~mla_backends.mqa_inputs.check_declared_support`), looks up the backend's per-step state in the step's
+:class:`~mla_backends.step_plan.StepPlan`, provides ``out`` / ``lse_out``, returns at once for zero tokens,
+calls the backend's kernel method :meth:`MLABackend.forward_mqa_kernel`, and checks what came back.
+
+A backend overrides three things, all public: :meth:`MLABackend.forward_mqa_kernel` (the kernel; required),
+:meth:`MLABackend.prepare` (per-step state, made once when the step is planned; optional) and
+:meth:`MLABackend.backend_reasons` (rules its declarations cannot express; optional).
+:func:`contract_problems` names a class that still overrides ``forward_mqa`` (recorded as a plugin problem
+when registered; it keeps working). The kernel method's former name ``_forward_mqa_impl`` (no ``state``
+argument) is still called, with a ``DeprecationWarning``, for one release.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from .attention_math import distinct_topk
+from .cache import LatentKVCache
 from .capabilities import (
     DEFAULT_TOLERANCES,
     AttentionSpec,
@@ -33,11 +41,11 @@ from .capabilities import (
 from .device import DeviceInfo
 from .dtypes import FP8_CACHE_DTYPES, dtype_name, lse_dtype
 from .errors import USER_CODE_FAILURES
-from .mqa_inputs import check_declared_support, check_mqa_inputs
+from .mqa_inputs import check_declared_support, check_mqa_inputs, planned_declarations
 from .reasons import Reason, ReasonKind, as_reason
+from .step_plan import PlanRequest, Run, StepPlan, StepPlanError, plan_step, require_plan
 
 if TYPE_CHECKING:
-    from .cache import LatentKVCache
     from .metadata import BatchMetadata
 
 __all__ = ["QueryLenSupport", "Capabilities", "AttentionSpec", "MLABackend", "Tolerance", "DEFAULT_TOLERANCES",
@@ -63,7 +71,7 @@ def contract_problems(cls: type) -> list[str]:
         if "forward_mqa" in vars(klass):
             problems.append(
                 f"forward_mqa: got an override in {klass.__module__}.{klass.__qualname__}; supported "
-                "implementing _forward_mqa_impl and leaving forward_mqa to MLABackend (it validates, "
+                "implementing forward_mqa_kernel and leaving forward_mqa to MLABackend (it validates, "
                 "allocates out/lse_out and checks the result once for every backend)")
             break
     return problems
@@ -72,9 +80,9 @@ def contract_problems(cls: type) -> list[str]:
 class MLABackend:
     """Base class of every MLA decode backend.
 
-    Subclasses set ``name`` and ``capabilities``, implement :meth:`_forward_mqa_impl`, and may add rules the
-    declarations cannot express in :meth:`backend_reasons`. They do not override :meth:`forward_mqa` or
-    :meth:`not_supported_reasons`.
+    Subclasses set ``name`` and ``capabilities``, implement :meth:`forward_mqa_kernel`, and may override
+    :meth:`prepare` (per-step state) and :meth:`backend_reasons` (rules the declarations cannot express).
+    They do not override :meth:`forward_mqa` or :meth:`not_supported_reasons`.
     """
 
     name: ClassVar[str] = "ABSTRACT"
@@ -122,8 +130,8 @@ class MLABackend:
 
     @classmethod
     def backend_reasons(cls, spec: AttentionSpec) -> list[Reason | str]:
-        """The one override point: reasons ``spec`` does not fit that :class:`Capabilities` cannot express
-        (empty by default). Appended after the declared reasons by :meth:`not_supported_reasons`. Return
+        """The override point of *selection*: reasons ``spec`` does not fit that :class:`Capabilities` cannot
+        express (empty by default). Appended after the declared reasons by :meth:`not_supported_reasons`. Return
         :class:`Reason` values; plain strings are accepted and become reasons of kind ``OTHER``."""
         return []
 
@@ -221,18 +229,29 @@ class MLABackend:
     def prepare(self, meta: BatchMetadata) -> object | None:
         """Work this backend does once per step, before any layer runs it; returns its per-step state.
 
-        Called through the step plan, never directly: ``meta.prepare(backend)`` (what an engine calls before
-        the first layer, outside any CUDA-graph capture) or on the backend's first ``forward_mqa`` of the step.
-        It runs once per :meth:`prepare_key` and step (every layer's instance of a class, configured alike,
-        shares the result), so it must depend only on ``meta`` and the configuration, be idempotent and be
-        free of side effects a second step could trip over. ``forward_mqa``
-        reads the state back with ``meta.prepare(self)``. Default: nothing to prepare (None). FlashInfer's
-        backends keep their dense block tables and ``plan()`` tokens here.
+        An override point. :func:`~mla_backends.step_plan.plan_step` calls it, never a layer: once per
+        :meth:`prepare_key` and batch the step hands this backend (every layer's instance of a class,
+        configured alike, shares the result), before the first layer and outside any CUDA-graph capture, so
+        it may read the device. It must depend only on ``meta`` and the configuration and be free of side
+        effects a second step could trip over. :meth:`forward_mqa` passes the state back to
+        :meth:`forward_mqa_kernel` as ``state``. Default: nothing to prepare (None). FlashInfer's backends keep
+        their dense block tables and ``plan()`` tokens here; REF_TORCH its page ids and masks.
 
         Args:
-            meta: the step's :class:`~mla_backends.metadata.BatchMetadata` (or a sub-batch of it).
+            meta: a batch of the step (its :class:`~mla_backends.metadata.BatchMetadata` or a sub-batch).
         """
         return None
+
+    def plan_request(self, meta: BatchMetadata) -> PlanRequest:
+        """What this backend runs when an engine hands it a whole step (``plan_step(meta, [backend])``): every
+        request absorbed, as one batch."""
+        return PlanRequest(runs_key=None, runs=(Run(True, 0, meta.num_requests),), backend=self)
+
+    def planned_declarations(self, meta: BatchMetadata, *, sparse: bool = False) -> frozenset:
+        """The input combination this configured instance's declarations accept on ``meta``, recorded in the
+        step plan so that ``forward_mqa`` looks it up instead of re-deriving it on every layer (empty when not
+        configured). Not an override point."""
+        return planned_declarations(self, meta, sparse=sparse)
 
     # ---- the kernel ------------------------------------------------------------------------------------
     def forward_mqa(
@@ -246,9 +265,10 @@ class MLABackend:
         topk_indices: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
         lse_out: torch.Tensor | None = None,
+        plan: StepPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Absorbed (MQA-shaped) attention over the paged latent cache. Defined once, here; backends implement
-        :meth:`_forward_mqa_impl`.
+        :meth:`forward_mqa_kernel`.
 
         Args:
             q_latent: ``[tokens, heads, kv_lora_rank]`` absorbed query (``q_nope @ W_UK_T``), processing order.
@@ -261,6 +281,10 @@ class MLABackend:
             out / lse_out: optional preallocated ``[tokens, heads, kv_lora_rank]`` (query dtype) /
                 ``[tokens, heads]`` (float32; float64 for float64 queries) buffers; ``lse_out`` only for
                 backends that return an LSE.
+            plan: the step's :class:`~mla_backends.step_plan.StepPlan` (``plan_step``), which holds this
+                backend's prepared state for ``meta``; what layers and engines pass. Without it the call is a
+                step of its own, planned here for this backend alone (refused while a CUDA graph is being
+                captured, since ``prepare`` may read the device).
 
         Returns:
             ``(out [tokens, heads, kv_lora_rank], lse [tokens, heads])``: the output in latent space, in the
@@ -270,12 +294,23 @@ class MLABackend:
         Raises:
             TypeError / ValueError: bad or unsupported inputs (naming the argument), before any kernel runs.
             BackendContractError: the backend's kernel method replaced or reshaped its output.
+            StepPlanError: ``plan`` was made for other metadata or without this backend, or no plan was given
+                while a CUDA graph is being captured.
         """
         # while a CUDA graph is captured, skip the checks that read device values (they would synchronise)
-        capturing = cache.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        capturing = (isinstance(cache, LatentKVCache) and cache.device.type == "cuda"
+                     and torch.cuda.is_current_stream_capturing())
+        if plan is not None:
+            plan = require_plan(plan, "forward_mqa")
         check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
-                         lse_out=lse_out, check_values=not capturing)
-        check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out)
+                         lse_out=lse_out, check_values=not capturing, plan=plan)
+        check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out,
+                               plan=plan)
+        if plan is None:
+            if capturing:
+                raise StepPlanError("plan: got none while a CUDA graph is being captured; supported the step's "
+                                    "plan (plan_step(meta, [backend]) before the capture)")
+            plan = plan_step(meta, [self])  # a call of its own is a step of its own
         if topk_indices is not None:  # a position selected twice counts once (on the device, no sync)
             topk_indices = distinct_topk(topk_indices)
         T, H, r = q_latent.shape
@@ -285,10 +320,38 @@ class MLABackend:
             lse_out = torch.empty(T, H, dtype=lse_dtype(q_latent.dtype), device=q_latent.device)
         if T == 0:
             return out, lse_out
-        returned = self._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
-                                          out=out, lse_out=lse_out)
+        state = plan.state(self, meta)
+        if _legacy_kernel(type(self)):
+            returned = self._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale,
+                                              topk_indices=topk_indices, out=out, lse_out=lse_out)
+        else:
+            returned = self.forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale,
+                                               topk_indices=topk_indices, out=out, lse_out=lse_out, state=state)
         self._check_result(returned, out, lse_out, (T, H, r), q_latent)
         return out, lse_out
+
+    def forward_mqa_kernel(
+        self,
+        q_latent: torch.Tensor,
+        q_rope: torch.Tensor,
+        cache: LatentKVCache,
+        meta: BatchMetadata,
+        *,
+        scale: float,
+        topk_indices: torch.Tensor | None,
+        out: torch.Tensor,
+        lse_out: torch.Tensor | None,
+        state: object | None,
+    ) -> None:
+        """The backend's kernel, the method every backend implements: write the output into
+        ``out [T, H, kv_lora_rank]`` (query dtype; possibly non-contiguous) and the natural-log LSE into
+        ``lse_out [T, H]`` (``dtypes.lse_dtype``; None for backends that return no LSE).
+
+        Called by :meth:`forward_mqa` only with validated inputs and ``T >= 1``; ``state`` is what this
+        backend's :meth:`prepare` returned for ``meta`` when the step was planned (None by default). Layout
+        checks the backend needs beyond the shared ones (strides, contiguity) go here. Returns None.
+        """
+        raise NotImplementedError(f"{type(self).__name__}: forward_mqa_kernel is not implemented")
 
     def _forward_mqa_impl(
         self,
@@ -302,11 +365,9 @@ class MLABackend:
         out: torch.Tensor,
         lse_out: torch.Tensor | None,
     ) -> None:
-        """The backend's kernel: write the output into ``out [T, H, kv_lora_rank]`` (query dtype; possibly
-        non-contiguous) and the natural-log LSE into ``lse_out [T, H]`` (``dtypes.lse_dtype``; None for backends that
-        return no LSE). Called by :meth:`forward_mqa` only with validated inputs and ``T >= 1``; layout checks
-        the backend needs beyond the shared ones (strides, contiguity) go here. Returns None."""
-        raise NotImplementedError(f"{type(self).__name__}: _forward_mqa_impl is not implemented")
+        """Deprecated name of :meth:`forward_mqa_kernel` (no ``state``): still called, with a
+        ``DeprecationWarning``, when a class defines it and not ``forward_mqa_kernel``; removed in 0.5."""
+        raise NotImplementedError(f"{type(self).__name__}: forward_mqa_kernel is not implemented")
 
     def _check_result(self, returned: object, out: torch.Tensor, lse_out: torch.Tensor | None,
                       shape: tuple[int, int, int], q_latent: torch.Tensor) -> None:
@@ -325,3 +386,24 @@ class MLABackend:
                             "(written in place)")
         if problems:
             raise BackendContractError(f"{self.name} broke the forward_mqa contract: " + "; ".join(problems))
+
+
+_LEGACY_WARNED: set[type] = set()
+
+
+def _legacy_kernel(cls: type) -> bool:
+    """Whether ``cls``'s most derived kernel method is the deprecated ``_forward_mqa_impl`` (warned once per
+    class)."""
+    for klass in cls.__mro__:
+        if klass is MLABackend:
+            return False
+        if "forward_mqa_kernel" in vars(klass):
+            return False
+        if "_forward_mqa_impl" in vars(klass):
+            if cls not in _LEGACY_WARNED:
+                _LEGACY_WARNED.add(cls)
+                warnings.warn(f"{cls.__module__}.{cls.__qualname__}: _forward_mqa_impl is deprecated; implement "
+                              "forward_mqa_kernel(..., state) instead (state: what prepare(meta) returned)",
+                              DeprecationWarning, stacklevel=3)
+            return True
+    return False

@@ -7,7 +7,7 @@ back as ``stored * scale`` (one per-tensor scale, float32).
 
 from __future__ import annotations
 
-from typing import Any
+from abc import ABC, abstractmethod
 
 import torch
 
@@ -25,8 +25,22 @@ from .validation import require_device, require_int, require_on_device, require_
 _STORAGE_TORCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn,
                          torch.float8_e5m2)
 
-__all__ = ["LatentKVCache", "PagedRows", "check_slot_mapping", "block_table_slots", "position_slots",
-           "duplicate_slot"]
+__all__ = ["LatentKVCache", "PagedRows", "SlotSource", "check_slot_mapping", "block_table_slots",
+           "position_slots", "duplicate_slot"]
+
+
+class SlotSource(ABC):
+    """Where a step's new rows go, already validated when the step was described: what ``write`` trusts.
+
+    :class:`~mla_backends.metadata.BatchMetadata` (``build`` checked every slot: in range, one writer each) and
+    the step's :class:`~mla_backends.step_plan.StepPlan` are slot sources; a raw ``[T]`` tensor is not, and its
+    values are range-checked on every write.
+    """
+
+    @abstractmethod
+    def slots_for(self, cache: PagedRows) -> torch.Tensor:
+        """``[T]`` int64 slots of the new tokens (``-1``: skip), after a host-side check that ``cache`` holds
+        the step (page size, block ids); no device read."""
 
 
 def duplicate_slot(slots: torch.Tensor) -> tuple[int, int] | None:
@@ -288,25 +302,24 @@ class LatentKVCache(PagedRows):
                 f"model_dtype={dtype_name(self.model_dtype)}, device={self.device})")
 
     # ---- write / read ----------------------------------------------------------------------------------
-    def write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: Any) -> None:
+    def write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor | SlotSource) -> None:
         """Store rows. ``kv_c [T, kv_lora_rank]``, ``k_pe [T, qk_rope_head_dim]`` (or ``[T, 1, rope]``).
 
         ``slot_mapping`` is either
 
-        - the step's :class:`~mla_backends.metadata.BatchMetadata` (the hot path): its ``slot_mapping`` is
-          trusted, since ``build`` validated it (slots in range, no two new tokens on one slot); only the
-          host-side :meth:`~mla_backends.metadata.BatchMetadata.check_cache` verdict against this cache's size
-          is taken (computed once per step). No device read, static shapes: CUDA-graph safe.
+        - a :class:`SlotSource`, the step's :class:`~mla_backends.step_plan.StepPlan` or
+          :class:`~mla_backends.metadata.BatchMetadata` (the hot path): its slots are trusted, since ``build``
+          validated them (slots in range, no two new tokens on one slot); only its host-side check against this
+          cache's size is taken. No device read, static shapes: CUDA-graph safe.
         - a raw ``[T]`` int tensor (slot = block * block_size + offset; ``-1`` skips the token): its values are
           range-checked here, which reads them (one sync on a GPU).
 
         Slots of ``-1`` go to the sink row (:meth:`rows_with_sink`). fp8 caches store ``value / scale``,
         saturated to the format's finite range.
         """
-        trusted = not isinstance(slot_mapping, torch.Tensor) and hasattr(slot_mapping, "check_cache")
+        trusted = isinstance(slot_mapping, SlotSource)
         if trusted:
-            slot_mapping.check_cache(self)
-            slot_mapping = slot_mapping.slot_mapping
+            slot_mapping = slot_mapping.slots_for(self)
         require_tensor("kv_c", kv_c, shape=(None, self.kv_lora_rank))
         if isinstance(k_pe, torch.Tensor) and k_pe.dim() == 3 and k_pe.shape[1] == 1:
             k_pe = k_pe.squeeze(1)

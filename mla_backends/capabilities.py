@@ -96,7 +96,7 @@ class Capabilities:
     ``num_heads`` lists the exact head counts, or ``max_num_heads`` bounds them (None: any).
     ``fp8_min_compute_capability`` is an extra lower bound that applies only to fp8 caches.
     ``requires`` names importable modules; ``extra`` is the pip extra that provides them.
-    ``host_sync_free``: once ``BatchMetadata.build`` ran (and ``meta.prepare(backend)``), a dense
+    ``host_sync_free``: once ``BatchMetadata.build`` ran (and ``plan_step(meta, ...)``), a dense
     ``forward_mqa`` makes no device-to-host sync (the conformance suite runs it under
     :func:`mla_backends.host_sync.no_host_sync`). ``cuda_graphs``: it also replays correctly under a captured
     CUDA graph with static shapes whose metadata tensors are updated in place (it reads lengths and block

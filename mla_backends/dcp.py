@@ -34,9 +34,10 @@ from .attention_math import lse_merge_weights
 from .backend import Capabilities, MLABackend, QueryLenSupport
 from .cache import LatentKVCache, position_slots
 from .dtypes import accumulate_dtype
-from .metadata import BatchMetadata, dcp_local_len
+from .metadata import BatchMetadata
 from .prefill import ContextRows
 from .reasons import Reason, ReasonKind
+from .step_plan import StepPlan
 from .validation import require_int
 
 __all__ = ["DCPGroup", "dcp_group_for", "dispatch_capabilities", "check_dcp_metadata", "absorbed_attention",
@@ -130,58 +131,34 @@ def _reduce_scatter(x: torch.Tensor, dcp: DCPGroup) -> torch.Tensor:
     return out
 
 
-def _local_decode(meta: BatchMetadata, dcp: DCPGroup) -> tuple[BatchMetadata | None, torch.Tensor]:
-    """The absorbed requests this rank holds rows of, as local metadata (query 1, context ``local - 1``), and
-    the processing-order token of each; kept in ``meta.step_plan.dcp``."""
-    key = ("absorbed", dcp.size, dcp.rank)
-    hit = meta.step_plan.dcp.get(key)
-    if hit is not None:
-        return hit  # type: ignore[return-value]
-    starts = meta.query_starts_list
-    rows, tokens, ctx = [], [], []
-    for b, (qn, s) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list, strict=True)):
-        if qn > 1:
-            raise ValueError(f"meta: request {b} has query length {qn} on the absorbed path under decode context "
-                             "parallelism; supported 1 (longer queries run forward_mha)")
-        held = dcp_local_len(s, dcp.rank, dcp.size)
-        if qn == 1 and held:
-            rows.append(b)
-            tokens.append(starts[b])
-            ctx.append(held - 1)
-    local = None
-    if rows:
-        local = BatchMetadata.build([1] * len(rows), ctx, meta.block_table[rows], meta.block_size,
-                                    num_blocks=meta.num_blocks, reorder=False, device=meta.device, read_only=True)
-    result = (local, torch.tensor(tokens, dtype=torch.long, device=meta.device))
-    meta.step_plan.dcp[key] = result
-    return result
-
-
 def local_decode_metadata(meta: BatchMetadata, dcp: DCPGroup) -> BatchMetadata | None:
     """This rank's local decode metadata for ``meta``'s absorbed requests (what it runs ``forward_mqa`` on;
-    None when it holds no row of any), built once per step and kept in ``meta.step_plan``."""
-    return _local_decode(meta, dcp)[0]
+    None when it holds no row of any): :meth:`BatchMetadata.local_decode`, which the step plan keeps."""
+    return meta.local_decode(dcp.rank, dcp.size)[0]
 
 
 def absorbed_attention(dcp: DCPGroup, backend: MLABackend, q_latent: torch.Tensor, q_rope: torch.Tensor,
-                       cache: LatentKVCache, meta: BatchMetadata, *, scale: float) -> torch.Tensor:
+                       cache: LatentKVCache, meta: BatchMetadata, *, scale: float, plan: StepPlan,
+                       run: tuple[int, int]) -> torch.Tensor:
     """The absorbed kernel under DCP: ``q_latent [n, H, R]``, ``q_rope [n, H, P]`` of this rank's heads (query
     length 1 per request, processing order of ``meta``) -> this rank's heads' merged output ``[n, H, R]``.
 
     All-gather of the queries, ``backend.forward_mqa`` over the local rows for the group's ``D * H`` heads,
     all-gather of the LSEs, LSE weighting and a reduce-scatter back to the heads' owners (module docstring).
+    ``meta`` is the plan's batch of requests ``run`` (``(start, stop)``); the rank's local metadata for it
+    comes from ``plan`` (:meth:`~mla_backends.step_plan.StepPlan.local_decode`).
     """
     n, H, R = q_latent.shape
     D = dcp.size
     q_all = _all_gather(torch.cat([q_latent, q_rope], dim=-1), dcp)  # [D, n, H, R + P]
     q_all = q_all.permute(1, 0, 2, 3).reshape(n, D * H, -1)  # the group's heads in DCP-rank order
-    local, tokens = _local_decode(meta, dcp)
+    local, tokens = plan.local_decode(run[0], run[1], dcp.rank, dcp.size)
     o = torch.zeros(n, D * H, R, dtype=q_latent.dtype, device=q_latent.device)
     lse = torch.full((n, D * H), float("-inf"), dtype=accumulate_dtype(q_latent.dtype), device=q_latent.device)
     if local is not None:
         q_mine = q_all[tokens]
         o_l, lse_l = backend.forward_mqa(q_mine[..., :R].contiguous(), q_mine[..., R:].contiguous(), cache, local,
-                                         scale=scale)
+                                         scale=scale, plan=plan)
         o[tokens] = o_l.to(o.dtype)
         lse[tokens] = lse_l.to(lse.dtype)
     weights, _ = lse_merge_weights(_all_gather(lse, dcp))  # [D, n, D * H]

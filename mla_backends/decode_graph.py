@@ -19,9 +19,10 @@ see; its tensors never move. Its host lists describe the padded batch at its lon
 ``cuda_graphs`` read lengths and block ids from the device tensors, so only they replay correctly; :attr:`meta`
 is marked ``graph_static`` and every other consumer refuses it (:mod:`mla_backends.meta_checks`).
 
-Per step, outside any capture: ``graph_meta.update(context_lens, block_table)`` then
-``graph_meta.meta.prepare(backend)`` (idempotent; :meth:`update` starts a fresh step plan), then
-``graph.replay()``.
+Per step, outside any capture: ``graph_meta.update(context_lens, block_table)``, then
+``plan = plan_step(graph_meta.meta, layers)`` (the step's plan: every backend's ``prepare`` runs there, after
+the tensors hold the new step), then ``graph.replay()``. Capture itself runs the layers with a plan made the
+same way.
 """
 
 from __future__ import annotations
@@ -118,6 +119,5 @@ class DecodeGraphMetadata:
         m.slot_mapping[:n].copy_(real.slot_mapping)
         m.token_positions.zero_()
         m.token_positions[:n].copy_(real.token_positions)
-        m.step_plan.reset()  # a new step: prepared states and verdicts are computed again
         self.num_requests = n
         return real

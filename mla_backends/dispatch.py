@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["DispatchPolicy", "PerRequestPolicy", "PerBatchPolicy", "ContextThresholds", "ThresholdTable",
            "TABLE_FORMAT", "THRESHOLD_TABLE_ENV", "SGLANG_PREFIX_THRESHOLD", "resolve_policy",
            "clamp_to_backend", "policy_from_table", "table_from_env", "layer_policy", "decode_threshold",
-           "step_runs"]
+           "step_runs", "runs_key"]
 
 log = logging.getLogger(__name__)
 
@@ -235,21 +235,14 @@ def step_runs(meta: BatchMetadata, policy: DispatchPolicy, capabilities: Capabil
 
     Each request's path is ``policy``'s choice clamped to the backend (:func:`clamp_to_backend`); sparse steps
     (DeepSeek-V3.2 top-k) run every request absorbed. Consecutive requests on one path form a run, except that
-    a uniform-length backend gets a new run wherever the query length changes. The result is kept in
-    ``meta.step_plan.runs`` (per policy, backend declarations and ``sparse``), so the other layers of the
-    step look it up; a policy that cannot be hashed is recomputed on every call.
+    a uniform-length backend gets a new run wherever the query length changes. A pure function of host data:
+    :func:`~mla_backends.step_plan.plan_step` calls it once per step and dispatch key
+    (:func:`runs_key`), and the layers read the result from the plan.
     """
     if not isinstance(capabilities, Capabilities):
         raise TypeError(f"capabilities: got {type(capabilities).__name__}; supported Capabilities")
     if not isinstance(policy, DispatchPolicy):
         raise TypeError(f"policy: got {type(policy).__name__}; supported a DispatchPolicy")
-    key: Hashable | None = (policy, capabilities.query_len, capabilities.decode_threshold, bool(sparse))
-    try:
-        hash(key)
-    except TypeError:
-        key = None
-    if key is not None and key in meta.step_plan.runs:
-        return meta.step_plan.runs[key]
     q, c = meta.query_lens_list, meta.context_lens_list
     if sparse:
         flags = [True] * len(q)
@@ -264,7 +257,16 @@ def step_runs(meta: BatchMetadata, policy: DispatchPolicy, capabilities: Capabil
             runs[-1] = Run(f, runs[-1].start, b + 1)
         else:
             runs.append(Run(f, b, b + 1))
-    result = tuple(runs)
-    if key is not None:
-        meta.step_plan.runs[key] = result
-    return result
+    return tuple(runs)
+
+
+def runs_key(policy: DispatchPolicy, capabilities: Capabilities, *, sparse: bool = False) -> Hashable:
+    """The key a step plan keeps :func:`step_runs`' result under: layers with the same policy, the same
+    query-length declarations and the same sparsity share their runs. A policy that cannot be hashed is
+    keyed by its identity."""
+    key: Hashable = (policy, capabilities.query_len, capabilities.decode_threshold, bool(sparse))
+    try:
+        hash(key)
+    except TypeError:
+        key = (id(policy), capabilities.query_len, capabilities.decode_threshold, bool(sparse))
+    return key

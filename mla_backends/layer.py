@@ -7,7 +7,8 @@ absorbed ``forward_mqa``::
     layer.load_hf_state_dict(state_dict)                 # transformers' DeepseekV2/V3Attention names
     cache = layer.allocate_cache(num_blocks, block_size)  # LatentKVCache
     meta = BatchMetadata.build(query_lens, context_lens, block_table, block_size)
-    out = layer(hidden_states, positions, cache, meta)   # [tokens, hidden_size], caller's token order
+    plan = plan_step(meta, layers)                        # once per step, before the first layer
+    out = layer(hidden_states, positions, cache, plan)   # [tokens, hidden_size], caller's token order
 
 One step, for ``T`` tokens in processing order (decodes first):
 
@@ -30,12 +31,12 @@ import torch
 
 from . import checkpoint
 from . import dcp as parallel
-from .backend import AttentionSpec, MLABackend
+from .backend import AttentionSpec, Capabilities, MLABackend
 from .cache import LatentKVCache
 from .dcp import absorbed_attention as dcp_absorbed_attention
 from .device import cuda_device_index, device_info_for
 from .dims import MLADims, read_config_json
-from .dispatch import DispatchPolicy, decode_threshold, layer_policy, step_runs
+from .dispatch import DispatchPolicy, decode_threshold, layer_policy, runs_key, step_runs
 from .dtypes import dtype_name, parse_model_dtype
 from .fp8_checkpoint import DEFAULT_WEIGHT_BLOCK_SIZE, check_weight_block_size, weight_block_size_from_config
 from .hf_loading import hf_attention_bias
@@ -49,7 +50,7 @@ from .projections import linear, rms_norm
 from .reasons import Reason, ReasonKind, without_kinds
 from .rope import RotaryEmbedding
 from .sparse.layer_support import SparseKVCache, build_indexer
-from .step_plan import Run
+from .step_plan import PlanRequest, Run, StepPlan, require_plan
 from .threshold_table import ThresholdTable
 from .validation import require_device, require_int, require_tensor
 from .workspace import shared_workspace
@@ -296,39 +297,51 @@ class MLAAttention(torch.nn.Module):
         :func:`mla_backends.dispatch.decode_threshold` of this layer's policy and backend."""
         return decode_threshold(self.dispatch, parallel.dispatch_capabilities(self.backend_cls.capabilities, self.dcp))
 
-    def runs(self, meta: BatchMetadata, *, sparse: bool = False) -> tuple[Run, ...]:
+    def runs(self, meta: BatchMetadata, *, sparse: bool | None = None) -> tuple[Run, ...]:
         """This step's runs ``Run(absorbed, start, stop)`` of processing-order requests, as dispatch cuts them
-        (:func:`mla_backends.dispatch.step_runs`; kept in ``meta.step_plan``)."""
-        return step_runs(meta, self.dispatch, parallel.dispatch_capabilities(self.backend_cls.capabilities, self.dcp),
-                         sparse=sparse)
+        (:func:`mla_backends.dispatch.step_runs`, a pure function; the step plan keeps the result).
+        ``sparse`` defaults to this layer's (DeepSeek-V3.2 layers run every request absorbed)."""
+        sparse = self.dims.is_sparse if sparse is None else sparse
+        return step_runs(meta, self.dispatch, self._dispatch_capabilities, sparse=sparse)
 
-    def prepare(self, meta: BatchMetadata, *, sparse: bool = False) -> None:
-        """Run the backend's per-step preparation (its ``prepare(meta)``: FlashInfer's ``plan()``) for exactly
-        the batches this layer's forward hands to ``forward_mqa`` this step (the absorbed runs; under DCP the
-        rank's local decode metadata). The engine's one call per step, before the first layer and outside any
-        CUDA-graph capture; idempotent, and shared by every layer of the same backend class and configuration,
-        so one layer's call prepares them all. Without it the first layer's forward prepares, lazily."""
-        starts = meta.query_starts_list
-        for absorbed, b0, b1 in self.runs(meta, sparse=sparse):
-            if not absorbed or starts[b0] == starts[b1]:
-                continue
-            sub = meta if (b0, b1) == (0, meta.num_requests) else meta.select_requests(b0, b1)
-            if self.dcp is not None:
-                sub = parallel.local_decode_metadata(sub, self.dcp)
-            if sub is not None:
-                sub.prepare(self.backend)
+    @property
+    def _dispatch_capabilities(self) -> Capabilities:
+        """The backend's declarations as dispatch sees them (under DCP: single-token absorbed requests)."""
+        return parallel.dispatch_capabilities(self.backend_cls.capabilities, self.dcp)
+
+    def runs_key(self) -> object:
+        """The key this layer's runs are kept under in a step plan (layers that dispatch alike share it)."""
+        return runs_key(self.dispatch, self._dispatch_capabilities, sparse=self.dims.is_sparse)
+
+    def plan_request(self, meta: BatchMetadata) -> PlanRequest:
+        """What this layer runs in the step of ``meta``, for :func:`~mla_backends.step_plan.plan_step`: its
+        runs, its backend (prepared for every absorbed batch: the run's sub-batch, or under DCP the rank's
+        local decode metadata of it) and its DCP place."""
+        dcp = None if self.dcp is None else (self.dcp.rank, self.dcp.size)
+        return PlanRequest(runs_key=self.runs_key(), runs=self.runs(meta), backend=self.backend, dcp=dcp,
+                           sparse=self.dims.is_sparse)
 
     # ---- forward -------------------------------------------------------------------------------------------
     def _check_inputs(self, hidden_states: torch.Tensor, positions: torch.Tensor | None, cache: LatentKVCache,
-                      meta: BatchMetadata, topk_indices: torch.Tensor | None) -> None:
+                      plan: StepPlan, topk_indices: torch.Tensor | None) -> tuple[Run, ...]:
+        """Every check of a step before anything is written; returns this layer's runs from ``plan``."""
         if not self._loaded:
             raise RuntimeError("MLAAttention: weights not loaded; call load_hf_state_dict(state_dict) first")
+        meta = plan.meta
         check_step_inputs(self.dims, self.dtype, self.weight_device, hidden_states, positions, cache, meta,
                           topk_indices, reuses_topk=self.indexer is None, layer_idx=self.layer_idx)
         parallel.check_dcp_metadata(self.dcp, meta)
-        check_graph_step(meta, self.backend_cls, lambda: self.runs(meta, sparse=self.dims.is_sparse),
+        runs = plan.runs_for(self.runs_key(), f"layer {self.layer_idx} (its dispatch {self.dispatch.name})")
+        for absorbed, b0, b1 in runs:  # the backend this layer runs was planned for its batches
+            if absorbed and meta.query_starts_list[b0] < meta.query_starts_list[b1]:
+                if self.dcp is None:
+                    plan.state(self.backend, plan.batch(b0, b1))
+                else:
+                    plan.local_decode(b0, b1, self.dcp.rank, self.dcp.size)
+        check_graph_step(meta, self.backend_cls, lambda: runs,
                          indexer=self.indexer is not None and topk_indices is None)  # DecodeGraphMetadata
-        meta.check_cache(cache)  # the whole step against this cache, before anything is written (host only)
+        plan.check_cache(cache)  # the whole step against this cache, before anything is written (host only)
+        return runs
 
     @property
     def weight_device(self) -> torch.device:
@@ -347,19 +360,21 @@ class MLAAttention(torch.nn.Module):
         require_tensor("q", q, shape=(meta.num_tokens, d.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim),
                        dtypes=(self.dtype,))
 
-    def absorbed_attention(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, *,
+    def absorbed_attention(self, q: torch.Tensor, cache: LatentKVCache, plan: StepPlan, run: tuple[int, int], *,
                            topk_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """The absorbed path: roped ``q [n, H, nope + rope]`` (processing order, ``n = meta.num_tokens``) ->
-        ``[n, H, v_head_dim]`` through ``q_nope @ W_UK_T``, ``backend.forward_mqa`` and ``@ W_UV``."""
+        """The absorbed path of the plan's requests ``run`` (``(start, stop)``): roped ``q [n, H, nope + rope]``
+        (processing order, their ``n`` tokens) -> ``[n, H, v_head_dim]`` through ``q_nope @ W_UK_T``,
+        ``backend.forward_mqa`` (with the plan's prepared state) and ``@ W_UV``."""
+        meta = plan.batch(*run)
         self._check_query(q, meta)
         N = self.dims.qk_nope_head_dim
         q_latent = torch.bmm(q[..., :N].transpose(0, 1), self.W_UK_T).transpose(0, 1).contiguous()  # [n, H, R]
         if self.dcp is not None:  # all-gather queries, local rows, LSE merge + reduce-scatter (mla_backends.dcp)
             o = dcp_absorbed_attention(self.dcp, self.backend, q_latent, q[..., N:].contiguous(), cache, meta,
-                                       scale=self.scale)
+                                       scale=self.scale, plan=plan, run=run)
         else:
             o, _ = self.backend.forward_mqa(q_latent, q[..., N:].contiguous(), cache, meta, scale=self.scale,
-                                            topk_indices=topk_indices)
+                                            topk_indices=topk_indices, plan=plan)
         return torch.bmm(o.transpose(0, 1), self.W_UV).transpose(0, 1)  # [n, H, V]
 
     def expanded_attention(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
@@ -378,7 +393,7 @@ class MLAAttention(torch.nn.Module):
         hidden_states: torch.Tensor,
         positions: torch.Tensor | None,
         cache: LatentKVCache,
-        meta: BatchMetadata,
+        plan: StepPlan,
         *,
         topk_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -386,11 +401,13 @@ class MLAAttention(torch.nn.Module):
 
         Args:
             hidden_states: ``[tokens, hidden_size]`` in the layer dtype, requests concatenated in the order of
-                ``meta``'s ``query_lens`` (the caller's order).
+                the metadata's ``query_lens`` (the caller's order).
             positions: ``[tokens]`` int RoPE positions in the same order (None: ``context_len + j``).
             cache: this layer's cache; the step's new rows are written before attention.
-            meta: :class:`BatchMetadata` of the step (built with ``decode_threshold=layer.decode_threshold``
-                the split is one cut; other thresholds work too).
+            plan: the step's :class:`~mla_backends.step_plan.StepPlan`, from ``plan_step(meta, layers)`` once
+                per step before the first layer, naming this layer (metadata built with
+                ``decode_threshold=layer.decode_threshold`` makes the split one cut; other thresholds work too).
+                Metadata alone, or a plan made without this layer, is refused (TypeError / StepPlanError).
             topk_indices: sparse (DeepSeek-V3.2) only: ``[tokens, topk]`` positions, caller order, -1 padded;
                 every request then runs absorbed.
 
@@ -398,7 +415,9 @@ class MLAAttention(torch.nn.Module):
             ``[tokens, hidden_size]`` in the caller's token order; with ``tp_size > 1`` the rank's partial
             ``o_proj`` output, to be summed across ranks.
         """
-        self._check_inputs(hidden_states, positions, cache, meta, topk_indices)
+        plan = require_plan(plan, "MLAAttention.forward")
+        runs = self._check_inputs(hidden_states, positions, cache, plan, topk_indices)
+        meta = plan.meta
         d = self.dims
         H, N, P, V, R = d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.v_head_dim, d.kv_lora_rank
         x = meta.to_processing_order(hidden_states)
@@ -414,7 +433,7 @@ class MLAAttention(torch.nn.Module):
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         q = torch.cat([q[..., :N], self.rotary.apply(q[..., N:], cos, sin)], dim=-1)
         k_pe = self.rotary.apply(kv[:, R:], cos, sin)
-        cache.write(latent, k_pe, meta)  # trusts build's validation: no device read
+        cache.write(latent, k_pe, plan)  # trusts build's validation: no device read
         if self.indexer is not None:  # DeepSeek-V3.2: the indexer caches its keys and picks the rows
             if topk_indices is None:
                 topk_indices = self.indexer(x, q_resid, cache, meta, positions=pos)
@@ -424,16 +443,16 @@ class MLAAttention(torch.nn.Module):
 
         attn = torch.empty(T, H, V, dtype=x.dtype, device=x.device)
         starts = meta.query_starts_list
-        for absorbed, b0, b1 in self.runs(meta, sparse=topk_indices is not None):
+        for absorbed, b0, b1 in runs:
             t0, t1 = starts[b0], starts[b1]
             if t0 == t1:
                 continue
-            sub = meta if (b0, b1) == (0, meta.num_requests) else meta.select_requests(b0, b1)
             if absorbed:
                 tk = None if topk_indices is None else topk_indices[t0:t1]
-                attn[t0:t1] = self.absorbed_attention(q[t0:t1], cache, sub, topk_indices=tk)
+                attn[t0:t1] = self.absorbed_attention(q[t0:t1], cache, plan, (b0, b1), topk_indices=tk)
             else:
-                self.expanded_attention(q[t0:t1], latent[t0:t1], k_pe[t0:t1], cache, sub, out=attn[t0:t1])
+                self.expanded_attention(q[t0:t1], latent[t0:t1], k_pe[t0:t1], cache, plan.batch(b0, b1),
+                                        out=attn[t0:t1])
         bias = self.o_proj.bias if self.tp_rank == 0 else None
         y = linear(attn.view(T, H * V), self.o_proj.weight, bias)
         return meta.to_caller_order(y)

@@ -5,7 +5,7 @@ that reads the wrong part would return a wrong answer with no error. Each entry 
 
 - **DCP metadata** (``dcp_size > 1``): the lengths are global, the block table maps only this rank's rows
   (local index ``p // D``). An entry that reads a request's rows by walking its block table up to its length
-  (``forward_mqa``, ``meta.prepare(backend)``, :func:`~mla_backends.naive.expanded_decode`, the sparse
+  (``forward_mqa``, ``plan_step(meta, backends)``, :func:`~mla_backends.naive.expanded_decode`, the sparse
   indexer) would read rows that are not there: :func:`require_whole_sequences`. The layer
   (``MLAAttention(dcp_size=...)``) takes it and hands ``forward_mqa`` the rank's local metadata
   (:func:`mla_backends.dcp.local_decode_metadata`); ``forward_mha`` takes it with the group's reader.
@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .metadata import BatchMetadata
-    from .step_plan import Run
 
 __all__ = ["require_whole_sequences", "require_step_lengths", "require_graph_support", "check_graph_step"]
 
@@ -60,7 +59,7 @@ def require_graph_support(backend_cls: type, meta: BatchMetadata) -> None:
             f"BatchMetadata.build for the step ({name} reads the host lengths, which there are not the step's)")
 
 
-def check_graph_step(meta: BatchMetadata, backend_cls: type, runs: Callable[[], Sequence[Run]], *,
+def check_graph_step(meta: BatchMetadata, backend_cls: type, runs: Callable[[], Sequence[tuple[bool, int, int]]], *,
                      indexer: bool) -> None:
     """The layer's check of graph metadata, before it writes anything: the backend declares ``cuda_graphs``,
     the sparse indexer does not run (``indexer``: it would) and no request of the step's ``runs()`` takes

@@ -22,17 +22,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
 import torch
 
-from .cache import PagedRows, duplicate_slot, position_slots
+from .cache import PagedRows, SlotSource, duplicate_slot, position_slots
 from .dcp_layout import dcp_local_len
-from .step_plan import StepPlan
-from .validation import require_device, require_int
-
-if TYPE_CHECKING:
-    from .backend import MLABackend
+from .validation import require_device, require_int, require_tensor
 
 __all__ = ["BatchMetadata", "dcp_local_len"]
 
@@ -88,7 +83,7 @@ def _as_block_table(block_table: object) -> torch.Tensor:
 
 
 @dataclass(frozen=True, eq=False)
-class BatchMetadata:
+class BatchMetadata(SlotSource):
     """One step's batch, with requests in processing order (decodes first).
 
     Tensor fields live on ``device``; the ``*_list`` fields are host copies so that CPU code needs no sync.
@@ -118,9 +113,13 @@ class BatchMetadata:
             (set by :meth:`build` and :meth:`select_requests`). A copy whose table was swapped
             (``dataclasses.replace(meta, block_table=...)``) no longer matches it, so :meth:`check_cache` reads
             the new table instead of trusting verdicts about the old one.
-        step_plan: the :class:`~mla_backends.step_plan.StepPlan` of this step: runs, block-id verdicts,
-            sub-batches and each backend's prepared state, worked out once and reused by every layer; never
-            copied (``dataclasses.replace`` starts a new one).
+        block_ids_trusted: the engine vouches that every block id lies inside the caches the step runs on
+            (its own allocator made the table for them, and reading a GPU table back would sync):
+            :meth:`check_cache` then checks the page size only. Set by :meth:`for_decode`.
+
+    The metadata knows nothing of backends: what a step works out for its layers and backends (runs,
+    sub-batches, prepared states) is the :class:`~mla_backends.step_plan.StepPlan` that
+    :func:`~mla_backends.step_plan.plan_step` makes from it.
     """
 
     block_size: int
@@ -142,7 +141,7 @@ class BatchMetadata:
     max_block_ids: tuple[int, ...] | None = None
     graph_static: bool = False
     verified_block_table: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    step_plan: StepPlan = field(default_factory=StepPlan, init=False, repr=False)
+    block_ids_trusted: bool = False
 
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -297,31 +296,48 @@ class BatchMetadata:
         )
 
     # ---- validation against a cache (host only) ---------------------------------------------------------
-    def check_cache(self, cache: PagedRows) -> None:
-        """Raise ValueError unless every block id of every request's whole sequence lies inside ``cache``.
+    def check_cache(self, cache: PagedRows, *, max_block_id: int | None = None) -> None:
+        """Raise ValueError unless ``cache`` has this step's page size and holds every block id of every
+        request's whole sequence (slots then lie in range too: each is ``block * block_size + offset``).
 
-        The step is checked whole, before any layer writes: the host maxima from :meth:`build` are compared
-        with ``cache.num_blocks`` (no device read); slots then lie in range too, since each is ``block *
-        block_size + offset`` with ``offset < block_size``. The verdict is kept in ``step_plan`` per cache
-        size, so the layers of a step check once. Metadata whose table :meth:`build` did not verify (made by
-        hand, or a copy with another table: :attr:`verified_block_table`) is read from the device once (one
-        sync).
+        A host comparison: :meth:`build`'s verdict (``num_blocks``) or its per-request maxima
+        (:attr:`max_block_ids`) against ``cache.num_blocks``; ``max_block_id`` (what the step plan computed once,
+        :meth:`max_live_block_id`) stands in for metadata that has neither. Metadata with neither and no
+        ``max_block_id`` (made by hand) reads its table from the device (one sync); the layers never do.
         """
         if self.block_size != cache.block_size:
             raise ValueError(f"meta.block_size: got {self.block_size}; supported the cache's {cache.block_size}")
         n = cache.num_blocks
-        if n in self.step_plan.block_ids_checked or not self.num_requests:
+        if self.block_ids_trusted or not self.num_requests:
             return
         verified = self.verified_block_table is self.block_table  # build's verdicts describe this table
-        if verified and self.num_blocks is not None and self.num_blocks > n:
-            raise ValueError(f"meta.num_blocks: got {self.num_blocks}; supported <= the cache's {n}")
-        if not verified or self.num_blocks is None:
-            hi = (max(self.max_block_ids) if verified and self.max_block_ids is not None
-                  else self._device_max_block_id())
-            if hi >= n:
-                raise ValueError(f"meta.block_table: got block id {hi}; supported [0, {n - 1}] for this cache "
-                                 f"({n} blocks)")
-        self.step_plan.block_ids_checked.add(n)
+        if verified and self.num_blocks is not None:
+            if self.num_blocks > n:
+                raise ValueError(f"meta.num_blocks: got {self.num_blocks}; supported <= the cache's {n}")
+            return
+        hi = self.max_live_block_id() if max_block_id is None else max_block_id
+        if hi is not None and hi >= n:
+            raise ValueError(f"meta.block_table: got block id {hi}; supported [0, {n - 1}] for this cache "
+                             f"({n} blocks)")
+
+    def max_live_block_id(self) -> int | None:
+        """The largest block id any request of the step reads (``-1``: none), the one computation of it: from
+        :meth:`build`'s host maxima when they describe this table, else read from ``block_table`` (one sync;
+        hand-made metadata). None when no read is needed (``block_ids_trusted``, or ``build`` checked the ids
+        against ``num_blocks``)."""
+        if self.block_ids_trusted:
+            return None
+        verified = self.verified_block_table is self.block_table
+        if verified and self.num_blocks is not None:
+            return None
+        if verified and self.max_block_ids is not None:
+            return max(self.max_block_ids, default=-1)
+        return self._device_max_block_id()
+
+    def slots_for(self, cache: PagedRows) -> torch.Tensor:
+        """The new tokens' slots ``[T]`` for ``cache.write``, after :meth:`check_cache` (host only)."""
+        self.check_cache(cache)
+        return self.slot_mapping
 
     def _device_max_block_id(self) -> int:
         """Largest live block id read from ``block_table`` (one sync; hand-made metadata only)."""
@@ -392,24 +408,13 @@ class BatchMetadata:
         if x.shape[0] != self.num_tokens:
             raise ValueError(f"{name}: got {x.shape[0]} tokens; supported {self.num_tokens} (the batch's tokens)")
 
-    # ---- per-step preparation -----------------------------------------------------------------------------
-    def prepare(self, backend: MLABackend) -> object | None:
-        """Run ``backend.prepare(self)`` once for this step and return its state (the same object on every
-        later call, for every instance of the backend's class). An engine calls it before the first layer;
-        backends call it from ``forward_mqa``. See :mod:`mla_backends.step_plan`."""
-        return self.step_plan.prepare(backend, self)
-
     # ---- sub-batches --------------------------------------------------------------------------------------
     def select_requests(self, start: int, stop: int) -> BatchMetadata:
         """Metadata for processing requests ``start:stop`` (already ordered; the permutation is identity).
 
-        Built once per ``(start, stop)`` and kept in ``step_plan.sub_batches``: every layer of a step gets the
-        same sub-batch, so the checks and preparation kept on it run once per step.
+        A new object on every call: :func:`~mla_backends.step_plan.plan_step` makes each sub-batch of a step
+        once and every layer reads it from the plan (``plan.batch(start, stop)``).
         """
-        key = (start, stop)
-        sub = self.step_plan.sub_batches.get(key)
-        if sub is not None:
-            return sub
         require_int("start", start, minimum=0)
         require_int("stop", stop, minimum=start)
         if stop > self.num_requests:
@@ -438,6 +443,102 @@ class BatchMetadata:
             max_block_ids=None if self.max_block_ids is None else self.max_block_ids[start:stop],
             graph_static=self.graph_static,
             verified_block_table=sub_table if self.verified_block_table is self.block_table else None,
+            block_ids_trusted=self.block_ids_trusted,
         )
-        self.step_plan.sub_batches[key] = sub
         return sub
+
+    # ---- decode context parallelism --------------------------------------------------------------------------
+    def local_decode(self, dcp_rank: int, dcp_size: int) -> tuple[BatchMetadata | None, torch.Tensor]:
+        """This DCP rank's view of the step's single-token requests: ``(local, tokens)``.
+
+        ``local`` is read-only metadata over the rows the rank holds (each request it holds rows of gets query
+        length 1 and context ``held - 1``, its last local row standing in for the token), None when it holds
+        no row of any; ``tokens [n]`` (int64) is the processing-order token of each of its requests. Requests
+        with more than one new token are refused (under DCP they run ``forward_mha``).
+        """
+        require_int("dcp_size", dcp_size, minimum=1)
+        require_int("dcp_rank", dcp_rank, minimum=0)
+        starts = self.query_starts_list
+        rows, tokens, ctx = [], [], []
+        for b, (qn, s) in enumerate(zip(self.query_lens_list, self.seq_lens_list, strict=True)):
+            if qn > 1:
+                raise ValueError(f"meta: request {b} has query length {qn} on the absorbed path under decode "
+                                 "context parallelism; supported 1 (longer queries run forward_mha)")
+            held = dcp_local_len(s, dcp_rank, dcp_size)
+            if qn == 1 and held:
+                rows.append(b)
+                tokens.append(starts[b])
+                ctx.append(held - 1)
+        local = None
+        if rows:
+            local = BatchMetadata.build([1] * len(rows), ctx, self.block_table[rows], self.block_size,
+                                        num_blocks=self.num_blocks, reorder=False, device=self.device,
+                                        read_only=True)
+        return local, torch.tensor(tokens, dtype=torch.long, device=self.device)
+
+    # ---- engines' own decode batches ---------------------------------------------------------------------
+    @classmethod
+    def for_decode(cls, block_table: torch.Tensor, seq_lens: torch.Tensor, seq_lens_host: Sequence[int],
+                   block_size: int, *, slot_mapping: torch.Tensor | None = None) -> BatchMetadata:
+        """The metadata of ``B`` single-token decode requests an engine already laid out, in its order (no
+        reordering, no copy of the table when it is int32).
+
+        For engines that keep their own block tables and lengths on the device (vLLM's decode metadata):
+        nothing on the device is read. A host (CPU) table is checked as :meth:`build` checks it; a device
+        table was made by the engine's allocator for its caches and is trusted (:attr:`block_ids_trusted`),
+        since reading it back would synchronise.
+
+        Args:
+            block_table: ``[B, max_blocks]`` int page ids, on the caches' device.
+            seq_lens: ``[B]`` int lengths including this step's token, same device.
+            seq_lens_host: the same lengths as host ints (the engine's host copy).
+            block_size: tokens per page of the caches.
+            slot_mapping: ``[B]`` slots of the new tokens (when the engine writes them itself; default ``-1``).
+        """
+        require_tensor("block_table", block_table, ndim=2)
+        if not _is_int_tensor(block_table):
+            raise TypeError(f"block_table: got dtype {block_table.dtype}; supported an int tensor")
+        B = block_table.shape[0]
+        require_tensor("seq_lens", seq_lens, shape=(B,))
+        if not _is_int_tensor(seq_lens):
+            raise TypeError(f"seq_lens: got dtype {seq_lens.dtype}; supported an int tensor")
+        require_int("block_size", block_size, minimum=1)
+        if isinstance(seq_lens_host, (str, bytes)) or not isinstance(seq_lens_host, Sequence):
+            raise TypeError(f"seq_lens_host: got {type(seq_lens_host).__name__}; supported a sequence of ints")
+        lens = tuple(seq_lens_host)
+        if len(lens) != B:
+            raise ValueError(f"seq_lens_host: got {len(lens)} lengths; supported one per request ({B})")
+        for b, s in enumerate(lens):
+            require_int(f"seq_lens_host[{b}]", s, minimum=1)
+            if s > INT32_MAX:
+                raise ValueError(f"seq_lens_host[{b}]: got {s}; supported <= {INT32_MAX} (int32 lengths)")
+            if -(-s // block_size) > block_table.shape[1]:
+                raise ValueError(f"block_table: request {b} holds {s} tokens and needs {-(-s // block_size)} "
+                                 f"pages of {block_size}; got a row of {block_table.shape[1]} entries")
+        dev = block_table.device
+        if slot_mapping is not None:
+            require_tensor("slot_mapping", slot_mapping, ndim=1)
+            if slot_mapping.shape[0] < B or not _is_int_tensor(slot_mapping):
+                raise ValueError(f"slot_mapping: got {list(slot_mapping.shape)} {slot_mapping.dtype}; supported "
+                                 f"at least {B} int slots")
+        table = block_table if block_table.dtype == torch.int32 else block_table.to(torch.int32)
+        seq = seq_lens if seq_lens.dtype == torch.int32 else seq_lens.to(torch.int32)
+        ctx = seq - 1
+        rows = torch.arange(B, device=dev)
+        slots = (torch.full((B,), -1, dtype=torch.int64, device=dev) if slot_mapping is None
+                 else slot_mapping[:B].to(torch.int64))
+        max_ids = None
+        if dev.type == "cpu":  # host memory: the per-request largest live block id, as build() keeps it
+            need = torch.tensor([-(-s // block_size) for s in lens], dtype=torch.int64)
+            live = torch.arange(table.shape[1])[None, :] < need[:, None]
+            max_ids = tuple(torch.where(live, table.long(), torch.full_like(table, -1, dtype=torch.long))
+                            .amax(dim=1).tolist()) if B else ()
+            if B and int(torch.where(live, table.long(), torch.zeros_like(table, dtype=torch.long)).min()) < 0:
+                raise ValueError("block_table: got a negative block id in a live page; supported ids >= 0")
+        return cls(
+            block_size=block_size, order=rows, token_order=rows,
+            query_lens=torch.ones(B, dtype=torch.int32, device=dev), context_lens=ctx, seq_lens=seq,
+            query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=dev), block_table=table,
+            slot_mapping=slots, token_request=rows, token_positions=ctx.long(), query_lens_list=(1,) * B,
+            context_lens_list=tuple(s - 1 for s in lens), max_block_ids=max_ids, verified_block_table=table,
+            block_ids_trusted=dev.type != "cpu")

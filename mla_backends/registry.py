@@ -144,8 +144,10 @@ def validate_backend_class(cls: object) -> list[str]:
             problems += [f"capabilities: {p}" for p in caps.problems()]
         except USER_CODE_FAILURES as exc:  # a declaration so broken its own checks fail
             problems.append(f"capabilities: unreadable ({failure_text(exc)})")
-    if cls._forward_mqa_impl is MLABackend._forward_mqa_impl and cls.forward_mqa is MLABackend.forward_mqa:
-        problems.append("_forward_mqa_impl: got the abstract base method; supported an implementation")
+    base = MLABackend
+    if (cls.forward_mqa_kernel is base.forward_mqa_kernel and cls._forward_mqa_impl is base._forward_mqa_impl
+            and cls.forward_mqa is base.forward_mqa):
+        problems.append("forward_mqa_kernel: got the abstract base method; supported an implementation")
     return problems
 
 

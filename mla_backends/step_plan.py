@@ -1,47 +1,47 @@
-"""What one step works out once and every layer of the step reuses: the :class:`StepPlan`.
+"""What one step works out once, before its first layer: :func:`plan_step` and the frozen :class:`StepPlan`.
 
-A :class:`~mla_backends.metadata.BatchMetadata` describes one step (one forward over all layers). Each layer
-runs the same checks and the same preparation on it, so their results are kept here, typed, next to the
-metadata (``meta.step_plan``):
+A :class:`~mla_backends.metadata.BatchMetadata` describes one step (one forward over all layers) and knows
+nothing of backends. :func:`plan_step` is the one place that turns it into everything the step's layers and
+backends read:
 
-- ``runs``: the absorbed/expanded runs of requests (:class:`Run`), per dispatch key
-  (:func:`mla_backends.dispatch.step_runs` fills it);
-- ``block_ids_checked``: the cache sizes (``num_blocks``) the block ids were verified against;
-- ``sub_batches``: the metadata of request ranges ``(start, stop)`` (``meta.select_requests``);
-- ``accepted``: the declaration keys a backend accepted (``mqa_inputs.check_declared_support``);
-- ``dcp``: decode context parallelism's per-step state (:mod:`mla_backends.dcp`: the local metadata of the
-  absorbed requests);
-- ``prepared``: each backend's per-step state, from :meth:`MLABackend.prepare
-  <mla_backends.backend.MLABackend.prepare>`.
+- ``runs``: for each layer's dispatch (policy, backend declarations, sparse or not), the processing-order
+  requests cut into :class:`Run` s that take the absorbed or the expanded path;
+- ``batches``: the sub-batch metadata of every run (``(start, stop)``; the whole step is ``(0, B)``);
+- ``local``: under decode context parallelism, each absorbed run's rank-local decode metadata and the
+  processing-order token of each of its rows;
+- ``states``: every backend's per-step state, its :meth:`~mla_backends.backend.MLABackend.prepare` result for
+  every batch it will be handed (FlashInfer's ``plan()``, REF_TORCH's page ids and masks), once per
+  ``backend.prepare_key()`` and batch;
+- ``accepted``: the combinations of inputs each configured backend's declarations accept for its batches
+  (``forward_mqa`` looks its inputs up here instead of asking the declarations again on every layer);
+- ``max_block_id``: the largest live block id of the step, which every cache check compares with.
 
-The plan is built with the metadata and is never copied: ``dataclasses.replace(meta, ...)`` makes new metadata
-with an empty plan, so nothing checked or prepared for one step leaks into another. A step's metadata (and so
-its plan) must not be edited in place once the first layer ran.
+It runs once per step, eagerly, outside any CUDA-graph capture (for a captured decode step: after
+``DecodeGraphMetadata.update`` and before ``graph.replay()``). The plan is then frozen: ``MLAAttention.forward``,
+``forward_mqa`` and ``forward_mha`` only read it, and a layer handed a plan that was not made for it (another
+step's metadata, another layer's dispatch, another backend) refuses it by name instead of planning in the middle
+of a step. Nothing after planning waits for the device: what needs host data was computed here, from host data.
 
-**The engine's call.** ``layer.prepare(meta)`` (``MLAAttention.prepare``) prepares exactly the batches the
-layers hand to ``forward_mqa``; underneath, ``meta.prepare(backend)`` (equivalently
-``meta.step_plan.prepare(backend, meta)``) runs the backend's ``prepare`` hook for that metadata, once, and
-returns its state; a second call returns the same object. An engine calls it once per step before the first
-layer, outside any CUDA-graph capture (for a captured
-decode step: after ``DecodeGraphMetadata.update``, before ``graph.replay()``); a backend that was not prepared
-is prepared on its first ``forward_mqa`` of the step. States are kept per ``backend.prepare_key()``: the class,
-plus the layer's configuration (``backend.configure(spec, scale)``, which ``MLAAttention`` calls), so every
-layer configured alike shares one state, and a 61-layer model prepares once per step, not 61 times.
+Participants are duck-typed so that this module stays below the backends and the layer: each has
+``plan_request(meta) -> PlanRequest`` saying what it will run. ``MLAAttention`` asks for its runs; an
+``MLABackend`` instance asks for the whole step as one absorbed batch, which is how an engine that calls
+``forward_mqa`` itself (the vLLM adapter) plans.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from types import MappingProxyType
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import torch
+
+from .cache import PagedRows, SlotSource
 from .meta_checks import require_whole_sequences
+from .metadata import BatchMetadata
 
-if TYPE_CHECKING:
-    from .backend import MLABackend
-    from .metadata import BatchMetadata
-
-__all__ = ["Run", "StepPlan"]
+__all__ = ["Run", "PlanRequest", "StepPlan", "StepPlanError", "plan_step", "require_plan", "Preparer"]
 
 
 class Run(NamedTuple):
@@ -52,60 +52,210 @@ class Run(NamedTuple):
     stop: int
 
 
-@dataclass(eq=False)
-class StepPlan:
-    """Per-step state shared by every layer of one step (see the module docstring).
+class StepPlanError(ValueError):
+    """A plan that does not fit the call: made for other metadata, without this layer or backend, or missing."""
+
+
+@runtime_checkable
+class Preparer(Protocol):
+    """What :func:`plan_step` needs of a backend: its per-step ``prepare``, the key states are shared by, and
+    the declaration keys its configuration accepts on a batch (``MLABackend`` has all three)."""
+
+    def prepare(self, meta: BatchMetadata) -> object | None: ...
+
+    def prepare_key(self) -> Hashable: ...
+
+    def planned_declarations(self, meta: BatchMetadata, *, sparse: bool = False) -> frozenset[Hashable]: ...
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What one layer will run this step, as it tells :func:`plan_step`.
 
     Attributes:
-        runs: dispatch key -> the step's runs under that policy/backend (:func:`mla_backends.dispatch.step_runs`).
-        block_ids_checked: ``num_blocks`` of every cache the step's block ids were checked against.
-        sub_batches: ``(start, stop)`` -> the sub-batch metadata of those processing-order requests.
-        accepted: keys of the ``(backend, dtype, heads, cache ...)`` combinations whose declarations accepted
-            this step's inputs.
-        prepared: ``backend.prepare_key()`` (its class, plus its configuration when configured) -> what its
-            ``prepare(meta)`` returned for this step (None included).
-        dcp: :mod:`mla_backends.dcp`'s per-step state, by key.
+        runs_key: the key its runs are kept under (layers that dispatch alike share it).
+        runs: the step's processing-order requests cut into runs.
+        backend: the backend instance its absorbed runs go to (prepared for each of them).
+        dcp: ``(rank, size)`` of its decode-context-parallel place, or None.
+        sparse: its absorbed calls pass top-k indices (DeepSeek-V3.2).
     """
 
-    runs: dict[Hashable, tuple[Run, ...]] = field(default_factory=dict)
-    block_ids_checked: set[int] = field(default_factory=set)
-    sub_batches: dict[tuple[int, int], BatchMetadata] = field(default_factory=dict)
-    accepted: set[Hashable] = field(default_factory=set)
-    prepared: dict[object, object | None] = field(default_factory=dict)
-    dcp: dict[Hashable, object] = field(default_factory=dict)
+    runs_key: Hashable
+    runs: tuple[Run, ...]
+    backend: Preparer
+    dcp: tuple[int, int] | None = None
+    sparse: bool = False
 
-    def prepare(self, backend: MLABackend, meta: BatchMetadata) -> object | None:
-        """``backend.prepare(meta)`` once per backend class and step; later calls return the same state.
 
-        Args:
-            backend: an :class:`~mla_backends.backend.MLABackend` instance.
-            meta: the metadata this plan belongs to (``meta.step_plan is self``).
+@dataclass(frozen=True, eq=False)
+class StepPlan(SlotSource):
+    """One step's plan (module docstring): made by :func:`plan_step`, read by every layer, never changed.
+
+    Attributes:
+        meta: the step's metadata.
+        runs: dispatch key -> the step's runs under it.
+        batches: ``(start, stop)`` -> the metadata of those processing-order requests (``(0, B)`` is ``meta``).
+        local: ``(start, stop, dcp_rank, dcp_size)`` -> ``(local decode metadata or None, [n] int64 tokens)``.
+        states: ``(backend.prepare_key(), id(batch))`` -> what ``backend.prepare(batch)`` returned.
+        accepted: declaration keys (``mqa_inputs.declaration_key``) the planned backends accept.
+        max_block_id: the largest block id any request of the step reads (``-1``: none), computed once
+            (``meta.max_live_block_id()``); None when no cache check needs it (``build`` checked the ids
+            against ``num_blocks``, or the engine vouched for them: ``block_ids_trusted``).
+    """
+
+    meta: BatchMetadata
+    runs: Mapping[Hashable, tuple[Run, ...]] = field(repr=False)
+    batches: Mapping[tuple[int, int], BatchMetadata] = field(repr=False)
+    local: Mapping[tuple[int, int, int, int], tuple[Any, Any]] = field(repr=False)
+    states: Mapping[tuple[Hashable, int], object] = field(repr=False)
+    accepted: frozenset[Hashable] = field(default=frozenset(), repr=False)
+    max_block_id: int | None = None
+
+    # ---- what the layers read ----------------------------------------------------------------------------
+    def runs_for(self, key: Hashable, who: str = "this layer") -> tuple[Run, ...]:
+        """The runs planned under dispatch ``key``; :class:`StepPlanError` when no participant asked for it."""
+        try:
+            return self.runs[key]
+        except (KeyError, TypeError):
+            raise StepPlanError(
+                f"plan: got a plan made without {who} (no runs for its dispatch); supported the step's plan "
+                "from plan_step(meta, layers) naming every layer of the step") from None
+
+    def batch(self, start: int, stop: int) -> BatchMetadata:
+        """The planned metadata of processing requests ``start:stop``."""
+        try:
+            return self.batches[(start, stop)]
+        except KeyError:
+            raise StepPlanError(f"plan: got no batch for requests {start}:{stop}; supported the runs this plan "
+                                "was made with (plan_step(meta, layers) naming every layer)") from None
+
+    def local_decode(self, start: int, stop: int, dcp_rank: int, dcp_size: int) -> tuple[Any, Any]:
+        """``(local metadata or None, tokens)`` of run ``start:stop`` on DCP rank ``dcp_rank`` of ``dcp_size``."""
+        try:
+            return self.local[(start, stop, dcp_rank, dcp_size)]
+        except KeyError:
+            raise StepPlanError(f"plan: got no DCP-local metadata for requests {start}:{stop} on rank {dcp_rank} "
+                                f"of {dcp_size}; supported a plan made with this layer") from None
+
+    def state(self, backend: Preparer, meta: BatchMetadata) -> object | None:
+        """``backend``'s prepared state for ``meta`` (one of this plan's batches).
+
+        Raises:
+            StepPlanError: ``meta`` is not a batch of this plan (the plan was made for other metadata), or
+                ``backend`` (its ``prepare_key()``) was not planned for it.
         """
-        require_whole_sequences(meta, "meta.prepare(backend)")
-        if meta.step_plan is not self:
-            raise ValueError("meta: got metadata whose step_plan is another plan; supported the metadata this "
-                             "plan belongs to (call meta.prepare(backend))")
-        prepare = getattr(backend, "prepare", None)
-        if not callable(prepare):
-            raise TypeError(f"backend: got {type(backend).__name__}, which has no prepare(meta); supported an "
-                            "MLABackend instance")
-        key_of = getattr(backend, "prepare_key", None)
-        key = key_of() if callable(key_of) else type(backend)
-        if key not in self.prepared:
-            self.prepared[key] = prepare(meta)
-        return self.prepared[key]
+        key = (backend.prepare_key(), id(meta))
+        if key in self.states:
+            return self.states[key]
+        mine = any(b is meta for b in self.batches.values()) or any(
+            loc is meta for loc, _ in self.local.values())
+        name = getattr(backend, "name", type(backend).__name__)
+        if not mine:
+            raise StepPlanError(
+                "plan: got a plan made for other metadata (the metadata given is not one of its batches); "
+                "supported the plan of this step's metadata (plan_step(meta, ...) for the same meta, once per "
+                "step, before the first layer)")
+        raise StepPlanError(
+            f"plan: got a plan made without backend {name} (configured as {backend.prepare_key()!r}) for this "
+            "batch; supported a plan from plan_step(meta, participants) naming the layer or backend that runs it")
 
-    def reset(self) -> None:
-        """Forget everything kept for the step (a persistent metadata whose tensors were rewritten in place
-        for a new step, :class:`~mla_backends.decode_graph.DecodeGraphMetadata`, starts over)."""
-        self.runs.clear()
-        self.block_ids_checked.clear()
-        self.sub_batches.clear()
-        self.accepted.clear()
-        self.prepared.clear()
-        self.dcp.clear()
+    def check_cache(self, cache: PagedRows) -> None:
+        """Raise ValueError unless ``cache`` has the step's page size and holds every block id of the step
+        (a host comparison with :attr:`max_block_id`; no device read)."""
+        self.meta.check_cache(cache, max_block_id=self.max_block_id)
 
-    def is_prepared(self, backend: MLABackend) -> bool:
-        """Whether ``backend``'s class (and configuration, ``backend.prepare_key()``) already prepared this step."""
-        key_of = getattr(backend, "prepare_key", None)
-        return (key_of() if callable(key_of) else type(backend)) in self.prepared
+    def slots_for(self, cache: PagedRows) -> torch.Tensor:
+        """The step's new-token slots ``[T]`` for ``cache.write``, after :meth:`check_cache` (host only)."""
+        self.check_cache(cache)
+        return self.meta.slot_mapping
+
+    def is_for(self, meta: BatchMetadata) -> bool:
+        """Whether this plan was made for ``meta`` (the step's metadata or one of its batches)."""
+        return meta is self.meta or any(b is meta for b in self.batches.values()) or any(
+            loc is meta for loc, _ in self.local.values())
+
+
+def _participant(p: object, meta: BatchMetadata) -> PlanRequest:
+    request = getattr(p, "plan_request", None)
+    if callable(request) and not isinstance(p, type):
+        got = request(meta)
+        if not isinstance(got, PlanRequest):
+            raise TypeError(f"participants: {type(p).__name__}.plan_request returned {type(got).__name__}; "
+                            "supported PlanRequest")
+        return got
+    raise TypeError(f"participants: got {type(p).__name__}; supported MLAAttention layers (plan_request) or "
+                    "MLABackend instances (prepare, prepare_key)")
+
+
+def plan_step(meta: BatchMetadata, participants: Iterable[object]) -> StepPlan:
+    """Plan one step for every layer (or backend) that will run it; see the module docstring.
+
+    Args:
+        meta: the step's :class:`~mla_backends.metadata.BatchMetadata`.
+        participants: the step's ``MLAAttention`` layers (each layer's dispatch and backend; layers alike are
+            planned once), or ``MLABackend`` instances an engine hands the whole step to (``forward_mqa``):
+            anything with ``plan_request(meta)``.
+
+    Returns:
+        The frozen :class:`StepPlan`. Every backend's ``prepare`` ran here, once per ``prepare_key()`` and batch.
+
+    Raises:
+        TypeError: ``meta`` is not metadata, or a participant is neither a layer nor a backend.
+        ValueError: a backend or layer refuses the metadata (DCP metadata given to a bare backend, ...).
+    """
+    if not isinstance(meta, BatchMetadata):
+        raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata (BatchMetadata.build)")
+    if isinstance(participants, (str, bytes)) or not isinstance(participants, Iterable):
+        raise TypeError(f"participants: got {type(participants).__name__}; supported an iterable of layers or "
+                        "backends")
+    items = list(participants)
+    requests = [_participant(p, meta) for p in items]
+    starts = meta.query_starts_list
+    B = meta.num_requests
+    runs: dict[Hashable, tuple[Run, ...]] = {}
+    batches: dict[tuple[int, int], BatchMetadata] = {(0, B): meta}
+    local: dict[tuple[int, int, int, int], tuple[Any, Any]] = {}
+    states: dict[tuple[Hashable, int], object] = {}
+    accepted: set[Hashable] = set()
+
+    def batch(b0: int, b1: int) -> BatchMetadata:
+        if (b0, b1) not in batches:
+            batches[(b0, b1)] = meta.select_requests(b0, b1)
+        return batches[(b0, b1)]
+
+    for req in requests:
+        if req.runs_key is not None:
+            runs.setdefault(req.runs_key, req.runs)
+        for absorbed, b0, b1 in req.runs:
+            sub = batch(b0, b1)
+            if not absorbed or starts[b0] == starts[b1]:
+                continue
+            target = sub
+            if req.dcp is not None:
+                rank, size = req.dcp
+                key = (b0, b1, rank, size)
+                if key not in local:
+                    local[key] = sub.local_decode(rank, size)
+                target = local[key][0]
+                if target is None:
+                    continue
+            else:
+                require_whole_sequences(target, "plan_step(meta, backends)")
+            skey = (req.backend.prepare_key(), id(target))
+            if skey not in states:
+                states[skey] = req.backend.prepare(target)
+                accepted |= req.backend.planned_declarations(target, sparse=req.sparse)
+    max_id = meta.max_live_block_id()  # the one device read, for hand-made metadata only
+    return StepPlan(meta=meta, runs=MappingProxyType(runs), batches=MappingProxyType(batches),
+                    local=MappingProxyType(local), states=MappingProxyType(states), accepted=frozenset(accepted),
+                    max_block_id=max_id)
+
+
+def require_plan(plan: object, entry: str) -> StepPlan:
+    """``plan`` when it is a :class:`StepPlan`; a :class:`TypeError` naming ``entry`` otherwise (metadata given
+    where the step's plan belongs, or nothing)."""
+    if isinstance(plan, StepPlan):
+        return plan
+    got = type(plan).__name__
+    raise TypeError(f"plan: got {got} for {entry}; supported the step's StepPlan (plan = plan_step(meta, layers), "
+                    "once per step, before the first layer and outside any CUDA-graph capture)")

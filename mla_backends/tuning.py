@@ -50,6 +50,7 @@ from .memory import require_fits
 from .metadata import BatchMetadata
 from .plugins import get_backend, registered_backends
 from .progress import ProgressBar
+from .step_plan import StepPlan, plan_step
 from .threshold_table import ContextThresholds, ThresholdTable
 from .validation import require_device, require_int
 
@@ -261,12 +262,14 @@ class PathTimer:
         self.rows = rows  # [positions, r + R]: what the cache holds, so both paths see the same new tokens
         self.r = r
 
-    def absorbed(self, meta: BatchMetadata, q: int) -> torch.Tensor:
-        """The layer's absorbed path for ``q`` query tokens: ``[q, H, v_head_dim]``."""
-        return self.layer.absorbed_attention(self.q[:q], self.cache, meta)
+    def absorbed(self, plan: StepPlan, q: int) -> torch.Tensor:
+        """The layer's absorbed path for ``q`` query tokens of the one-request step ``plan``: ``[q, H,
+        v_head_dim]``."""
+        return self.layer.absorbed_attention(self.q[:q], self.cache, plan, (0, 1))
 
-    def expanded(self, meta: BatchMetadata, q: int) -> torch.Tensor:
+    def expanded(self, plan: StepPlan, q: int) -> torch.Tensor:
         """The layer's expanded path (``forward_mha``) for ``q`` query tokens: ``[q, H, v_head_dim]``."""
+        meta = plan.meta
         start = meta.context_lens_list[0]
         rows = self.rows[start : start + q]  # the new tokens' rows, as already written to the cache
         return self.layer.expanded_attention(self.q[:q], rows[:, : self.r], rows[:, self.r :], self.cache, meta)
@@ -281,6 +284,7 @@ class PathTimer:
         meta = BatchMetadata.build(
             [query_len], [context_len], self.block_table, self.block_size, decode_threshold=query_len
         )
+        plan = plan_step(meta, [self.layer.backend])  # both paths over the whole step (planned untimed)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         best = {"a": math.inf, "e": math.inf}
         with torch.inference_mode():
@@ -288,7 +292,7 @@ class PathTimer:
                 for key, fn in (("a", self.absorbed), ("e", self.expanded)):
                     sync()
                     t0 = time.perf_counter()
-                    fn(meta, query_len)
+                    fn(plan, query_len)
                     sync()
                     if i or not warmup:  # a warm-up round is not kept
                         best[key] = min(best[key], time.perf_counter() - t0)

@@ -28,11 +28,11 @@ def _fake_of(real: type[MLABackend]) -> type[MLABackend]:
     but requiring no package: ``requires``/``extra`` are dropped and FlashInfer's installed-version check
     answers "fine", so no test depends on what this machine has installed. It never runs a kernel."""
 
-    def _forward_mqa_impl(self, *args, **kwargs):  # never run: the selector only reads declarations
+    def forward_mqa_kernel(self, *args, **kwargs):  # never run: the selector only reads declarations
         raise AssertionError("fake backends are for selection tests only")
 
     body = {"capabilities": dataclasses.replace(real.capabilities, requires=(), extra=None),
-            "_forward_mqa_impl": _forward_mqa_impl, "__module__": __name__}
+            "forward_mqa_kernel": forward_mqa_kernel, "__module__": __name__}
     if issubclass(real, FlashInferBackendBase):
         body["installed_reasons"] = classmethod(lambda cls: [])
     return type("Fake" + real.__name__.removesuffix("Backend"), (real,), body)

@@ -1,6 +1,6 @@
 """The backend contract, written once in ``MLABackend.forward_mqa``, and reasons as data (:mod:`mla_backends.reasons`).
 
-* No built-in backend class defines ``forward_mqa``: each implements ``_forward_mqa_impl``.
+* No built-in backend class defines ``forward_mqa``: each implements ``forward_mqa_kernel``.
 * The base class refuses a kernel method that reshapes its output or returns a value, naming the backend.
 * A third-party class that still overrides ``forward_mqa`` is registered, keeps working, and leaves a plugin
   problem (stage ``contract``) that ``mla-backends list`` shows.
@@ -68,7 +68,7 @@ def test_no_builtin_backend_class_defines_forward_mqa():
     offenders = [c.__qualname__ for c in classes if "forward_mqa" in vars(c)]
     assert offenders == [], f"these backend classes define forward_mqa themselves: {offenders}"
     builtins = [e.cls for e in get_registry().entries() if e.source == "builtin"]
-    assert len(builtins) == 6 and all("_forward_mqa_impl" in vars(c) for c in builtins)
+    assert len(builtins) == 6 and all("forward_mqa_kernel" in vars(c) for c in builtins)
     assert all(contract_problems(c) == [] for c in classes)
     assert "forward_mqa" in vars(MLABackend)
 
@@ -90,8 +90,8 @@ def test_a_kernel_method_returning_a_value_is_refused(setup):
     class Returns(RefTorchBackend):
         name = "RETURNS_MLA"
 
-        def _forward_mqa_impl(self, *args, **kw):
-            super()._forward_mqa_impl(*args, **kw)
+        def forward_mqa_kernel(self, *args, **kw):
+            super().forward_mqa_kernel(*args, **kw)
             return kw["out"], kw["lse_out"]
 
     cache, meta, q_latent, q_rope = setup
@@ -106,9 +106,9 @@ def test_base_allocates_checks_and_skips_zero_tokens(setup):
     class Spy(RefTorchBackend):
         name = "SPY_MLA"
 
-        def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, **kw):
+        def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, **kw):
             calls.append(kw)
-            super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
+            super().forward_mqa_kernel(q_latent, q_rope, cache, meta, **kw)
 
     out, lse = Spy().forward_mqa(q_latent, q_rope, cache, meta, scale=0.1)
     assert calls[0]["out"] is out and calls[0]["lse_out"] is lse and out.shape == (2, H, R)
@@ -139,7 +139,7 @@ def test_no_lse_backends_get_none_back(setup):
         capabilities = Capabilities(dtypes=frozenset({torch.float32}), kv_cache_dtypes=frozenset({"float32"}),
                                     cpu=True, returns_lse=False)
 
-        def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, *, lse_out, **kw):
+        def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, *, lse_out, **kw):
             assert lse_out is None
             kw["out"].zero_()
 

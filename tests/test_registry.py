@@ -72,7 +72,7 @@ def test_validation_of_backend_classes():
     assert validate_backend_class(FakeXqa) == []
     assert validate_backend_class(object) == [
         "backend: got <class 'object'>; supported an MLABackend subclass"]
-    assert validate_backend_class(NoKernel) == ["_forward_mqa_impl: got the abstract base method; supported an "
+    assert validate_backend_class(NoKernel) == ["forward_mqa_kernel: got the abstract base method; supported an "
                                                 "implementation"]
     bad_caps = type("BAD_CAPS", (FakeXqa,), {"name": "BAD_CAPS", "capabilities": {"dtypes": "bf16"}})
     assert validate_backend_class(bad_caps) == ["capabilities: got dict; supported a Capabilities instance"]
@@ -101,7 +101,7 @@ def test_classes_passed_directly_are_validated():
     assert reg.get(FakeXqa) is FakeXqa
     with pytest.raises(ValueError, match="backend MLABackend: name: got 'ABSTRACT'.*capabilities: got NoneType"):
         reg.get(MLABackend)
-    with pytest.raises(ValueError, match="backend NoKernel: _forward_mqa_impl: got the abstract base method"):
+    with pytest.raises(ValueError, match="backend NoKernel: forward_mqa_kernel: got the abstract base method"):
         reg.get(NoKernel)
     with pytest.raises(ValueError, match="backend MLABackend: name: got 'ABSTRACT'"):
         select_backend("v3", device="cpu", backend=MLABackend)

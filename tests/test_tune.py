@@ -14,6 +14,7 @@ from mla_backends import costs, dispatch, tuning
 from mla_backends.cli import main
 from mla_backends.dims import MLADims
 from mla_backends.metadata import BatchMetadata
+from mla_backends.step_plan import plan_step
 from mla_backends.threshold_table import TABLE_FORMAT, ContextThresholds, ThresholdTable, TunedThresholds
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -144,8 +145,9 @@ def test_path_timer_paths_match_reference():
     meta = BatchMetadata.build([q], [s], timer.block_table, timer.block_size, decode_threshold=q)
     ref = _naive_reference(timer, s, q)
     with torch.inference_mode():
-        torch.testing.assert_close(timer.absorbed(meta, q).double(), ref, atol=1e-9, rtol=1e-9)
-        torch.testing.assert_close(timer.expanded(meta, q).double(), ref, atol=1e-9, rtol=1e-9)
+        plan = plan_step(meta, [timer.layer.backend])
+        torch.testing.assert_close(timer.absorbed(plan, q).double(), ref, atol=1e-9, rtol=1e-9)
+        torch.testing.assert_close(timer.expanded(plan, q).double(), ref, atol=1e-9, rtol=1e-9)
     t = timer.time(s, q)
     assert (t.context_len, t.query_len) == (s, q) and t.absorbed_s > 0 and t.expanded_s > 0
     with pytest.raises(ValueError, match="context_len \\+ query_len: got 41"):
@@ -296,7 +298,7 @@ def _mha_calls(monkeypatch, layer, query_len: int, context_len: int) -> int:
     monkeypatch.setattr(layer_mod, "forward_mha", counting)
     cache = layer.allocate_cache(16, 4)
     meta = BatchMetadata.build([query_len], [context_len], torch.arange(16, dtype=torch.int32).view(1, 16), 4)
-    out = layer(torch.randn(query_len, TINY.hidden_size), None, cache, meta)
+    out = layer(torch.randn(query_len, TINY.hidden_size), None, cache, plan_step(meta, [layer]))
     assert out.shape == (query_len, TINY.hidden_size) and torch.isfinite(out).all()
     monkeypatch.setattr(layer_mod, "forward_mha", real)
     return len(calls)

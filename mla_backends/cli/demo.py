@@ -109,6 +109,7 @@ def layer_demo(args: argparse.Namespace) -> int:
     from ..hf_loading import random_hf_state_dict
     from ..layer import MLAAttention
     from ..metadata import BatchMetadata
+    from ..step_plan import plan_step
 
     prompts = args.prompts
     torch.manual_seed(args.seed)
@@ -138,7 +139,7 @@ def layer_demo(args: argparse.Namespace) -> int:
         x = torch.randn(sum(qlens), dims.hidden_size) * 0.5
         with torch.inference_mode():
             t = time.perf_counter()
-            y = lay(x, None, c, meta)
+            y = lay(x, None, c, plan_step(meta, [lay]))
             return y, time.perf_counter() - t
 
     y, t = step(prompts)

@@ -349,20 +349,18 @@ def check_rejects_bad_inputs(cls: type[MLABackend], case: Case, device: torch.de
 
 def check_no_host_sync(cls: type[MLABackend], case: Case, device: torch.device) -> None:
     """A backend declaring ``host_sync_free`` makes no device-to-host sync in a dense ``forward_mqa`` once the
-    step's metadata is built and prepared (:func:`mla_backends.host_sync.no_host_sync`; a warm-up call first
-    loads its kernels, then a fresh step is prepared outside the guard and run under it)."""
-    from dataclasses import replace
-
+    step's metadata is built and planned (:func:`mla_backends.host_sync.no_host_sync`; a warm-up call first
+    loads its kernels, then the step is planned outside the guard and run under it)."""
     from ..host_sync import HostSyncError, no_host_sync
+    from ..step_plan import plan_step
 
     p = prepare(case, device)
     backend = make_backend(cls, device)
     p.call(backend)  # loads kernels, compiles: first-use work is not per-step work
-    meta = replace(p.meta)  # the same step with an empty step plan, as a new step would have
-    meta.prepare(backend)  # the engine's per-step call, outside the guard
+    plan = plan_step(p.meta, [backend])  # the engine's per-step call, outside the guard
     try:
         with no_host_sync():
-            backend.forward_mqa(p.q_latent, p.q_rope, p.cache, meta, scale=p.scale)
+            backend.forward_mqa(p.q_latent, p.q_rope, p.cache, p.meta, scale=p.scale, plan=plan)
     except HostSyncError as exc:
         raise AssertionError(
             f"{cls.name} declares host_sync_free=True, but forward_mqa synchronised: {exc}; fix the call or "

@@ -184,7 +184,7 @@ class TritonMLABackend(MLABackend):
                                self.min_split_len, cfg.block_n)
 
     # ---- the kernel --------------------------------------------------------------------------------------
-    def _forward_mqa_impl(
+    def forward_mqa_kernel(
         self,
         q_latent: torch.Tensor,
         q_rope: torch.Tensor,
@@ -195,6 +195,7 @@ class TritonMLABackend(MLABackend):
         topk_indices: torch.Tensor | None,
         out: torch.Tensor,
         lse_out: torch.Tensor | None,
+        state: object | None,
     ) -> None:
         """Stage 1 (split-KV partials) and stage 2 (merge) into ``out [T, H, R]`` (q's dtype) and
         ``lse_out [T, H]`` (float32, natural log); inputs validated by :meth:`MLABackend.forward_mqa`."""

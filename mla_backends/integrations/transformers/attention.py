@@ -112,7 +112,7 @@ class PatchedMLAAttention(torch.nn.Module):
         cache = STEP_GATE.cache_for(self._state)
         if cache is None or cache.step is None:
             raise RuntimeError("PatchedMLAAttention: called outside the patched model's forward; call the model")
-        meta, real = cache.step
+        plan, real = cache.step
         B, S, hid = hidden_states.shape
         x = hidden_states.reshape(B * S, hid)
         x = x if real is None else x.index_select(0, real)
@@ -120,7 +120,7 @@ class PatchedMLAAttention(torch.nn.Module):
         if position_ids is not None:
             pos = position_ids.reshape(-1, position_ids.shape[-1])[:, -S:].expand(B, S).reshape(-1)
             positions = (pos if real is None else pos.index_select(0, real.to(pos.device))).to(x.device)
-        y = self.mla(x, positions, cache.caches[self.layer_idx], meta)
+        y = self.mla(x, positions, cache.caches[self.layer_idx], plan)
         if real is None:
             return y.view(B, S, hid), None
         out = hidden_states.new_zeros(B * S, hid)
