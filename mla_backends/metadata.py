@@ -26,7 +26,6 @@ from itertools import accumulate
 import torch
 
 from .cache import PagedRows, SlotSource, duplicate_slot, position_slots
-from .dcp_layout import dcp_local_len
 from .validation import require_device, require_int, require_tensor
 
 __all__ = ["BatchMetadata", "dcp_local_len"]
@@ -36,6 +35,21 @@ IntsLike = Sequence[int] | torch.Tensor
 
 #: the largest length, offset or block id the int32 metadata tensors can hold
 INT32_MAX = 2**31 - 1
+
+
+def dcp_local_len(length: int, dcp_rank: int, dcp_size: int) -> int:
+    """How many of positions ``0 .. length - 1`` DCP rank ``dcp_rank`` of ``dcp_size`` stores: with a DCP group
+    of ``D`` ranks the token at global position ``p`` lives on rank ``p % D`` at local index ``p // D``.
+
+    Raises TypeError/ValueError naming the argument for a non-int, ``length < 0``, ``dcp_size < 1`` or a rank
+    outside ``[0, dcp_size)``.
+    """
+    require_int("length", length, minimum=0)
+    require_int("dcp_size", dcp_size, minimum=1)
+    require_int("dcp_rank", dcp_rank, minimum=0)
+    if dcp_rank >= dcp_size:
+        raise ValueError(f"dcp_rank: got {dcp_rank}; supported 0..{dcp_size - 1} (dcp_size {dcp_size})")
+    return (length - dcp_rank + dcp_size - 1) // dcp_size
 
 
 def _is_int_tensor(x: torch.Tensor) -> bool:
