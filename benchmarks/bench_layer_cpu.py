@@ -63,11 +63,11 @@ def hot_path_figures(context: int, batch: int, block_size: int, repeat: int) -> 
     """Best times of ``BatchMetadata.build`` (a decode batch over ``context`` cached tokens) and of one
     ``MLAAttention`` decode step (REF_TORCH, DeepSeek-V2-Lite attention, fp32), in seconds. Uses only public
     API that older checkouts share, so ``--compare-with`` can time them too."""
-    from mla_backends.dims import MLADims
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
-    from mla_backends.metadata import BatchMetadata
-    from mla_backends.step_plan import plan_step
+    from mla_backends.core.dims import MLADims
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.loading.hf import random_hf_state_dict
+    from mla_backends.step.metadata import BatchMetadata
+    from mla_backends.step.plan import plan_step
 
     torch.manual_seed(0)
     dims = MLADims.deepseek_v2_lite()
@@ -174,12 +174,12 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(hot, fh, indent=2)
         return 0
 
-    from mla_backends import costs
-    from mla_backends.dims import MLADims
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
-    from mla_backends.metadata import BatchMetadata
-    from mla_backends.step_plan import plan_step
+    from mla_backends.core.dims import MLADims
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.loading.hf import random_hf_state_dict
+    from mla_backends.planning import costs
+    from mla_backends.step.metadata import BatchMetadata
+    from mla_backends.step.plan import plan_step
 
     torch.manual_seed(0)
     dims = MLADims.deepseek_v2_lite()
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                    bytes=bytes_moved, bound=bound)
 
     # ---- shared prefill: fused CPU kernel vs the plain one -------------------------------------------------
-    from mla_backends.prefill import PrefillWorkspace, forward_mha
+    from mla_backends.layer.prefill import PrefillWorkspace, forward_mha
 
     n_new, n_ctx = args.prefill_new, args.prefill_context
     P = dims.qk_nope_head_dim

@@ -1,6 +1,6 @@
 """Count the device-to-host syncs of one decode step of a 3-layer model (CPU, REF_TORCH).
 
-The count comes from :func:`mla_backends.host_sync.no_host_sync` in counting mode, loaded from this checkout
+The count comes from :func:`mla_backends.core.host_sync.no_host_sync` in counting mode, loaded from this checkout
 by file path, so the same script also counts an older checkout's code (``PYTHONPATH=/path/to/old python
 benchmarks/count_host_syncs.py``): the guard sees operations, not devices, so CPU counts are what a GPU
 would sync on. ``BatchMetadata.build`` runs outside the count (it is where host work belongs).
@@ -37,11 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=40)
     args = ap.parse_args(argv)
     guard = load_guard()
-    from mla_backends.dims import MLADims
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
-    from mla_backends.metadata import BatchMetadata
-    from mla_backends.step_plan import plan_step
+    from mla_backends.core.dims import MLADims
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.loading.hf import random_hf_state_dict
+    from mla_backends.step.metadata import BatchMetadata
+    from mla_backends.step.plan import plan_step
 
     torch.manual_seed(0)
     dims = MLADims.deepseek_v2_lite()

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from mla_backends.metadata import BatchMetadata
-from mla_backends.step_plan import plan_step
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 
 HIDDEN = 32
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mla_backends.backend import MLABackend
+from mla_backends.backends.contract import MLABackend
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
     FlashInferMLABackend,
@@ -18,8 +18,8 @@ from mla_backends.flashinfer_mla import (
     FlashInferXqaMLABackend,
 )
 from mla_backends.flashinfer_mla._common import FlashInferBackendBase
+from mla_backends.plugins.registry import Registry
 from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.registry import Registry
 from mla_backends.triton_mla import TritonMLABackend
 
 
@@ -61,7 +61,7 @@ def fake_registry(*classes: type[MLABackend]) -> Registry:
 def install(monkeypatch, registry: Registry) -> Registry:
     """Make ``registry`` the process-wide one for a test (restored by monkeypatch), with a clean selector
     state: no ``TRITON_INTERPRET`` (the conftest sets it on CPU machines), no ``MLA_BACKEND``, empty cache."""
-    import mla_backends.plugins as reg_mod
+    import mla_backends.plugins.loading as reg_mod
     from selector.select import clear_cache
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

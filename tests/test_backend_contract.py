@@ -1,4 +1,5 @@
-"""The backend contract, written once in ``MLABackend.forward_mqa``, and reasons as data (:mod:`mla_backends.reasons`).
+"""The backend contract, written once in ``MLABackend.forward_mqa``, and reasons as data
+(:mod:`mla_backends.backends.reasons`).
 
 * No built-in backend class defines ``forward_mqa``: each implements ``forward_mqa_kernel``.
 * The base class refuses a kernel method that reshapes its output or returns a value, naming the backend.
@@ -15,7 +16,7 @@ import pytest
 import torch
 from selector_fakes import install
 
-from mla_backends.backend import (
+from mla_backends.backends.contract import (
     AttentionSpec,
     BackendContractError,
     Capabilities,
@@ -23,16 +24,16 @@ from mla_backends.backend import (
     QueryLenSupport,
     contract_problems,
 )
-from mla_backends.cache import LatentKVCache
+from mla_backends.backends.inputs import check_declared_support
+from mla_backends.backends.reasons import Reason, ReasonKind, all_of_kinds, as_reason, reason_texts, without_kinds
 from mla_backends.cli import main
-from mla_backends.device import CPU_DEVICE
+from mla_backends.core.device import CPU_DEVICE
 from mla_backends.flashinfer_mla._common import FlashInferBackendBase
-from mla_backends.hookspecs import hookimpl
-from mla_backends.metadata import BatchMetadata
-from mla_backends.mqa_inputs import check_declared_support
-from mla_backends.plugins import get_registry, load_registry, registered_backends, run_plugin
-from mla_backends.reasons import Reason, ReasonKind, all_of_kinds, as_reason, reason_texts, without_kinds
+from mla_backends.plugins.hookspecs import hookimpl
+from mla_backends.plugins.loading import get_registry, load_registry, registered_backends, run_plugin
 from mla_backends.ref_torch import RefTorchBackend
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 from mla_backends.testing.broken import PaddedHeadsBackend
 from selector.select import select_backend
 
@@ -178,7 +179,7 @@ def test_forward_mqa_override_is_a_recorded_problem_and_still_runs(monkeypatch, 
 
 
 def _dims():
-    from mla_backends.dims import MLADims
+    from mla_backends.core.dims import MLADims
 
     return MLADims.deepseek_v3().tensor_parallel(8)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.metadata import BatchMetadata
 from mla_backends.ref_torch import RefTorchBackend
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 
 R, ROPE, H, BS = 512, 64, 4, 16
 
@@ -94,8 +94,8 @@ def test_block_ids_are_checked_on_the_host_against_every_cache(setup):
     a smaller cache included, and the call reads nothing from the device."""
     from dataclasses import replace
 
-    from mla_backends.host_sync import no_host_sync
-    from mla_backends.step_plan import plan_step
+    from mla_backends.core.host_sync import no_host_sync
+    from mla_backends.step.plan import plan_step
 
     cache, _, q_latent, q_rope = setup
     backend = RefTorchBackend()

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mla_backends import costs
 from mla_backends.cli import main, reports
-from mla_backends.dims import MLADims
+from mla_backends.core.dims import MLADims
+from mla_backends.planning import costs
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import pytest
 
-from mla_backends import costs
 from mla_backends.cli import reports
-from mla_backends.dims import IndexerDims, MLADims
+from mla_backends.core.dims import IndexerDims, MLADims
+from mla_backends.planning import costs
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_workspace(v3):
     assert costs.workspace_rows(2048, 256, 16) == 16_384  # 8 full-length requests
     assert costs.workspace_rows(1024, 1024, 16) == 65_536  # 4 pages per seq = 65,536
     assert costs.workspace_rows(1024, 512, 16) == 32_768
-    from mla_backends.prefill import MAX_WORKSPACE_ROWS
+    from mla_backends.layer.prefill import MAX_WORKSPACE_ROWS
 
     assert costs.WORKSPACE_MAX_ROWS == MAX_WORKSPACE_ROWS == 65_536
     assert costs.workspace_latent_bytes(v3, 65_536) == 75_497_472 == 72 * costs.MiB

@@ -17,10 +17,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from layer_cases import hf_attention, scattered_block_tables, tiny_config
 
-from mla_backends.dcp import LSE_REASON, dcp_group_for
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata, dcp_local_len
-from mla_backends.step_plan import plan_step
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.dcp import LSE_REASON, dcp_group_for
+from mla_backends.step.metadata import BatchMetadata, dcp_local_len
+from mla_backends.step.plan import plan_step
 from mla_backends.testing import no_host_sync
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built into this torch")

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_backends.decode_graph import DecodeGraphMetadata
-from mla_backends.dims import MLADims
-from mla_backends.hf_loading import random_hf_state_dict
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata
-from mla_backends.step_plan import plan_step
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.loading.hf import random_hf_state_dict
+from mla_backends.step.graph import DecodeGraphMetadata
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 from mla_backends.testing import no_host_sync
 
 pytestmark = pytest.mark.usefixtures("one_thread")

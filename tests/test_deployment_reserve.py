@@ -9,9 +9,9 @@ from fractions import Fraction
 
 import pytest
 
-from mla_backends import deployment, reserve
 from mla_backends.cli import main, reports
-from mla_backends.dims import MLADims
+from mla_backends.core.dims import MLADims
+from mla_backends.planning import deployment, reserve
 
 V3 = MLADims.deepseek_v3()
 

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from mla_backends import costs, deployment, reserve
 from mla_backends.cli import main, reports
-from mla_backends.dims import MLADims
-from mla_backends.gpus import gpu_spec
-from mla_backends.step_plan import plan_step
+from mla_backends.core.dims import MLADims
+from mla_backends.core.gpus import gpu_spec
+from mla_backends.planning import costs, deployment, reserve
+from mla_backends.step.plan import plan_step
 
 V3 = MLADims.deepseek_v3()
 
@@ -96,10 +96,10 @@ def test_deployment_workspace_is_what_forward_mha_allocates():
     H (N + V) per row); the deployment report once counted 192-wide keys and 128-wide values instead."""
     import torch
 
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
-    from mla_backends.metadata import BatchMetadata
-    from mla_backends.prefill import PrefillWorkspace
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.layer.prefill import PrefillWorkspace
+    from mla_backends.loading.hf import random_hf_state_dict
+    from mla_backends.step.metadata import BatchMetadata
 
     own = PrefillWorkspace(16)
     layer = MLAAttention(SMALL, backend="REF_TORCH", dtype=torch.float32, workspace=own)

@@ -25,10 +25,9 @@ import pytest
 import torch
 from flashinfer_fakes import use_wrapper
 
-from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
-from mla_backends.backend import AttentionSpec
-from mla_backends.cache import LatentKVCache
-from mla_backends.device import device_info_for, simulated_device
+from mla_backends.backends import inputs as device_module  # where check_declared_support looks devices up
+from mla_backends.backends.contract import AttentionSpec
+from mla_backends.core.device import device_info_for, simulated_device
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
     FlashInferMLABackend,
@@ -38,10 +37,11 @@ from mla_backends.flashinfer_mla import (
     api,
     paged,
 )
-from mla_backends.metadata import BatchMetadata
-from mla_backends.plugins import get_backend
-from mla_backends.registry import BackendName
-from mla_backends.step_plan import StepPlanError, plan_step
+from mla_backends.plugins.loading import get_backend
+from mla_backends.plugins.registry import BackendName
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import StepPlanError, plan_step
 
 pytest.importorskip("flashinfer",
                     reason="flashinfer-python is not installed (pip install 'mla-backends[flashinfer]')")
@@ -82,8 +82,8 @@ def test_package_import_and_selection_do_not_import_flashinfer():
     code = (
         "import sys\n"
         "import mla_backends.flashinfer_mla as m\n"
-        "from mla_backends.backend import AttentionSpec\n"
-        "from mla_backends.device import DeviceInfo\n"
+        "from mla_backends.backends.contract import AttentionSpec\n"
+        "from mla_backends.core.device import DeviceInfo\n"
         "for cls in (m.FlashInferMLABackend, m.FlashInferCutlassMLABackend, m.FlashInferTrtllmMLABackend,\n"
         "            m.FlashInferXqaMLABackend):\n"
         "    for cc in [(8, 0), (9, 0), (10, 0), (12, 0)]:\n"

@@ -17,22 +17,22 @@ import dataclasses
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.dcp import DCPGroup, local_decode_metadata
-from mla_backends.decode_graph import DecodeGraphMetadata
-from mla_backends.dims import MLADims
-from mla_backends.dispatch import PerRequestPolicy
-from mla_backends.hf_loading import random_hf_state_dict
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata, dcp_local_len
-from mla_backends.naive import expanded_decode
-from mla_backends.prefill import forward_mha
-from mla_backends.reasons import Reason, ReasonKind
+from mla_backends.backends.naive import expanded_decode
+from mla_backends.backends.reasons import Reason, ReasonKind
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.dcp import DCPGroup, local_decode_metadata
+from mla_backends.layer.dispatch import PerRequestPolicy
+from mla_backends.layer.prefill import forward_mha
+from mla_backends.layer.sparse import IndexerKeyCache
+from mla_backends.layer.sparse.indexer import causal_topk
+from mla_backends.layer.workspace import clear_shared_workspaces, shared_workspace, shared_workspaces, workspace_key
+from mla_backends.loading.hf import random_hf_state_dict
 from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.sparse import IndexerKeyCache
-from mla_backends.sparse.indexer import causal_topk
-from mla_backends.step_plan import PlanRequest, Run, StepPlanError, plan_step
-from mla_backends.workspace import clear_shared_workspaces, shared_workspace, shared_workspaces, workspace_key
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.graph import DecodeGraphMetadata
+from mla_backends.step.metadata import BatchMetadata, dcp_local_len
+from mla_backends.step.plan import PlanRequest, Run, StepPlanError, plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

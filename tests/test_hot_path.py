@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from mla_backends.dims import MLADims
-from mla_backends.hf_loading import random_hf_state_dict
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata
-from mla_backends.prefill import PrefillWorkspace
-from mla_backends.step_plan import plan_step
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.prefill import PrefillWorkspace
+from mla_backends.layer.workspace import clear_shared_workspaces, shared_workspace
+from mla_backends.loading.hf import random_hf_state_dict
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 from mla_backends.testing import HostSyncError, host_sync_allowed, no_host_sync
-from mla_backends.workspace import clear_shared_workspaces, shared_workspace
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -25,7 +25,7 @@ from mla_backends.integrations.vllm.selection import (
 from mla_backends.integrations.vllm.step import decode_batch_metadata, wrap_cache
 from mla_backends.integrations.vllm.versions import UnsupportedVLLMVersionError, check_vllm_version
 from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.step_plan import plan_step
+from mla_backends.step.plan import plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from layer_cases import tiny_config
 
-import mla_backends.layer as layer_mod
-from mla_backends.backend import QueryLenSupport
-from mla_backends.dispatch import (
+import mla_backends.layer.attention as layer_mod
+from mla_backends.backends.contract import QueryLenSupport
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.dispatch import (
     THRESHOLD_TABLE_ENV,
     ContextThresholds,
     PerBatchPolicy,
@@ -22,10 +23,9 @@ from mla_backends.dispatch import (
     resolve_policy,
     step_runs,
 )
-from mla_backends.hf_loading import random_hf_state_dict
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata
-from mla_backends.step_plan import Run, StepPlanError, plan_step
+from mla_backends.loading.hf import random_hf_state_dict
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import Run, StepPlanError, plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,7 +73,7 @@ def _tune_file(tmp_path, backends=("REF_TORCH",)):
     """The file ``mla-backends tune --output`` writes (the only threshold-table format)."""
     from test_tune import TINY
 
-    from mla_backends import tuning
+    from mla_backends.planning import tuning
 
     table = tuning.tune(TINY, backends=list(backends), query_lens=[1, 2], contexts=[4], dtype="float32",
                         repeats=1, progress=False)

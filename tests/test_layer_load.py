@@ -12,11 +12,11 @@ from layer_cases import (
     tiny_config,
 )
 
-from mla_backends.dims import MLADims
-from mla_backends.hf_loading import StateDictError, expected_hf_shapes, random_hf_state_dict
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata
-from mla_backends.step_plan import plan_step
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.loading.hf import StateDictError, expected_hf_shapes, random_hf_state_dict
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

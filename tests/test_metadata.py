@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_backends.metadata import BatchMetadata
+from mla_backends.step.metadata import BatchMetadata
 
 BS = 4
 # caller order: prefill, decode, prefill, decode, empty, decode (ragged)
@@ -92,7 +92,7 @@ def test_sub_batches_are_built_once_per_step_by_the_plan():
     """Every layer reads the same sub-batch from the step's plan (built once there); the metadata itself keeps
     nothing: select_requests makes a new, equal sub-batch on each call."""
     from mla_backends.ref_torch import RefTorchBackend
-    from mla_backends.step_plan import PlanRequest, Run, plan_step
+    from mla_backends.step.plan import PlanRequest, Run, plan_step
 
     class Split:
         def plan_request(self, meta):
@@ -113,8 +113,8 @@ def test_sub_batches_are_built_once_per_step_by_the_plan():
 def test_prepare_runs_once_per_step_for_several_layers():
     """The backend hook: one call per backend class and step however many layers (instances) take part, the
     same state for every one; a new step prepares again; a plan for another step is refused."""
-    from mla_backends.backend import MLABackend
-    from mla_backends.step_plan import StepPlanError, plan_step
+    from mla_backends.backends.contract import MLABackend
+    from mla_backends.step.plan import StepPlanError, plan_step
 
     calls: list[BatchMetadata] = []
 

@@ -8,10 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.dcp import DCPGroup, local_decode_metadata
-from mla_backends.metadata import BatchMetadata
-from mla_backends.step_plan import StepPlanError, plan_step
+from mla_backends.layer.dcp import DCPGroup, local_decode_metadata
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import StepPlanError, plan_step
 
 BLOCK = 4
 
@@ -65,8 +65,8 @@ def test_plan_step_prepares_exactly_the_absorbed_batch():
     layers alike, and the forward does not prepare again (it reads the plan)."""
     from layer_cases import scattered_block_tables, tiny_config
 
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.loading.hf import random_hf_state_dict
     from mla_backends.ref_torch import RefTorchBackend
 
     seen: list[tuple[int, ...]] = []

@@ -15,11 +15,11 @@ import math
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.metadata import BatchMetadata
 from mla_backends.ref_torch import RefTorchBackend, plans
 from mla_backends.ref_torch import backend as ref_backend
-from mla_backends.step_plan import plan_step
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 from mla_backends.testing import no_host_sync
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,10 +8,9 @@ import pytest
 import torch
 from selector_fakes import FakeTriton, FakeXqa, fake_registry
 
-from mla_backends.backend import Capabilities, MLABackend
-from mla_backends.plugins import _NotBuilt, _resolve, get_backend, load_registry, registered_backends
-from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.registry import (
+from mla_backends.backends.contract import Capabilities, MLABackend
+from mla_backends.plugins.loading import _NotBuilt, _resolve, get_backend, load_registry, registered_backends
+from mla_backends.plugins.registry import (
     BackendName,
     Placement,
     RegistrationError,
@@ -19,6 +18,7 @@ from mla_backends.registry import (
     UnknownBackendError,
     validate_backend_class,
 )
+from mla_backends.ref_torch import RefTorchBackend
 from selector.select import select_backend
 
 

@@ -9,10 +9,10 @@ import torch
 from layer_cases import SCHEDULE, run_schedule, scattered_block_tables
 
 from mla_backends import BatchMetadata, MLADims
-from mla_backends.hf_loading import StateDictError
-from mla_backends.layer import MLAAttention
-from mla_backends.sparse import Indexer, SparseKVCache
-from mla_backends.step_plan import plan_step
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.sparse import Indexer, SparseKVCache
+from mla_backends.loading.hf import StateDictError
+from mla_backends.step.plan import plan_step
 
 tmod = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32",
                            reason="this transformers has no deepseek_v32 model")

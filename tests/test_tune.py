@@ -10,12 +10,13 @@ import math
 import pytest
 import torch
 
-from mla_backends import costs, dispatch, tuning
 from mla_backends.cli import main
-from mla_backends.dims import MLADims
-from mla_backends.metadata import BatchMetadata
-from mla_backends.step_plan import plan_step
-from mla_backends.threshold_table import TABLE_FORMAT, ContextThresholds, ThresholdTable, TunedThresholds
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import dispatch
+from mla_backends.layer.thresholds import TABLE_FORMAT, ContextThresholds, ThresholdTable, TunedThresholds
+from mla_backends.planning import costs, tuning
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -276,8 +277,8 @@ def test_tune_help_shows_the_default_grid(capsys):
 
 # ---- a layer dispatches by a loaded table ----------------------------------------------------------------
 def _layer(monkeypatch, **kwargs):
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.loading.hf import random_hf_state_dict
 
     layer = MLAAttention(TINY, backend="REF_TORCH", dtype=torch.float32, **kwargs)
     layer.load_hf_state_dict(random_hf_state_dict(TINY, dtype=torch.float32))
@@ -286,7 +287,7 @@ def _layer(monkeypatch, **kwargs):
 
 def _mha_calls(monkeypatch, layer, query_len: int, context_len: int) -> int:
     """Run the layer on one request and count forward_mha calls (the expanded path)."""
-    import mla_backends.layer as layer_mod
+    import mla_backends.layer.attention as layer_mod
 
     calls = []
     real = layer_mod.forward_mha
@@ -332,7 +333,7 @@ def test_layer_reads_the_table_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_layer_table_argument_errors(tmp_path, monkeypatch):
-    from mla_backends.layer import MLAAttention
+    from mla_backends.layer.attention import MLAAttention
 
     monkeypatch.delenv(dispatch.THRESHOLD_TABLE_ENV, raising=False)
     path = tmp_path / "t.json"
@@ -355,11 +356,11 @@ def test_layer_does_not_import_the_measurement_tool():
     import ast
     import inspect
 
-    import mla_backends.dispatch
-    import mla_backends.layer
-    import mla_backends.threshold_table
+    import mla_backends.layer.attention
+    import mla_backends.layer.dispatch
+    import mla_backends.layer.thresholds
 
-    for mod in (mla_backends.layer, mla_backends.dispatch, mla_backends.threshold_table):
+    for mod in (mla_backends.layer.attention, mla_backends.layer.dispatch, mla_backends.layer.thresholds):
         tree = ast.parse(inspect.getsource(mod))
         names = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

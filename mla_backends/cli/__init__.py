@@ -116,7 +116,7 @@ def report_error(exc: BaseException, *, as_json: bool, command: str | None,
     level). ``options`` are the command's option strings: a library argument the message leads with is
     reported as the flag that sets it (:func:`mla_backends.cli.flags.flag_error`; ``argument`` is that flag).
     """
-    from ..errors import error_dict
+    from ..core.errors import error_dict
     from .flags import flag_error
 
     if isinstance(exc, KeyboardInterrupt):

@@ -11,7 +11,7 @@ import argparse
 import json
 from typing import Any
 
-from .. import reserve
+from ..planning import reserve
 from .args import add_model_args, csv_text, int_at_least, int_list, load_model_dims, per_rank_dims
 
 __all__ = ["register", "load_model_dims", "per_rank_dims", "run_kv_cache", "run_crossover", "model_label"]
@@ -95,7 +95,7 @@ def model_label(spec: str, dims: Any) -> str:
     still called ``deepseek-r1``; ``r1`` and ``deepseek_r1`` spell it too), or the config's own name."""
     import os
 
-    from ..dims import PRESET_NAMES
+    from ..core.dims import PRESET_NAMES
 
     if os.path.exists(str(spec)):
         return dims.name
@@ -234,8 +234,8 @@ def run_crossover(args: argparse.Namespace) -> int:
 
 def _run_deployment(args: argparse.Namespace, dims: Any) -> int:
     """``kv-cache --gpu/--gpu-memory``: the deployment sizing of :func:`reports.deployment_report`."""
-    from .. import deployment
-    from ..gpus import gpu_spec
+    from ..core.gpus import gpu_spec
+    from ..planning import deployment
     from . import reports
     from .args import load_model_config
 

@@ -1,6 +1,6 @@
 """The reports ``mla-backends kv-cache`` and ``mla-backends crossover`` print, as JSON-ready dicts.
 
-Built from the pure cost model in :mod:`mla_backends.costs`; this module only gathers its figures into the
+Built from the pure cost model in :mod:`mla_backends.planning.costs`; this module only gathers its figures into the
 shape the command line prints (and ``--json`` writes). See ``docs/cost-model.md`` for the formulas.
 """
 
@@ -11,11 +11,11 @@ from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from .. import costs, deployment, reserve
-from ..dims import MLADims
-from ..dtypes import parse_model_dtype, resolve_kv_cache_dtype
-from ..prefill import MAX_WORKSPACE_ROWS, workspace_widths
-from ..validation import require_int
+from ..core.dims import MLADims
+from ..core.dtypes import parse_model_dtype, resolve_kv_cache_dtype
+from ..core.validation import require_int
+from ..layer.prefill import MAX_WORKSPACE_ROWS, workspace_widths
+from ..planning import costs, deployment, reserve
 
 __all__ = ["kv_cache_report", "crossover_report", "deployment_report", "usable_bytes", "prefill_workspace_figures",
            "DEFAULT_QUERY_LENS", "DEFAULT_CONTEXTS"]
@@ -91,9 +91,9 @@ def kv_cache_report(
 def prefill_workspace_figures(dims: MLADims, model_dtype: str = "bfloat16", tp: int = 1,
                               rows: int = MAX_WORKSPACE_ROWS) -> dict[str, int]:
     """The prefill workspace beside the cache, as ``forward_mha`` allocates it
-    (:func:`mla_backends.prefill.workspace_widths`): ``rows`` gathered latent rows plus their per-head K-nope
+    (:func:`mla_backends.layer.prefill.workspace_widths`): ``rows`` gathered latent rows plus their per-head K-nope
     and V (model dtype, this rank's ``total_num_heads // tp`` heads), the one buffer every layer of a device
-    shares (:mod:`mla_backends.workspace`), and what one per layer would take. Bytes."""
+    shares (:mod:`mla_backends.layer.workspace`), and what one per layer would take. Bytes."""
     mb = costs.element_bytes("auto", model_dtype)
     require_int("tp", tp, minimum=1)
     require_int("rows", rows, minimum=1)
@@ -184,7 +184,7 @@ def deployment_report(
     model_name: str | None = None,
 ) -> dict[str, Any]:
     """What one rank of a deployment of ``tp`` GPUs holds: weights, the prefill workspace, the reserve (what
-    an engine holds back: :mod:`mla_backends.reserve`, or ``reserve_bytes`` given) and the latent cache in what
+    an engine holds back: :mod:`mla_backends.planning.reserve`, or ``reserve_bytes`` given) and the latent cache in what
     is left of ``gpu_memory_bytes * gpu_memory_utilization``; tokens per rank and ``cluster_tokens``
     (``tokens per rank x dcp x data-parallel groups``: DP-attention makes every rank a group); the DCP
     communication per token per layer. Exact in whole bytes: ``usable_bytes`` (:func:`usable_bytes`) equals

@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..backend import AttentionSpec, MLABackend
-from ..dtypes import FP8_CACHE_DTYPES, FP8_E4M3_MAX, dtype_name
-from ..metadata import BatchMetadata
-from ..reasons import Reason, ReasonKind
+from ..backends.contract import AttentionSpec, MLABackend
+from ..backends.reasons import Reason, ReasonKind
+from ..core.dtypes import FP8_CACHE_DTYPES, FP8_E4M3_MAX, dtype_name
+from ..step.metadata import BatchMetadata
 from . import _install
 from .api import WORKSPACE_BYTES
 

@@ -16,12 +16,12 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance
-from ..cache import LatentKVCache
-from ..device import device_info_for
-from ..dtypes import dtype_name, kv_cache_torch_dtype
-from ..metadata import BatchMetadata
-from ..reasons import Reason, ReasonKind
+from ..backends.contract import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance
+from ..backends.reasons import Reason, ReasonKind
+from ..core.device import device_info_for
+from ..core.dtypes import dtype_name, kv_cache_torch_dtype
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 from . import api
 from ._common import (
     FlashInferBackendBase,

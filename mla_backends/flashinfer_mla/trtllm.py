@@ -15,19 +15,12 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import AttentionSpec, Capabilities, QueryLenSupport
-from ..cache import LatentKVCache
-from ..metadata import BatchMetadata
-from ..reasons import Reason, ReasonKind
+from ..backends.contract import AttentionSpec, Capabilities, QueryLenSupport
+from ..backends.reasons import Reason, ReasonKind
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 from . import api
-from ._common import (
-    FlashInferBackendBase,
-    deliver_outputs,
-    fp8_query_scale,
-    output_buffers,
-    pack_query,
-    workspace_for,
-)
+from ._common import FlashInferBackendBase, deliver_outputs, fp8_query_scale, output_buffers, pack_query, workspace_for
 
 __all__ = ["FlashInferTrtllmMLABackend"]
 

@@ -16,17 +16,11 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import Capabilities, QueryLenSupport
-from ..cache import LatentKVCache
-from ..metadata import BatchMetadata
+from ..backends.contract import Capabilities, QueryLenSupport
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 from . import api
-from ._common import (
-    FlashInferBackendBase,
-    fp8_query_scale,
-    pack_query,
-    run_padded_heads,
-    workspace_for,
-)
+from ._common import FlashInferBackendBase, fp8_query_scale, pack_query, run_padded_heads, workspace_for
 
 __all__ = ["FlashInferXqaMLABackend"]
 

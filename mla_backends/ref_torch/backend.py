@@ -18,12 +18,12 @@ from typing import ClassVar
 
 import torch
 
-from ..attention_math import GROUP_ELEMENT_BUDGET, softmax_with_lse
-from ..backend import Capabilities, MLABackend, QueryLenSupport
-from ..cache import LatentKVCache, position_slots
-from ..dtypes import KV_CACHE_DTYPES, accumulate_dtype
-from ..metadata import BatchMetadata
-from ..validation import require_int
+from ..backends.contract import Capabilities, MLABackend, QueryLenSupport
+from ..core.attention_math import GROUP_ELEMENT_BUDGET, softmax_with_lse
+from ..core.dtypes import KV_CACHE_DTYPES, accumulate_dtype
+from ..core.validation import require_int
+from ..step.cache import LatentKVCache, position_slots
+from ..step.metadata import BatchMetadata
 from .plans import RefStep
 
 __all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]

@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..attention_math import padded_groups
-from ..metadata import BatchMetadata
+from ..core.attention_math import padded_groups
+from ..step.metadata import BatchMetadata
 
 __all__ = ["DenseGroup", "RefStep", "dense_groups", "group_page_ids"]
 
@@ -93,7 +93,7 @@ def hidden_positions(context_lens: tuple[int, ...], q_len: int, rows: int, devic
 
 
 def dense_groups(meta: BatchMetadata, row_width: int, heads: int, budget: int) -> tuple[DenseGroup, ...]:
-    """The padded groups of ``meta``'s requests (:func:`~mla_backends.attention_math.padded_groups` with
+    """The padded groups of ``meta``'s requests (:func:`~mla_backends.core.attention_math.padded_groups` with
     ``budget`` elements), each with its index and mask tensors, from host lists only; groups without tokens
     are left out."""
     seqs, qlens, ctxs = meta.seq_lens_list, meta.query_lens_list, meta.context_lens_list

@@ -33,10 +33,10 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import AttentionSpec
-from ..cache import LatentKVCache
-from ..metadata import BatchMetadata
+from ..backends.contract import AttentionSpec
 from ..ref_torch import RefTorchBackend
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 
 __all__ = [
     "NextPageBackend",
@@ -172,7 +172,8 @@ class NondeterministicBackend(RefTorchBackend):
 class PaddedHeadsBackend(RefTorchBackend):
     """Computes into a buffer padded by one head (as a fixed-head-count kernel does) and hands that back in
     place of ``out`` (``out.set_(padded)``) instead of copying the caller's heads: ``out`` comes back
-    ``[T, H + 1, r]``. :meth:`~mla_backends.backend.MLABackend.forward_mqa` must refuse it, naming the backend."""
+    ``[T, H + 1, r]``. :meth:`~mla_backends.backends.contract.MLABackend.forward_mqa` must refuse it, naming the
+    backend."""
 
     name: ClassVar[str] = "BROKEN_PADDED_HEADS"
 

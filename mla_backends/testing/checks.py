@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import torch
 
-from ..backend import DEFAULT_TOLERANCES, MLABackend, Tolerance
-from ..device import device_info_for
-from ..dtypes import dtype_name, lse_dtype
-from ..metadata import BatchMetadata
-from ..reasons import Reason, ReasonKind, as_reason
+from ..backends.contract import DEFAULT_TOLERANCES, MLABackend, Tolerance
+from ..backends.reasons import Reason, ReasonKind, as_reason
+from ..core.device import device_info_for
+from ..core.dtypes import dtype_name, lse_dtype
+from ..step.metadata import BatchMetadata
 from .cases import Case, UnsupportedProbe, declared_reasons
 from .hints import lse_base_hint, scale_hint
 from .inputs import GUARD_ROWS, SENTINEL, Prepared, expected, prepare
@@ -349,10 +349,10 @@ def check_rejects_bad_inputs(cls: type[MLABackend], case: Case, device: torch.de
 
 def check_no_host_sync(cls: type[MLABackend], case: Case, device: torch.device) -> None:
     """A backend declaring ``host_sync_free`` makes no device-to-host sync in a dense ``forward_mqa`` once the
-    step's metadata is built and planned (:func:`mla_backends.host_sync.no_host_sync`; a warm-up call first
+    step's metadata is built and planned (:func:`mla_backends.core.host_sync.no_host_sync`; a warm-up call first
     loads its kernels, then the step is planned outside the guard and run under it)."""
-    from ..host_sync import HostSyncError, no_host_sync
-    from ..step_plan import plan_step
+    from ..core.host_sync import HostSyncError, no_host_sync
+    from ..step.plan import plan_step
 
     p = prepare(case, device)
     backend = make_backend(cls, device)

@@ -13,10 +13,10 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import Capabilities, MLABackend, QueryLenSupport, Tolerance
-from ..cache import LatentKVCache
-from ..device import cuda_device_index
-from ..metadata import BatchMetadata
+from ..backends.contract import Capabilities, MLABackend, QueryLenSupport, Tolerance
+from ..core.device import cuda_device_index
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 from .configs import KERNELS, KernelConfig, choose_config, rows_layout, table_rows
 from .interpreter import interpreter_enabled, launch_guard
 from .launch import build_launches

@@ -8,13 +8,13 @@
     unpatch_model(model)                                                              # the original modules
 
 Every ``DeepseekV2Attention`` / ``DeepseekV3Attention`` of the model is replaced by a
-:class:`PatchedMLAAttention` holding an :class:`~mla_backends.layer.MLAAttention` loaded with the module's own
+:class:`PatchedMLAAttention` holding an :class:`~mla_backends.layer.attention.MLAAttention` loaded with the module's own
 weights (``kv_b_proj`` folded once). The latent rows live in a paged cache per layer, owned by a
 :class:`MLAGenerationCache` (a transformers ``Cache``): ``generate`` is wrapped so that each call gets a new
 one, sized at its first step for the call's longest sequence (prompt + ``max_new_tokens``, so decode steps
 never reallocate or copy it), grown only if that bound is exceeded, and released when the call returns.
 
-How a step maps onto :class:`~mla_backends.metadata.BatchMetadata`: a forward pre-hook on the decoder stack
+How a step maps onto :class:`~mla_backends.step.metadata.BatchMetadata`: a forward pre-hook on the decoder stack
 reads the 2-D ``attention_mask``; request ``b``'s new real (unmasked) tokens are its query, its real tokens
 cached so far its context, and padding is neither written nor attended. RoPE positions are the model's own
 ``position_ids`` (left padding shifts them as transformers does). Decode steps (one token) run absorbed
@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from ...layer import MLAAttention
-from ...validation import require_int
+from ...core.validation import require_int
+from ...layer.attention import MLAAttention
 from .attention import STEP_GATE, PatchedMLAAttention, PatchState, after_forward, before_forward
 from .cache import DEFAULT_BLOCK_SIZE, MAX_RESERVE_TOKENS, MLAGenerationCache
 from .options import (

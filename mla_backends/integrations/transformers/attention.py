@@ -6,7 +6,7 @@ A step is one forward of the decoder stack. Its pre-hook (:func:`before_forward`
 (:func:`after_forward`, run even when the forward raises) ends the step and leaves the gate.
 
 Why a gate: the call's cache and metadata belong to the call, but the layers share what lives beyond a step's
-inputs: the prefill workspace of the device (:func:`mla_backends.workspace.shared_workspace`, one per device,
+inputs: the prefill workspace of the device (:func:`mla_backends.layer.workspace.shared_workspace`, one per device,
 dtype and stream, whatever the model) and the backends' per-step preparation. So the steps of patched models
 run one at a time in a process (threads take turns, step by step), and a model, its copies and other patched
 models can be called from several threads at once with every call getting its own answer.
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...layer import MLAAttention
+from ...layer.attention import MLAAttention
 from .cache import MLAGenerationCache
 from .options import check_forward_options, check_left_padded, step_mask
 

@@ -29,8 +29,8 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 
-from ...metadata import BatchMetadata
-from ...step_plan import StepPlan, plan_step
+from ...step.metadata import BatchMetadata
+from ...step.plan import StepPlan, plan_step
 from .selection import VLLMSelectionError, declarations, request_from_vllm, startup_line
 from .step import decode_batch_metadata, host_seq_lens, wrap_cache
 

@@ -1,6 +1,6 @@
-"""One vLLM decode step in mla-backends' terms: the step's :class:`~mla_backends.metadata.BatchMetadata`
+"""One vLLM decode step in mla-backends' terms: the step's :class:`~mla_backends.step.metadata.BatchMetadata`
 (built once by the metadata builder, shared by every layer) and each layer's cache tensor wrapped as a
-:class:`~mla_backends.cache.LatentKVCache` (no copy).
+:class:`~mla_backends.step.cache.LatentKVCache` (no copy).
 
 Host syncs: none on a GPU. The host lists the metadata carries (``context_lens_list``: they size REF_TORCH's
 work) come from vLLM's host copy ``CommonAttentionMetadata.seq_lens_cpu_upper_bound``, which vLLM documents as
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ...cache import LatentKVCache
-from ...metadata import BatchMetadata
+from ...step.cache import LatentKVCache
+from ...step.metadata import BatchMetadata
 
 __all__ = ["decode_batch_metadata", "host_seq_lens", "wrap_cache"]
 
