@@ -27,7 +27,7 @@ from .generated import generated_doc_main
 
 __all__ = ["CONFIGS_DOC_PATH", "REPORTS_DIR", "compile_reports", "render_configs_doc", "main"]
 
-_ROOT = Path(__file__).resolve().parent.parent.parent
+_ROOT = Path(__file__).resolve().parent.parent
 CONFIGS_DOC_PATH = _ROOT / "docs" / "triton-configs.md"
 #: where ``benchmarks/triton_compile_report.py --json`` outputs are committed
 REPORTS_DIR = _ROOT / "benchmarks" / "results"
