@@ -11,11 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from mla_backends.backends.contract import Capabilities, QueryLenSupport
-from mla_backends.plugins.hookspecs import hookimpl
-from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.step.cache import LatentKVCache
-from mla_backends.step.metadata import BatchMetadata
+from mla_backends import BatchMetadata, Capabilities, LatentKVCache, QueryLenSupport, RefTorchBackend, hookimpl
 
 __all__ = ["ExampleMLABackend", "register_mla_backends"]
 
