@@ -255,3 +255,18 @@ def test_triton_reads_every_layout(layout: str, sparse: bool) -> None:
                              else (lambda t: list(range(LENS[t]))))
     torch.testing.assert_close(out.double(), want, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-4, rtol=2e-4)
+
+
+def test_the_vllm_wrapper_is_rebuilt_for_a_new_layout_of_the_same_memory() -> None:
+    """``wrap_cache`` reuses the previous wrapper only for the very same view: same address and shape but
+    other strides (a buffer viewed another way) get a wrapper of their own, reading the right rows."""
+    from mla_backends.integrations.vllm.step import wrap_cache
+
+    buf = torch.randn(NB * BS * W)
+    square = buf.view(NB, BS, W)
+    first = wrap_cache(square, kv_lora_rank=R, model_dtype=torch.float32, scale=1.0)
+    other = buf.view(BS, NB, W).transpose(0, 1)  # same address and shape, blocks permuted with slots
+    again = wrap_cache(other, kv_lora_rank=R, model_dtype=torch.float32, scale=1.0, previous=first)
+    assert again is not first and again.data.stride() == other.stride()
+    assert torch.equal(again.read_slots(torch.tensor([BS + 1])), other[1, 1][None])
+    assert wrap_cache(other, kv_lora_rank=R, model_dtype=torch.float32, scale=1.0, previous=again) is again
