@@ -22,7 +22,6 @@ One step, for ``T`` tokens in processing order (decodes first):
 
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import replace
 from typing import Any
@@ -55,7 +54,7 @@ from .threshold_table import ThresholdTable
 from .validation import require_device, require_int, require_tensor
 from .workspace import shared_workspace
 
-__all__ = ["MLAAttention", "check_load_arguments"]
+__all__ = ["MLAAttention"]
 
 #: assumed concurrent requests when sizing the default prefill workspace (vLLM's default max_num_seqs)
 DEFAULT_MAX_NUM_SEQS = 256
@@ -80,34 +79,6 @@ def _blocking_reasons(backend_cls: type[MLABackend], spec: AttentionSpec) -> lis
     a refused LSE (the layer asks for one only under DCP) is worded as DCP's need."""
     reasons = without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
     return [parallel.LSE_REASON if r.kind is ReasonKind.LSE else r for r in reasons]
-
-
-#: the keywords :meth:`MLAAttention.from_pretrained` and ``load_attention_layers`` set themselves
-_LOADER_KEYWORDS = ("config", "dtype", "tp_rank", "tp_size", "layer_idx")
-
-
-def check_load_arguments(*, layer_idx: int | None = None, dtype: Any = None, tp_rank: int = 0, tp_size: int = 1,
-                         options: dict[str, Any] | None = None) -> None:
-    """The checks a checkpoint loader makes before it opens the checkpoint: ``layer_idx`` an int >= 0 (None:
-    not given), ``dtype`` a model dtype or None, ``tp_size`` >= 1 and ``0 <= tp_rank < tp_size``, every key of
-    ``options`` a keyword of :meth:`MLAAttention.from_hf_config` (a misspelt one is a TypeError naming it),
-    and ``options["device"]`` a device present here. TypeError/ValueError naming the argument."""
-    if layer_idx is not None:
-        require_int("layer_idx", layer_idx, minimum=0)
-    if dtype is not None:
-        parse_model_dtype(dtype)
-    require_int("tp_size", tp_size, minimum=1)
-    require_int("tp_rank", tp_rank, minimum=0)
-    if tp_rank >= tp_size:
-        raise ValueError(f"tp_rank: got {tp_rank}; supported 0..{tp_size - 1} (tp_size {tp_size})")
-    options = options or {}
-    known = [n for n in inspect.signature(MLAAttention.from_hf_config).parameters if n not in _LOADER_KEYWORDS]
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise TypeError(f"options: got unexpected keyword(s) {unknown}; supported {', '.join(known)} "
-                        "(passed to MLAAttention.from_hf_config)")
-    if options.get("device") is not None:
-        require_device("device", options["device"])
 
 
 class MLAAttention(torch.nn.Module):
@@ -249,23 +220,9 @@ class MLAAttention(torch.nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, layer_idx: int, *, dtype: str | torch.dtype | None = None,
                         tp_rank: int = 0, tp_size: int = 1, **options: Any) -> MLAAttention:
-        """Layer ``layer_idx`` of checkpoint folder ``path``, read as :func:`checkpoint.read_layer` describes
-        (``dtype=None``: the checkpoint's own); ``options`` go to :meth:`from_hf_config`.
-
-        Every argument is checked before a tensor is read: first those that need no checkpoint
-        (:func:`check_load_arguments`: ``layer_idx``, ``dtype``, ``tp_rank``/``tp_size``, the option names,
-        ``device``), before the checkpoint is opened; then ``layer_idx`` against its layers and keys; then the
-        layer is built from the config (``backend``, ``dispatch`` ..., ``tp_size`` against the heads); only
-        then are its tensors read."""
-        check_load_arguments(layer_idx=layer_idx, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, options=options)
-        ckpt = checkpoint.Checkpoint(path)  # config.json and the index, no tensors
-        ckpt.layer_files(layer_idx)  # in range, every key and shard there (a single file: its header)
-        out_dtype = ckpt.resolve_dtype(dtype)
-        layer = cls.from_hf_config(ckpt.config, dtype=out_dtype, tp_rank=tp_rank, tp_size=tp_size,
-                                   layer_idx=layer_idx, **options)
-        state = ckpt.read_attention_layer(layer_idx, tp_rank=tp_rank, tp_size=tp_size, dtype=out_dtype)
-        layer.load_hf_state_dict(state, sharded=True)
-        return layer
+        """Layer ``layer_idx`` of checkpoint folder ``path`` (``dtype=None``: the checkpoint's own); ``options``
+        go to :meth:`from_hf_config`. Arguments are checked before any read (:func:`checkpoint.load_layer`)."""
+        return checkpoint.load_layer(cls, path, layer_idx, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, **options)
 
     def _spec(self, kv_cache_dtype: str = "auto", block_size: int | None = None) -> AttentionSpec:
         D = 1 if self.dcp is None else self.dcp.size  # under DCP the kernel runs the group's D * H heads

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .checkpoint import Checkpoint
-from .layer import MLAAttention, check_load_arguments
+from .checkpoint import Checkpoint, check_load_arguments
+from .layer import MLAAttention
 from .progress import ProgressBar
 from .validation import require_int
 
@@ -39,10 +39,10 @@ def load_attention_layers(
 ) -> dict[int, MLAAttention]:
     """``{layer_idx: MLAAttention}`` for ``layers`` (default: all of the config's ``num_hidden_layers``).
 
-    The arguments are checked before the checkpoint is opened (:func:`~mla_backends.layer.check_load_arguments`:
-    ``dtype``, ``tp_rank``/``tp_size``, option names, ``device``), every layer's keys and shards before any
-    layer is built, and the first layer (``backend``, ``dispatch`` ... against this model) before any tensor
-    is read.
+    The arguments are checked before the checkpoint is opened (``dtype``, ``tp_rank``/``tp_size``, option
+    names, ``device``: :func:`~mla_backends.checkpoint.check_load_arguments`), every layer's keys and shards
+    before any layer is built, and the first layer (``backend``, ``dispatch`` ... against this model) before
+    any tensor is read.
 
     Args:
         path: checkpoint folder (``config.json`` + ``model.safetensors`` or shards with an index).
@@ -59,7 +59,8 @@ def load_attention_layers(
         wanted = sorted({require_int(f"layers[{i}]", v, minimum=0) for i, v in enumerate(layers)})
     if not isinstance(progress, bool):
         raise TypeError(f"progress: got {type(progress).__name__}; supported True or False")
-    check_load_arguments(dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, options=options)  # before any read
+    check_load_arguments(MLAAttention.from_hf_config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
+                         options=options)  # before the checkpoint is opened
     ckpt = Checkpoint(path)  # config.json and the index, no tensors
     if wanted is None:
         wanted = list(range(ckpt.num_layers))
