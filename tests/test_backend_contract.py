@@ -278,3 +278,32 @@ def test_select_json_gives_each_reason_as_text_and_fields(monkeypatch, capsys):
     cand = doc["candidates"][0]
     assert cand["reasons"] == [d["text"] for d in cand["reason_details"]]
     assert cand["reason_details"][0]["kind"] == "device" and cand["reason_details"][0]["got"] == "SM61"
+
+
+def test_a_kernel_method_under_its_0_3_name_still_runs_with_a_deprecation_warning():
+    """A plugin written against 0.3 (``_forward_mqa_impl``, no ``state``, calling the built-in's method) keeps
+    working for one release: same output as the built-in, and a DeprecationWarning naming the new hook."""
+    import warnings
+
+    from mla_backends.ref_torch import RefTorchBackend
+    from mla_backends.step.cache import LatentKVCache
+    from mla_backends.step.metadata import BatchMetadata
+
+    class OldStyle(RefTorchBackend):
+        name = "OLD_STYLE"
+
+        def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, **kw):
+            super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
+
+    g = torch.Generator().manual_seed(3)
+    cache = LatentKVCache(4, 4, 16, 8, kv_cache_dtype="float32", model_dtype=torch.float32)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+    meta = BatchMetadata.build([1, 1], [5, 2], [[0, 1], [2, -1]], 4, num_blocks=4)
+    ql, qr = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 8, generator=g)
+    want, want_lse = RefTorchBackend().forward_mqa(ql, qr, cache, meta, scale=0.3)
+    with pytest.warns(DeprecationWarning, match="implement forward_mqa_kernel"):
+        got, lse = OldStyle().forward_mqa(ql, qr, cache, meta, scale=0.3)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per class
+        OldStyle().forward_mqa(ql, qr, cache, meta, scale=0.3)

@@ -147,7 +147,7 @@ def test_cost_model_doc_examples_match_the_commands(capsys):
         (["kv-cache", "--model", "missing/config.json"], "does not exist"),
         (["kv-cache", "--tp", "3"], "--tp: got 3"),
         (["kv-cache", "--kv-cache-dtype", "int4"], "--kv-cache-dtype: got 'int4'"),
-        (["kv-cache", "--cache-memory", "0"], "--cache-memory: got 0"),
+        (["kv-cache", "--cache-memory", "0"], "--cache-memory: got '0'"),
         (["kv-cache", "--gpu-memory", "0"], "--gpu-memory: got '0'"),
         (["kv-cache", "--gpu", "h200"], "--tp: got 1; deepseek-v3's weights"),
         (["kv-cache", "--gpu", "h200", "--tp", "8", "--dcp", "3"], "--dcp: got 3"),

@@ -176,8 +176,10 @@ def test_an_over_capacity_batch_is_planned_and_run_per_request_group(monkeypatch
     q = torch.randn(T, 16, 512).to(torch.bfloat16)
     qr = torch.randn(T, 16, 64).to(torch.bfloat16)
     backend = FlashInferMLABackend()
+    state = backend.prepare(meta)  # the step's state, as plan_step makes it
     for _ in range(2):  # two layers of one step: each group planned once
-        out, lse = backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa3")
+        out, lse = backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa3",
+                                   state=state)
     assert len(Recorder.instances) == 3  # three groups, one wrapper each
     assert all(len(w.plans) == 1 and len(w.runs) == 2 for w in Recorder.instances)
     assert torch.equal(out, q)  # every group wrote its own rows, in place

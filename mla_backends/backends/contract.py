@@ -359,8 +359,11 @@ class MLABackend:
         lse_out: torch.Tensor | None,
     ) -> None:
         """Deprecated name of :meth:`forward_mqa_kernel` (no ``state``): still called, with a
-        ``DeprecationWarning``, when a class defines it and not ``forward_mqa_kernel``; removed in 0.5."""
-        raise NotImplementedError(f"{type(self).__name__}: forward_mqa_kernel is not implemented")
+        ``DeprecationWarning``, when a class defines it and not ``forward_mqa_kernel``; removed in 0.5. Here it
+        runs :meth:`forward_mqa_kernel` without a prepared state, so an old subclass of a built-in backend that
+        calls ``super()._forward_mqa_impl(...)`` keeps working."""
+        self.forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
+                                lse_out=lse_out, state=None)
 
     def _check_result(self, returned: object, out: torch.Tensor, lse_out: torch.Tensor | None,
                       shape: tuple[int, int, int], q_latent: torch.Tensor) -> None:

@@ -251,13 +251,9 @@ class MLAAttention(torch.nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, layer_idx: int, *, dtype: str | torch.dtype | None = None,
                         tp_rank: int = 0, tp_size: int = 1, **options: Any) -> MLAAttention:
-        """Layer ``layer_idx`` of checkpoint folder ``path``, read as :func:`checkpoint.read_layer` describes
-        (``dtype=None``: the checkpoint's own); ``options`` go to :meth:`from_hf_config`."""
-        config, dtype, state = checkpoint.read_layer(path, layer_idx, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
-        layer = cls.from_hf_config(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, layer_idx=layer_idx,
-                                   **options)
-        layer.load_hf_state_dict(state, sharded=True)
-        return layer
+        """Layer ``layer_idx`` of checkpoint folder ``path`` (``dtype=None``: the checkpoint's own); ``options``
+        go to :meth:`from_hf_config`. Arguments are checked before any read (:func:`checkpoint.load_layer`)."""
+        return checkpoint.load_layer(cls, path, layer_idx, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size, **options)
 
     def _spec(self, kv_cache_dtype: str = "auto", block_size: int | None = None) -> AttentionSpec:
         D = 1 if self.dcp is None else self.dcp.size  # under DCP the kernel runs the group's D * H heads

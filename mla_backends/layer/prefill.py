@@ -391,8 +391,8 @@ def forward_mha(
         latent_buf, kv_buf = workspace.buffers(*workspace_widths(R, P, H, N, V), q.dtype, q.device, rows=biggest)
         bt = meta.block_table.long()
         bs = cache.block_size
-        flat = cache.data.view(-1, cache.row_width)
-        direct = flat.dtype == q.dtype  # no dequantisation needed: gather straight into the workspace
+        flat = cache.flat_rows()  # None for a wrapped engine tensor whose blocks are not packed back to back
+        direct = flat is not None and flat.dtype == q.dtype  # no dequantisation: gather into the workspace
         for chunk in chunks:
             rows = sum(z - a for _, a, z in chunk)
             if context_rows is not None:  # e.g. DCP: this rank's rows all-gathered across the group

@@ -16,7 +16,7 @@ import torch
 
 from ..core.progress import ProgressBar
 from ..core.validation import require_int
-from ..loading.checkpoint import Checkpoint
+from ..loading.checkpoint import Checkpoint, check_load_arguments
 from .attention import MLAAttention
 
 __all__ = ["load_attention_layers", "from_pretrained"]
@@ -39,6 +39,11 @@ def load_attention_layers(
 ) -> dict[int, MLAAttention]:
     """``{layer_idx: MLAAttention}`` for ``layers`` (default: all of the config's ``num_hidden_layers``).
 
+    The arguments are checked before the checkpoint is opened (``dtype``, ``tp_rank``/``tp_size``, option
+    names, ``device``: :func:`~mla_backends.loading.checkpoint.check_load_arguments`), every layer's keys and shards
+    before any layer is built, and the first layer (``backend``, ``dispatch`` ... against this model) before
+    any tensor is read.
+
     Args:
         path: checkpoint folder (``config.json`` + ``model.safetensors`` or shards with an index).
         layers: layer indices to load, in any order (duplicates ignored).
@@ -47,19 +52,24 @@ def load_attention_layers(
         progress: a one-line progress bar on stderr.
         options: passed to :meth:`MLAAttention.from_hf_config` (``backend``, ``device``, ``dispatch`` ...).
     """
-    ckpt = Checkpoint(path)
-    if layers is None:
-        wanted = list(range(ckpt.num_layers))
-    else:
+    wanted: list[int] | None = None
+    if layers is not None:
         if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
             raise TypeError(f"layers: got {type(layers).__name__}; supported an iterable of layer indices or None")
         wanted = sorted({require_int(f"layers[{i}]", v, minimum=0) for i, v in enumerate(layers)})
-    for idx in wanted:  # keys and shards of every layer checked before any tensor is read
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress: got {type(progress).__name__}; supported True or False")
+    check_load_arguments(MLAAttention.from_hf_config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
+                         options=options)  # before the checkpoint is opened
+    ckpt = Checkpoint(path)  # config.json and the index, no tensors
+    if wanted is None:
+        wanted = list(range(ckpt.num_layers))
+    for idx in wanted:  # keys and shards of every layer checked before any layer is built or read
         ckpt.layer_files(idx)
     out_dtype = ckpt.resolve_dtype(dtype)
     bar = ProgressBar(len(wanted), enabled=progress)
     result: dict[int, MLAAttention] = {}
-    for idx in wanted:  # the layer first: a bad backend= or option fails before any tensor is read
+    for idx in wanted:  # the layer first: a backend= or option that fails for this model fails before a read
         layer = MLAAttention.from_hf_config(ckpt.config, dtype=out_dtype, tp_rank=tp_rank, tp_size=tp_size,
                                             layer_idx=idx, **options)
         state = ckpt.read_attention_layer(idx, tp_rank=tp_rank, tp_size=tp_size, dtype=out_dtype)

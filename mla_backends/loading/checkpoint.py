@@ -13,14 +13,15 @@ A folder holds either one ``model.safetensors`` or shards listed by ``model.safe
   index says, a misshaped tensor) raises ValueError naming the path before anything is handed to a layer.
 
 This module does not import the layer; :meth:`MLAAttention.from_pretrained` and
-:func:`mla_backends.layer.pretrained.load_attention_layers` build layers from what it returns.
+:func:`mla_backends.layer.attention.pretrained.load_attention_layers` build layers from what it returns.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,11 +29,12 @@ import torch
 from ..core.config_fields import load_json_file
 from ..core.dims import MLADims, hf_config_value, read_config_json
 from ..core.dtypes import parse_model_dtype
-from ..core.validation import require_int
+from ..core.validation import require_device, require_int
 from .fp8 import SCALE_SUFFIX, dequantize_block_fp8, weight_block_size_from_config
 from .hf import expected_hf_shapes, hf_attention_bias, hf_shard_range
 
-__all__ = ["Checkpoint", "CheckpointError", "read_layer", "INDEX_FILE", "SINGLE_FILE", "attention_prefix"]
+__all__ = ["Checkpoint", "CheckpointError", "read_layer", "INDEX_FILE", "SINGLE_FILE", "attention_prefix",
+           "check_load_arguments", "load_layer"]
 
 #: the index of a sharded checkpoint and the single file of an unsharded one (transformers' names)
 INDEX_FILE = "model.safetensors.index.json"
@@ -235,6 +237,52 @@ class Checkpoint:
         except (TypeError, ValueError) as err:
             raise CheckpointError(f"{scale_key}: {err}") from err
         return full.narrow(dim, start - lo, stop - start).contiguous()
+
+
+#: the keywords :meth:`MLAAttention.from_pretrained` and ``load_attention_layers`` set themselves
+_LOADER_KEYWORDS = ("config", "dtype", "tp_rank", "tp_size", "layer_idx")
+
+
+def check_load_arguments(builder: Callable[..., Any], *, layer_idx: int | None = None, dtype: Any = None,
+                         tp_rank: int = 0, tp_size: int = 1, options: dict[str, Any] | None = None) -> None:
+    """The checks a checkpoint loader makes before it opens the checkpoint: ``layer_idx`` an int >= 0 (None:
+    not given), ``dtype`` a model dtype or None, ``tp_size`` >= 1 and ``0 <= tp_rank < tp_size``, every key of
+    ``options`` a keyword of ``builder`` (``MLAAttention.from_hf_config``; a misspelt one is a TypeError naming
+    it), and ``options["device"]`` a device present here. TypeError/ValueError naming the argument."""
+    if layer_idx is not None:
+        require_int("layer_idx", layer_idx, minimum=0)
+    if dtype is not None:
+        parse_model_dtype(dtype)
+    require_int("tp_size", tp_size, minimum=1)
+    require_int("tp_rank", tp_rank, minimum=0)
+    if tp_rank >= tp_size:
+        raise ValueError(f"tp_rank: got {tp_rank}; supported 0..{tp_size - 1} (tp_size {tp_size})")
+    options = options or {}
+    known = [n for n in inspect.signature(builder).parameters if n not in _LOADER_KEYWORDS]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"options: got unexpected keyword(s) {unknown}; supported {', '.join(known)} "
+                        "(passed to MLAAttention.from_hf_config)")
+    if options.get("device") is not None:
+        require_device("device", options["device"])
+
+
+def load_layer(cls: Any, path: str | os.PathLike, layer_idx: int, *, dtype: str | torch.dtype | None = None,
+               tp_rank: int = 0, tp_size: int = 1, **options: Any) -> Any:
+    """``cls.from_pretrained`` (``cls``: :class:`~mla_backends.layer.attention.MLAAttention` or a subclass): the arguments
+    that need no checkpoint checked before it is opened (:func:`check_load_arguments`), then ``layer_idx``
+    against its layers and keys, then the layer built from the config (``backend``, ``dispatch`` ...,
+    ``tp_size`` against the heads), and only then its tensors read and loaded."""
+    check_load_arguments(cls.from_hf_config, layer_idx=layer_idx, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
+                         options=options)
+    ckpt = Checkpoint(path)  # config.json and the index, no tensors
+    ckpt.layer_files(layer_idx)  # in range, every key and shard there (a single file: its header)
+    out_dtype = ckpt.resolve_dtype(dtype)
+    layer = cls.from_hf_config(ckpt.config, dtype=out_dtype, tp_rank=tp_rank, tp_size=tp_size, layer_idx=layer_idx,
+                               **options)
+    layer.load_hf_state_dict(ckpt.read_attention_layer(layer_idx, tp_rank=tp_rank, tp_size=tp_size, dtype=out_dtype),
+                             sharded=True)
+    return layer
 
 
 def read_layer(path: str | os.PathLike, layer_idx: int, *, dtype: str | torch.dtype | None = None, tp_rank: int = 0,

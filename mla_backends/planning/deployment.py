@@ -21,14 +21,16 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 from ..core.config_fields import ConfigFields
 from ..core.dims import MLADims
 from ..core.validation import require_int
 
-__all__ = ["ModelShape", "MODEL_SHAPES", "WEIGHTS_RULE", "parse_memory", "model_shape", "weight_bytes_per_rank",
-           "dcp_comm_bytes_per_token", "PUBLISHED_WEIGHTS_DTYPE"]
+__all__ = ["ModelShape", "MODEL_SHAPES", "WEIGHTS_RULE", "MAX_SIZE_BYTES", "parse_memory", "model_shape",
+           "weight_bytes_per_rank", "dcp_comm_bytes_per_token", "PUBLISHED_WEIGHTS_DTYPE"]
 
 GiB = 1 << 30
 WEIGHTS_RULE = ("decoder layers (attention, dense MLP or MoE experts + router), embedding, final norm and "
@@ -92,22 +94,48 @@ def model_shape(dims: MLADims, config: dict[str, Any] | None = None) -> ModelSha
                      f"({', '.join(MODEL_SHAPES)}) for weight sizing")
 
 
+#: the largest size a size flag takes, in bytes: 2**53 (8 PiB), the largest whole number a float holds exactly,
+#: so every figure the reports derive from a size stays exact
+MAX_SIZE_BYTES = 2**53
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*([KMGT]i?B)?\s*", re.IGNORECASE)
+
+
 def parse_memory(text: str | float | int, argument: str = "--gpu-memory", *, allow_zero: bool = False) -> int:
     """``"141GB"`` (10**9), ``"80GiB"`` (2**30), ``"512MB"``/``"MiB"``, ``"1.5TB"``; a bare number is GiB.
 
-    Whole bytes, rounded down. ``allow_zero`` accepts ``0`` (``--reserve 0``: hold nothing back)."""
+    Read exactly as written, in decimal arithmetic (``4.35TB`` is 4,350,000,000,000 bytes; a float is read
+    as the decimal it prints as), then rounded down to whole bytes. ``allow_zero`` accepts ``0``
+    (``--reserve 0``: hold nothing back). Errors name ``argument``: a malformed or negative size, a positive
+    one under one byte, one above :data:`MAX_SIZE_BYTES`."""
     if isinstance(text, bool):
         raise TypeError(f"{argument}: got bool; supported a size such as 141GB, 80GiB or a number of GiB")
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([KMGT]i?B)?\s*", str(text), re.IGNORECASE)
-    value = float(m.group(1)) if m else math.nan
-    if not m or not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
-        kind = "non-negative" if allow_zero else "positive"
+    kind = "non-negative" if allow_zero else "positive"
+    m = _SIZE.fullmatch(str(text))
+    if not m:
         raise ValueError(f"{argument}: got {text!r}; supported a {kind} size such as 141GB, 80GiB or a bare "
                          "number of GiB")
-    unit = (m.group(2) or "GiB").upper()
-    power = "KMGT".index(unit[0]) + 1
-    base = 1024 if "I" in unit else 1000
-    return int(float(m.group(1)) * base**power)
+    mantissa = Fraction(Decimal(m.group(1)))  # exact: no binary float on the way
+    exponent = m.group(2) or "0"
+    exponent = int(exponent) if len(exponent.lstrip("+-")) <= 6 else (-1 if exponent[0] == "-" else 1) * 10**6
+    unit = (m.group(3) or "GiB").upper()
+    multiplier = (1024 if "I" in unit else 1000) ** ("KMGT".index(unit[0]) + 1)
+    magnitude = Decimal(m.group(1)).adjusted() + exponent if mantissa else 0  # its power of ten
+    if magnitude > 40:  # over 1e40 bytes, far past the limit: never build the integer
+        nbytes = MAX_SIZE_BYTES + 1
+    elif magnitude < -40:  # under 1e-27 bytes
+        nbytes = 0
+    else:
+        nbytes = math.floor(mantissa * multiplier * Fraction(10) ** exponent)
+    if nbytes > MAX_SIZE_BYTES:
+        raise ValueError(f"{argument}: got {text!r}, which is more than a size may be; supported a {kind} "
+                         f"size of at most {MAX_SIZE_BYTES:,} bytes (2**53, 8 PiB)")
+    if not mantissa and not allow_zero:
+        raise ValueError(f"{argument}: got {text!r}; supported a {kind} size such as 141GB, 80GiB or a bare "
+                         "number of GiB")
+    if mantissa and nbytes == 0:
+        raise ValueError(f"{argument}: got {text!r}, which is less than one byte; supported a {kind} size "
+                         f"of at least 1 byte{' (or 0)' if allow_zero else ''}")
+    return nbytes
 
 
 def _block_scales(rows: int, cols: int) -> int:

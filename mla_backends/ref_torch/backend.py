@@ -304,7 +304,6 @@ class RefTorchBackend(MLABackend):
         r, bs = cache.kv_lora_rank, cache.block_size
         K = topk.shape[1]
         step = max(1, GROUP_ELEMENT_BUDGET // max(1, K * (W + H)))
-        flat = cache.data.view(-1, W)
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
             idx = topk[t0:t1].long()
@@ -312,7 +311,7 @@ class RefTorchBackend(MLABackend):
             pos = idx.clamp_min(0)
             req = meta.token_request[t0:t1, None].expand_as(pos)
             slots = position_slots(meta.block_table, req, pos, bs)
-            kv = cache.dequantize(flat[slots], q.dtype)  # [t, K, W]
+            kv = cache.dequantize(cache.stored_rows(slots), q.dtype)  # [t, K, W]
             scores = torch.matmul(q[t0:t1], kv.transpose(1, 2)).mul_(scale)  # [t, H, K]
             scores.masked_fill_(~valid[:, None, :], float("-inf"))
             o, lse = softmax_with_lse(scores, kv[..., :r])

@@ -25,8 +25,12 @@ from ..core.validation import require_device, require_int, require_on_device, re
 _STORAGE_TORCH_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn,
                          torch.float8_e5m2)
 
+#: the layouts LatentKVCache.from_tensor wraps, as its errors state them
+_LAYOUTS = ("rows contiguous in memory (last stride 1) and block / slot strides under which no two slots "
+            "overlap: a contiguous tensor, or one whose blocks are spaced, padded or permuted")
+
 __all__ = ["LatentKVCache", "PagedRows", "SlotSource", "check_slot_mapping", "block_table_slots",
-           "position_slots", "duplicate_slot"]
+           "position_slots", "duplicate_slot", "overlapping_layout"]
 
 
 class SlotSource(ABC):
@@ -74,6 +78,20 @@ def check_slot_mapping(slot_mapping: torch.Tensor, num_blocks: int, block_size: 
                              f"[0, {num_slots - 1}] for {num_blocks} blocks of {block_size}")
 
 
+def overlapping_layout(shape: tuple[int, ...] | torch.Size, strides: tuple[int, ...]) -> bool:
+    """True unless the layout provably gives every index of a tensor with this ``shape`` and these element
+    ``strides`` its own memory: an ``expand``ed view, a zero stride and overlapping ``as_strided`` windows are
+    caught. Dimensions are taken in increasing stride order and each must step past everything the smaller
+    ones span (a sufficient rule: every layout that slicing, padding or permuting a contiguous buffer makes
+    passes; a few exotic interleavings that do not overlap are refused too)."""
+    span = 0  # the largest offset the dimensions seen so far reach
+    for stride, size in sorted((st, n) for st, n in zip(strides, shape, strict=True) if n > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
 def position_slots(block_table: torch.Tensor, requests: torch.Tensor, positions: torch.Tensor,
                    block_size: int) -> torch.Tensor:
     """Flat int64 slots of ``positions`` of ``requests`` (same shape, any shape; valid positions only).
@@ -88,6 +106,19 @@ def block_table_slots(block_table_row: torch.Tensor, length: int, block_size: in
     require_int("length", length, minimum=0)
     pos = torch.arange(length, device=block_table_row.device)
     return position_slots(block_table_row[None], torch.zeros_like(pos), pos, block_size)
+
+
+def _flat_view(data: torch.Tensor, width: int) -> torch.Tensor | None:
+    """``data [blocks, block_size, width]`` viewed as ``[blocks * block_size, width]`` (no copy), or None."""
+    try:
+        return data.view(-1, width)
+    except RuntimeError:  # blocks not packed one after another: address them by (block, offset)
+        return None
+
+
+def _block_offset(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slots // block_size, slots % block_size)``: the 2-D index of flat slots into ``data``."""
+    return torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
 
 
 class PagedRows:
@@ -141,6 +172,20 @@ class PagedRows:
         self._sink_store = torch.zeros(self.num_blocks * self.block_size + 1, width, dtype=dtype, device=device)
         return self._sink_store[:-1].view(self.num_blocks, self.block_size, width)
 
+    def flat_rows(self) -> torch.Tensor | None:
+        """:attr:`data` as ``[num_slots, row_width]`` without a copy (slot ``s`` is row ``s``), or None when its
+        layout cannot be seen that way (spaced, padded or permuted blocks of a wrapped engine tensor)."""
+        return _flat_view(self.data, self.row_width)
+
+    def stored_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """The stored (not dequantised) rows ``[*slots.shape, row_width]`` at flat int64 ``slots`` (all valid),
+        for every layout :attr:`data` may have: one index into :meth:`flat_rows` when there is one, else a
+        ``(block, offset)`` index."""
+        flat = self.flat_rows()
+        if flat is not None:
+            return flat[slots]
+        return self.data[_block_offset(slots, self.block_size)]
+
     def _write_rows(self, values: torch.Tensor, slot_mapping: torch.Tensor, *, trusted: bool = False) -> None:
         """Store ``quantize(values [T, ...])`` at ``slot_mapping [T]`` (``-1`` skips); callers validated shapes
         and devices. ``trusted``: the slots come from metadata ``BatchMetadata.build`` validated (no check
@@ -157,12 +202,20 @@ class PagedRows:
                 store, rows = store.view(torch.uint8), rows.view(torch.uint8)
             store.index_copy_(0, target, rows)
             return
-        keep = slot_mapping >= 0  # no sink (a replaced data tensor): mask the skipped rows (a sync)
-        self.data.view(-1, self.row_width)[slot_mapping[keep].long()] = self.quantize(values[keep])
+        keep = slot_mapping >= 0  # no sink (a wrapped or replaced data tensor): mask the skipped rows (a sync)
+        slots = slot_mapping[keep].long()
+        data, rows = self.data, self.quantize(values[keep])
+        if rows.element_size() == 1:  # fp8: move the bytes (index_put_ has no fp8 kernel on every device)
+            data, rows = data.view(torch.uint8), rows.view(torch.uint8)
+        flat = _flat_view(data, self.row_width)
+        if flat is not None:
+            flat[slots] = rows
+        else:
+            data[_block_offset(slots, self.block_size)] = rows
 
     def read_slots(self, slots: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Dequantised values ``[*slots.shape, ...]`` for flat slot indices (all must be valid)."""
-        return self.dequantize(self.data.view(-1, self.row_width)[slots.long()], dtype)
+        return self.dequantize(self.stored_rows(slots.long()), dtype)
 
     def gather(
         self, block_table_row: torch.Tensor, length: int, dtype: torch.dtype | None = None
@@ -243,6 +296,12 @@ class LatentKVCache(PagedRows):
         layer ``k_scale``: a tensor is read once, one sync on a GPU; pass the host float when the engine keeps
         one). The wrapper has no sink row, so :meth:`write` masks skipped slots; engines that write their own
         rows never call it.
+
+        Layouts: every row must be contiguous (last stride 1) and no two slots may share memory; the block and
+        slot strides are otherwise free (vLLM's layer-interleaved layouts space blocks apart; a permuted
+        ``[block_size, num_blocks, row]`` buffer viewed back works too), and every path (reads, writes,
+        gathers, dense and sparse decode) takes them. An ``expand``ed or otherwise overlapping view is refused
+        here, naming its strides, since a write to one slot would change others.
         """
         require_tensor("data", data, ndim=3, dtypes=_STORAGE_TORCH_DTYPES)
         require_int("kv_lora_rank", kv_lora_rank, minimum=1)
@@ -250,7 +309,11 @@ class LatentKVCache(PagedRows):
             raise ValueError(f"data: got shape {list(data.shape)}; supported at least one block of one slot and "
                              f"rows of >= kv_lora_rank ({kv_lora_rank}) values")
         if data.stride(-1) != 1:
-            raise ValueError(f"data: got strides {list(data.stride())}; supported rows contiguous in memory")
+            raise ValueError(f"data: got strides {list(data.stride())} for shape {list(data.shape)}; supported "
+                             f"{_LAYOUTS}")
+        if overlapping_layout(data.shape, data.stride()):
+            raise ValueError(f"data: got strides {list(data.stride())} for shape {list(data.shape)}, under which "
+                             f"slots may share memory (an expand()ed or overlapping view); supported {_LAYOUTS}")
         kv = canonical_kv_cache_dtype(data.dtype)
         self = cls.__new__(cls)
         self.model_dtype = parse_model_dtype(model_dtype)

@@ -31,18 +31,27 @@ CACHE_KWARGS = ("cache", "past_key_values")
 
 
 class PatchState:
-    """What :func:`~mla_backends.integrations.transformers.patch_model` keeps on the model: its layers, the
-    cache settings, the original modules and the hook handles. Nothing per call or per step (that is the
-    call's cache and :data:`STEP_GATE`), so ``copy.deepcopy`` of the model copies it whole."""
+    """What :func:`~mla_backends.integrations.transformers.patch_model` keeps on the model: the model it
+    patched (``model``: a shallow copy of that model shares this state, and is told apart by it), its layers,
+    the cache settings, the original modules and the hook handles, and whether the patch is still on
+    (``active``). Nothing per call or per step (that is the call's cache and :data:`STEP_GATE`), so
+    ``copy.deepcopy`` and pickling of the model copy it whole."""
 
-    def __init__(self, layers: dict[int, MLAAttention], block_size: int, kv_cache_dtype: str,
-                 cache_kw: str) -> None:
+    def __init__(self, model: torch.nn.Module, layers: dict[int, MLAAttention], block_size: int,
+                 kv_cache_dtype: str, cache_kw: str) -> None:
+        self.model = model
+        self.active = True
         self.layers = layers
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_kw = cache_kw
         self.originals: dict[str, torch.nn.Module] = {}
         self.hooks: list[Any] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A deep copy or a pickle of the state leaves ``model`` unset: the model it is copied with claims it
+        (:func:`~mla_backends.integrations.transformers.is_patched` and friends), not a copy of the original."""
+        return {**self.__dict__, "model": None}
 
     def new_cache(self, reserve_tokens: int | None = None) -> MLAGenerationCache:
         return MLAGenerationCache(self.layers, block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,

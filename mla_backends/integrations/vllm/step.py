@@ -53,9 +53,10 @@ def wrap_cache(data: torch.Tensor, *, kv_lora_rank: int, model_dtype: torch.dtyp
                previous: LatentKVCache | None = None) -> LatentKVCache:
     """``data`` (vLLM's layer cache ``[num_blocks, block_size, 576]``, fp8 already viewed as fp8) as a
     :class:`LatentKVCache` sharing its memory; ``previous`` is returned as it is when it wraps the same tensor
-    with the same scale (the wrapper is made once per layer, not per step)."""
+    (address, shape, strides, dtype) with the same scale (the wrapper is made once per layer, not per step)."""
     if (previous is not None and previous.data.data_ptr() == data.data_ptr() and previous.data.shape == data.shape
-            and previous.data.dtype == data.dtype and previous.scale_value == scale):
+            and previous.data.stride() == data.stride() and previous.data.dtype == data.dtype
+            and previous.scale_value == scale):
         return previous
     fp8 = data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     return LatentKVCache.from_tensor(data, kv_lora_rank=kv_lora_rank, model_dtype=model_dtype,
