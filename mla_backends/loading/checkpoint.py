@@ -269,8 +269,8 @@ def check_load_arguments(builder: Callable[..., Any], *, layer_idx: int | None =
 
 def load_layer(cls: Any, path: str | os.PathLike, layer_idx: int, *, dtype: str | torch.dtype | None = None,
                tp_rank: int = 0, tp_size: int = 1, **options: Any) -> Any:
-    """``cls.from_pretrained`` (``cls``: :class:`~mla_backends.layer.attention.MLAAttention` or a subclass): the arguments
-    that need no checkpoint checked before it is opened (:func:`check_load_arguments`), then ``layer_idx``
+    """``cls.from_pretrained`` (``cls``: :class:`~mla_backends.layer.attention.MLAAttention` or a subclass): the
+    arguments that need no checkpoint checked before it is opened (:func:`check_load_arguments`), then ``layer_idx``
     against its layers and keys, then the layer built from the config (``backend``, ``dispatch`` ...,
     ``tp_size`` against the heads), and only then its tensors read and loaded."""
     check_load_arguments(cls.from_hf_config, layer_idx=layer_idx, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
