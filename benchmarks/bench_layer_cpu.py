@@ -240,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                    bytes=bytes_moved, bound=bound)
 
     # ---- shared prefill: fused CPU kernel vs the plain one -------------------------------------------------
-    from mla_backends.layer.prefill import PrefillWorkspace, forward_mha
+    from mla_backends.layer.prefill import forward_mha
+    from mla_backends.layer.workspace import PrefillWorkspace
 
     n_new, n_ctx = args.prefill_new, args.prefill_context
     P = dims.qk_nope_head_dim

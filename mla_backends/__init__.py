@@ -52,7 +52,7 @@ _LAZY = {
     # the layer, the shared prefill and its workspace
     "MLAAttention": ".layer.attention",
     "forward_mha": ".layer.prefill",
-    "PrefillWorkspace": ".layer.prefill",
+    "PrefillWorkspace": ".layer.workspace",
     "shared_workspace": ".layer.workspace",
     "SparseKVCache": ".layer.sparse",
     "Indexer": ".layer.sparse",

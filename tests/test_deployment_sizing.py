@@ -97,7 +97,7 @@ def test_deployment_workspace_is_what_forward_mha_allocates():
     import torch
 
     from mla_backends.layer.attention import MLAAttention
-    from mla_backends.layer.prefill import PrefillWorkspace
+    from mla_backends.layer.workspace import PrefillWorkspace
     from mla_backends.loading.hf import random_hf_state_dict
     from mla_backends.step.metadata import BatchMetadata
 

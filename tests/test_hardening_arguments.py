@@ -26,7 +26,7 @@ from mla_backends.layer.sparse.indexer_cache import IndexerKeyCache
 from mla_backends.layer.sparse.layer_support import build_indexer
 from mla_backends.layer.workspace import shared_workspace, shared_workspaces, workspace_key
 from mla_backends.planning.tuning import check_grid_fits, tunable_backends
-from mla_backends.plugins.loading import aliases
+from mla_backends.plugins import aliases
 from mla_backends.step.cache import LatentKVCache
 from mla_backends.step.graph import DecodeGraphMetadata
 from mla_backends.step.metadata import BatchMetadata

@@ -9,8 +9,7 @@ import torch
 
 from mla_backends.core.dims import MLADims
 from mla_backends.layer.attention import MLAAttention
-from mla_backends.layer.prefill import PrefillWorkspace
-from mla_backends.layer.workspace import clear_shared_workspaces, shared_workspace
+from mla_backends.layer.workspace import PrefillWorkspace, clear_shared_workspaces, shared_workspace
 from mla_backends.loading.hf import random_hf_state_dict
 from mla_backends.step.metadata import BatchMetadata
 from mla_backends.step.plan import plan_step

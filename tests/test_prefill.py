@@ -8,13 +8,8 @@ import math
 import pytest
 import torch
 
-from mla_backends.layer.prefill import (
-    PrefillWorkspace,
-    context_chunks,
-    default_workspace_rows,
-    forward_mha,
-    merge_attention_states,
-)
+from mla_backends.layer.prefill import context_chunks, forward_mha, merge_attention_states
+from mla_backends.layer.workspace import PrefillWorkspace, default_workspace_rows
 from mla_backends.step.cache import LatentKVCache
 from mla_backends.step.metadata import BatchMetadata
 
@@ -197,7 +192,7 @@ def _attention_inputs(n, m, dtype, v_width=V, seed=0):
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts calls into torch's fused CPU kernel (the test fails if the fused path stops being taken)."""
-    from mla_backends.layer.attention import prefill
+    from mla_backends.layer import prefill
 
     kernel = prefill.fused_prefill_kernel()
     if kernel is None:
@@ -231,7 +226,7 @@ def test_fused_cpu_kernel_matches_naive_float64(n, m, causal, v_width, dtype, to
 
 
 def test_fused_kernel_blocks_queries_and_keys_and_merges_them(monkeypatch, fused_calls):
-    from mla_backends.layer.attention import prefill
+    from mla_backends.layer import prefill
 
     monkeypatch.setattr(prefill, "FUSED_KV_BYTES", 2 * H * (P + R) * 4 * 50)  # 50 rows per block / chunk
     args = _attention_inputs(6, 173, torch.float32, seed=4)

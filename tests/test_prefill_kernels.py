@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 
-from mla_backends.layer.attention import prefill, prefill_kernels
+from mla_backends.layer import prefill, prefill_kernels
 from mla_backends.layer.prefill_kernels import KernelChoice, PrefillKernel, choose_prefill_kernel, kernel_problem
 
 CUDA = torch.device("cuda", 0)

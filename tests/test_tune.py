@@ -12,7 +12,7 @@ import torch
 
 from mla_backends.cli import main
 from mla_backends.core.dims import MLADims
-from mla_backends.layer.attention import dispatch
+from mla_backends.layer import dispatch
 from mla_backends.layer.thresholds import TABLE_FORMAT, ContextThresholds, ThresholdTable, TunedThresholds
 from mla_backends.planning import costs, tuning
 from mla_backends.step.metadata import BatchMetadata

@@ -14,7 +14,7 @@ from typing import Any
 from ..core.dims import MLADims
 from ..core.dtypes import parse_model_dtype, resolve_kv_cache_dtype
 from ..core.validation import require_int
-from ..layer.prefill import MAX_WORKSPACE_ROWS, workspace_widths
+from ..layer.workspace import MAX_WORKSPACE_ROWS, workspace_widths
 from ..planning import costs, deployment, reserve
 
 __all__ = ["kv_cache_report", "crossover_report", "deployment_report", "usable_bytes", "prefill_workspace_figures",
@@ -102,7 +102,7 @@ def kv_cache_report(
 def prefill_workspace_figures(dims: MLADims, model_dtype: str = "bfloat16", tp: int = 1,
                               rows: int = MAX_WORKSPACE_ROWS) -> dict[str, int]:
     """The prefill workspace beside the cache, as ``forward_mha`` allocates it
-    (:func:`mla_backends.layer.prefill.workspace_widths`): ``rows`` gathered latent rows plus their per-head K-nope
+    (:func:`mla_backends.layer.workspace.workspace_widths`): ``rows`` gathered latent rows plus their per-head K-nope
     and V (model dtype, this rank's ``total_num_heads // tp`` heads), the one buffer every layer of a device
     shares (:mod:`mla_backends.layer.workspace`), and what one per layer would take. Bytes."""
     mb = costs.element_bytes("auto", model_dtype)

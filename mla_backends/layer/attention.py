@@ -47,12 +47,12 @@ from ..step.plan import PlanRequest, Run, StepPlan, require_plan
 from . import dcp as parallel
 from .dcp import absorbed_attention as dcp_absorbed_attention
 from .dispatch import DispatchPolicy, decode_threshold, layer_policy, runs_key, step_runs
-from .prefill import PrefillWorkspace, default_workspace_rows, forward_mha
+from .prefill import forward_mha
 from .projections import linear, rms_norm
 from .sparse.layer_support import SparseKVCache, build_indexer
 from .thresholds import ThresholdTable
 from .weights import add_attention_weights, load_hf_weights
-from .workspace import shared_workspace
+from .workspace import PrefillWorkspace, default_workspace_rows, shared_workspace
 
 __all__ = ["MLAAttention"]
 

@@ -39,6 +39,7 @@ from .prefill_kernels import (
     cuda_fused_attention,
     fused_prefill_kernel,
 )
+from .workspace import MAX_WORKSPACE_ROWS, PrefillWorkspace, workspace_widths
 
 #: ``(chunk [(request, start, stop), ...], dtype) -> rows [n, R + P]``: a chunk's cached context rows
 ContextRows = Callable[[list[tuple[int, int, int]], torch.dtype], torch.Tensor]
@@ -49,84 +50,17 @@ __all__ = [
     "prefill_attention",
     "merge_attention_states",
     "context_chunks",
-    "default_workspace_rows",
-    "workspace_widths",
-    "PrefillWorkspace",
-    "MAX_WORKSPACE_ROWS",
     "fused_prefill_kernel",
     "fused_applies",
     "prefill_kernel_for",
     "softmax_with_lse",
 ]
 
-#: cap of the default workspace (vLLM's 64k rows)
-MAX_WORKSPACE_ROWS = 64 * 1024
 #: most score elements one :func:`prefill_attention` call materialises at once (64 MiB in float32)
 SCORE_BUDGET = 1 << 24
 #: most bytes the fused CPU kernel spends on one materialised float32 pair: the ``[keys, heads, 192]`` key and
 #: padded value of a key chunk, or a query block and its output; longer ranges are split and merged by LSE
 FUSED_KV_BYTES = 256 << 20
-
-
-def default_workspace_rows(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
-    """``min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 65536)``: room for eight full-length
-    requests or four pages per running request, capped at 64k rows (vLLM's sizing)."""
-    require_int("max_model_len", max_model_len, minimum=1)
-    require_int("max_num_seqs", max_num_seqs, minimum=1)
-    require_int("block_size", block_size, minimum=1)
-    return min(max(8 * max_model_len, 4 * max_num_seqs * block_size), MAX_WORKSPACE_ROWS)
-
-
-def workspace_widths(kv_lora_rank: int, qk_rope_head_dim: int, heads: int, qk_nope_head_dim: int,
-                     v_head_dim: int) -> tuple[int, int]:
-    """``(R + P, H * (N + V))``: the values per row of a :class:`PrefillWorkspace`'s ``latent`` buffer (a
-    gathered cache row) and ``kv`` buffer (this rank's ``heads`` of up-projected K-nope and V). The one
-    formula of the workspace's size: ``forward_mha`` allocates with it and the sizing reports count with it."""
-    for name, value in (("kv_lora_rank", kv_lora_rank), ("qk_rope_head_dim", qk_rope_head_dim), ("heads", heads),
-                        ("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
-        require_int(name, value, minimum=1)
-    return kv_lora_rank + qk_rope_head_dim, heads * (qk_nope_head_dim + v_head_dim)
-
-
-class PrefillWorkspace:
-    """Buffers for one context chunk of at most ``rows`` cache rows, grown on demand and reused.
-
-    ``rows`` is the bound (the chunk size ``forward_mha`` packs the cached context into); the buffers are
-    only as large as the largest chunk a step needed so far (never shrunk, never past the bound).
-    ``latent``: ``[rows_used, kv_lora_rank + qk_rope_head_dim]`` gathered cache rows (model dtype; used directly
-    when the cache stores the model dtype, else the dequantised read is used). ``kv``: ``[rows_used, heads *
-    (qk_nope + v)]`` up-projected keys/values, the large buffer (``rows * heads * 256`` values for DeepSeek).
-    ``allocations`` counts (re)allocations. One workspace may serve every layer of a device
-    (:mod:`mla_backends.layer.workspace`); calls using it must be ordered on one stream.
-    """
-
-    def __init__(self, rows: int) -> None:
-        require_int("workspace_rows", rows, minimum=1)
-        self.rows = rows
-        self.latent: torch.Tensor | None = None
-        self.kv: torch.Tensor | None = None
-        self.allocations = 0
-
-    def buffers(self, row_width: int, kv_width: int, dtype: torch.dtype, device: torch.device,
-                rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(latent [n, row_width], kv [n, kv_width])`` with ``n >= rows`` (default: the bound ``self.rows``);
-        reallocated only when a buffer is too small or of another dtype/device."""
-        need = self.rows if rows is None else min(require_int("rows", rows, minimum=1), self.rows)
-        kv, lat = self.kv, self.latent
-        if (kv is None or lat is None or kv.shape[0] < need or kv.shape[1] != kv_width or kv.dtype != dtype
-                or kv.device != device or lat.shape[1] != row_width):
-            have = 0 if kv is None or kv.shape[1] != kv_width or kv.dtype != dtype or kv.device != device \
-                else kv.shape[0]
-            n = max(need, have)
-            self.latent = lat = torch.empty(n, row_width, dtype=dtype, device=device)
-            self.kv = kv = torch.empty(n, kv_width, dtype=dtype, device=device)
-            self.allocations += 1
-        return lat, kv
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the buffers hold now (0 before the first prefill over cached context)."""
-        return sum(t.numel() * t.element_size() for t in (self.latent, self.kv) if t is not None)
 
 
 def prefill_attention(

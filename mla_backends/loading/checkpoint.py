@@ -13,7 +13,7 @@ A folder holds either one ``model.safetensors`` or shards listed by ``model.safe
   index says, a misshaped tensor) raises ValueError naming the path before anything is handed to a layer.
 
 This module does not import the layer; :meth:`MLAAttention.from_pretrained` and
-:func:`mla_backends.layer.attention.pretrained.load_attention_layers` build layers from what it returns.
+:func:`mla_backends.layer.pretrained.load_attention_layers` build layers from what it returns.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ import torch
 from ..core.dims import MLADims
 from ..core.dtypes import canonical_kv_cache_dtype, kv_cache_torch_dtype, parse_model_dtype
 from ..core.validation import require_int
-from ..layer.prefill import MAX_WORKSPACE_ROWS, default_workspace_rows
+from ..layer.workspace import MAX_WORKSPACE_ROWS, default_workspace_rows
 
 __all__ = [
-    "GQAConfig", "LLAMA3_70B", "Accelerator", "H100_SXM", "INDEXER_QUANT_BLOCK", "WORKSPACE_MAX_ROWS",
+    "GQAConfig", "LLAMA3_70B", "INDEXER_QUANT_BLOCK", "WORKSPACE_MAX_ROWS",
     "element_bytes", "latent_bytes_per_token_per_layer", "latent_bytes_per_token",
     "expanded_bytes_per_token_per_layer", "expanded_bytes_per_token", "expanded_ratio",
     "uncached_kv_bytes_per_token_per_layer", "gqa_bytes_per_token", "gqa_cluster_bytes_per_token",
@@ -33,7 +33,7 @@ __all__ = [
     "absorbed_core_flops_per_context_token", "expanded_core_flops_per_context_token", "core_cost_factor",
     "decode_arithmetic_intensity", "gqa_decode_arithmetic_intensity", "attention_pairs", "absorbed_path_flops",
     "expanded_path_flops", "cheaper_path", "crossover_query_len", "asymptotic_query_threshold",
-    "min_context_for_absorption", "decode_roofline", "workspace_rows", "workspace_latent_bytes",
+    "min_context_for_absorption", "workspace_rows", "workspace_latent_bytes",
     "workspace_upprojected_bytes", "indexer_bytes_per_token_per_layer", "indexing_layers",
     "indexer_bytes_per_token", "indexer_overhead", "KiB", "MiB", "GiB",
 ]
@@ -60,24 +60,6 @@ class GQAConfig:
 
 #: Llama-3-70B: 80 layers, 64 query heads sharing 8 KV heads (GQA-8), head width 128
 LLAMA3_70B = GQAConfig(name="llama-3-70b", num_layers=80, num_attention_heads=64, num_kv_heads=8, head_dim=128)
-
-
-@dataclass(frozen=True)
-class Accelerator:
-    """Peak dense throughput (FLOP/s) and memory bandwidth (byte/s) for roofline estimates."""
-
-    name: str
-    peak_flops: float
-    bandwidth: float
-
-    @property
-    def ridge(self) -> float:
-        """FLOP per byte at which compute and memory time are equal (~295 for the H100)."""
-        return self.peak_flops / self.bandwidth
-
-
-#: H100 SXM: 989.4 TFLOP/s dense bf16, 3.35 TB/s HBM3
-H100_SXM = Accelerator(name="H100 SXM", peak_flops=989.4e12, bandwidth=3.35e12)
 
 
 # ---- argument checks -------------------------------------------------------------------------------------
@@ -358,37 +340,6 @@ def min_context_for_absorption(dims: MLADims, query_len: int = 1) -> int | None:
     return max(s, 1)
 
 
-@dataclass(frozen=True)
-class DecodeRoofline:
-    """Roofline estimate of one decode token's absorbed attention over all layers (per rank)."""
-
-    context_len: int
-    tp: int
-    flops: int
-    bytes: int
-    compute_s: float
-    memory_s: float
-
-    @property
-    def bound(self) -> str:
-        return "memory" if self.memory_s >= self.compute_s else "compute"
-
-
-def decode_roofline(
-    dims: MLADims, context_len: int, *, tp: int = 1, dtype_bytes: int = 2, accelerator: Accelerator = H100_SXM
-) -> DecodeRoofline:
-    """Core FLOPs and cache bytes for one decode token over ``S`` cached tokens and all layers.
-
-    DeepSeek-V3 at S=4,096, TP=1 on an H100: 69.6 GFLOP (70 us) against 287.8 MB of reads (86 us); at TP=8
-    the FLOPs (8.8 us) divide by eight, the bytes do not.
-    """
-    d = _dims(dims)
-    s = _pos_int("context_len", context_len)
-    flops = d.num_layers * s * absorbed_core_flops_per_context_token(d, tp)
-    nbytes = s * latent_bytes_per_token(d, dtype_bytes)
-    return DecodeRoofline(s, tp, flops, nbytes, flops / accelerator.peak_flops, nbytes / accelerator.bandwidth)
-
-
 # ---- chunked-prefill workspace ---------------------------------------------------------------------------
 def workspace_rows(max_model_len: int, max_num_seqs: int, block_size: int) -> int:
     """vLLM's chunked-prefill workspace rows.
@@ -396,7 +347,7 @@ def workspace_rows(max_model_len: int, max_num_seqs: int, block_size: int) -> in
     ``min(max(8 * max_model_len, 4 * max_num_seqs * block_size), 65536)``.
 
     Room for eight full-length requests or at least four pages per sequence, capped at 64k rows. The same
-    sizing :func:`mla_backends.layer.prefill.default_workspace_rows` gives ``forward_mha`` (this delegates to it).
+    sizing :func:`mla_backends.layer.workspace.default_workspace_rows` gives ``forward_mha`` (this delegates to it).
     """
     return default_workspace_rows(max_model_len, max_num_seqs, block_size)
 

@@ -28,13 +28,29 @@ import torch
 from ..core.validation import require_device, require_int, require_tensor
 from .cache import PagedRows, SlotSource, duplicate_slot, position_slots
 
-__all__ = ["BatchMetadata", "dcp_local_len"]
+__all__ = ["BatchMetadata", "dcp_local_len", "live_block_bounds"]
 
 IntsLike = Sequence[int] | torch.Tensor
 
 
 #: the largest length, offset or block id the int32 metadata tensors can hold
 INT32_MAX = 2**31 - 1
+
+
+def live_block_bounds(table: torch.Tensor, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lo [B], hi [B])`` int64 on ``table``'s device: the smallest and largest block id among the first
+    ``pages[b]`` entries of row ``b`` of ``table [B, W]`` (a request's live pages; ``0`` and ``-1`` for a row
+    with none). The one computation of live block ids: :meth:`BatchMetadata.build`,
+    :meth:`BatchMetadata.for_decode` and the step plan's device read of hand-made metadata all use it."""
+    B, width = table.shape[0], max(pages, default=0)
+    dev = table.device
+    if not B or not width:
+        return torch.zeros(B, dtype=torch.long, device=dev), torch.full((B,), -1, dtype=torch.long, device=dev)
+    ids = table[:, :width].long()
+    live = torch.arange(width, device=dev)[None, :] < torch.tensor(list(pages), device=dev)[:, None]
+    hi = torch.where(live, ids, torch.full_like(ids, -1)).amax(dim=1)
+    lo = torch.where(live, ids, torch.full_like(ids, torch.iinfo(torch.long).max)).amin(dim=1)
+    return torch.where(hi >= 0, lo, torch.minimum(lo, torch.zeros_like(lo))), hi
 
 
 def dcp_local_len(length: int, dcp_rank: int, dcp_size: int) -> int:
@@ -218,13 +234,13 @@ class BatchMetadata(SlotSource):
             bad = int(bt_host.max()) if int(bt_host.max()) > INT32_MAX else int(bt_host.min())
             raise ValueError(f"block_table: got block id {bad}; supported ids that fit int32 (<= {INT32_MAX})")
         seq = [cq + cc for cq, cc in zip(q, c, strict=True)]
-        maxima: list[int] = []
         for b, s in enumerate(seq):
             if s > INT32_MAX:
                 raise ValueError(f"context_lens[{b}]: got {c[b]} (+ query {q[b]} = {s} tokens) for request {b}; "
                                  f"supported context + query <= {INT32_MAX} (int32 sequence lengths)")
         if sum(q) > INT32_MAX:
             raise ValueError(f"query_lens: got {sum(q)} tokens in all; supported <= {INT32_MAX} (int32 offsets)")
+        needs = []
         for b, s in enumerate(seq):
             held = dcp_local_len(s, dcp_rank, dcp_size)
             need = -(-held // block_size)
@@ -234,14 +250,15 @@ class BatchMetadata(SlotSource):
                     f"block_table: request {b} holds {s} tokens (context {c[b]} + query {q[b]}{where}) and needs "
                     f"{need} pages of {block_size}; got a row of {bt_host.shape[1]} entries"
                 )
-            if need:
+            needs.append(need)
+        lows, highs = (v.tolist() for v in live_block_bounds(bt_host, needs))
+        for b, (need, lo, hi) in enumerate(zip(needs, lows, highs, strict=True)):
+            if need and (lo < 0 or (num_blocks is not None and hi >= num_blocks)):
                 used = bt_host[b, :need]
-                lo, hi = int(used.min()), int(used.max())
-                if lo < 0 or (num_blocks is not None and hi >= num_blocks):
-                    bad = int(used[(used < 0) | (used >= (num_blocks or 2**62))][0])
-                    limit = f"[0, {num_blocks - 1}]" if num_blocks is not None else ">= 0"
-                    raise ValueError(f"block_table: request {b} uses block id {bad}; supported {limit}")
-            maxima.append(hi if need else -1)
+                bad = int(used[(used < 0) | (used >= (num_blocks or 2**62))][0])
+                limit = f"[0, {num_blocks - 1}]" if num_blocks is not None else ">= 0"
+                raise ValueError(f"block_table: request {b} uses block id {bad}; supported {limit}")
+        maxima = highs
 
         # decode requests first (stable), prefills after
         B = len(q)
@@ -357,14 +374,10 @@ class BatchMetadata(SlotSource):
         """Largest live block id read from ``block_table`` (one sync; hand-made metadata only)."""
         held = [dcp_local_len(s, self.dcp_rank, self.dcp_size) for s in self.seq_lens_list]  # local under DCP
         used = [-(-h // self.block_size) for h in held]
-        width = max(used, default=0)
-        if not width:
+        if not max(used, default=0):
             return -1
-        bt = self.block_table[:, :width]
-        live = torch.arange(width, device=bt.device)[None, :] < torch.tensor(used, device=bt.device)[:, None]
-        ids = torch.where(live, bt.long(), torch.full_like(bt, -1, dtype=torch.long))
-        lo = torch.where(live, bt.long(), torch.zeros_like(ids)).min()
-        lo_v, hi_v = torch.stack([lo, ids.max()]).tolist()  # the one sync
+        lo, hi = live_block_bounds(self.block_table, used)
+        lo_v, hi_v = torch.stack([lo.min(), hi.max()]).tolist()  # the one sync
         if lo_v < 0:
             raise ValueError(f"meta.block_table: got block id {lo_v}; supported >= 0")
         return hi_v
@@ -543,11 +556,9 @@ class BatchMetadata(SlotSource):
                  else slot_mapping[:B].to(torch.int64))
         max_ids = None
         if dev.type == "cpu":  # host memory: the per-request largest live block id, as build() keeps it
-            need = torch.tensor([-(-s // block_size) for s in lens], dtype=torch.int64)
-            live = torch.arange(table.shape[1])[None, :] < need[:, None]
-            max_ids = tuple(torch.where(live, table.long(), torch.full_like(table, -1, dtype=torch.long))
-                            .amax(dim=1).tolist()) if B else ()
-            if B and int(torch.where(live, table.long(), torch.zeros_like(table, dtype=torch.long)).min()) < 0:
+            lo, hi = live_block_bounds(table, [-(-s // block_size) for s in lens])
+            max_ids = tuple(hi.tolist())
+            if B and int(lo.min()) < 0:
                 raise ValueError("block_table: got a negative block id in a live page; supported ids >= 0")
         return cls(
             block_size=block_size, order=rows, token_order=rows,
