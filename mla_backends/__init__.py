@@ -13,7 +13,7 @@ from typing import Any
 
 from . import _legacy
 
-__version__ = "0.1.0"
+__version__ = "0.4.0"
 
 # name -> module that defines it (imported on first attribute access). This is the public API: what an engine
 # builder and a kernel author import. Everything else is internal and may move (docs/architecture.md, "What is
@@ -32,6 +32,7 @@ _LAZY = {
     "PlanRequest": ".step.plan",
     "Run": ".step.plan",
     "LatentKVCache": ".step.cache",
+    "block_table_slots": ".step.cache",
     "DecodeGraphMetadata": ".step.graph",
     # the backend contract (what a kernel author implements and declares)
     "MLABackend": ".backends.contract",
@@ -40,6 +41,7 @@ _LAZY = {
     "AttentionSpec": ".backends.capabilities",
     "QueryLenSupport": ".backends.capabilities",
     "Tolerance": ".backends.capabilities",
+    "DEFAULT_TOLERANCES": ".backends.capabilities",
     "Reason": ".backends.reasons",
     "ReasonKind": ".backends.reasons",
     "RefTorchBackend": ".ref_torch",

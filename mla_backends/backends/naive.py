@@ -1,6 +1,8 @@
 """The naive (expanded) decode path, kept as a timing baseline: up-project every cached latent to per-head K
 and V, then run ordinary attention. This is what absorption avoids; benchmarks and ``mla-backends demo``
-compare against it. Tests use their own independent float64 reference, not this.
+compare against it. Correctness is defined by float64 references written independently in the tests and the
+conformance suite; ``tests/test_seed_parity.py`` also runs this path, as a second implementation beside the
+absorbed one (its agreement with them is what it checks, not its authority).
 """
 
 from __future__ import annotations

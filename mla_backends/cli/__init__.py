@@ -31,7 +31,7 @@ COMMAND_MODULES = (
 
 
 def version_text() -> str:
-    """``mla-backends 0.1.0 (Python 3.12.3)``: the installed distribution's version (``importlib.metadata``),
+    """``mla-backends 0.4.0 (Python 3.12.3)``: the installed distribution's version (``importlib.metadata``),
     else the source tree's ``__version__``."""
     import importlib.metadata
     import platform

@@ -2,7 +2,7 @@
 
 Every layer of a step runs the same dense groups over the same metadata, so what they need besides the
 cache and the queries is worked out once, from the metadata's host lists (no device read), and kept in the
-step's :class:`RefStep` (``meta.prepare(backend)``):
+step's :class:`RefStep` (what ``RefTorchBackend.prepare`` returns when the step is planned, ``plan_step``):
 
 - the page ids of each group, ``[requests * pages]``, one ``index_select`` of the cache away from the
   padded ``[requests, pages * block_size, 576]`` rows (pages past a request's last one read page 0, hidden);

@@ -26,17 +26,18 @@ import warnings
 from typing import Any
 
 __all__ = ["BackendConformance", "resolve_backend", "build_matrix", "reference_mqa", "no_host_sync",
-           "HostSyncError", "host_sync_allowed", "GuardThreadError"]
+           "HostSyncError", "host_sync_allowed", "GuardThreadError", "random_hf_state_dict"]
 
 _LAZY = {
-    "no_host_sync": "..host_sync",
-    "HostSyncError": "..host_sync",
-    "host_sync_allowed": "..host_sync",
-    "GuardThreadError": "..host_sync",
+    "no_host_sync": "..core.host_sync",
+    "HostSyncError": "..core.host_sync",
+    "host_sync_allowed": "..core.host_sync",
+    "GuardThreadError": "..core.host_sync",
     "BackendConformance": ".suite",
     "resolve_backend": ".suite",
     "build_matrix": ".matrix",
     "reference_mqa": ".reference",
+    "random_hf_state_dict": "..loading.hf",
 }
 
 
