@@ -27,7 +27,8 @@ from mla_backends.integrations.vllm import plugin  # noqa: E402
 from mla_backends.integrations.vllm.selection import VLLMSelectionError, declarations  # noqa: E402
 from mla_backends.integrations.vllm.step import decode_batch_metadata  # noqa: E402
 from mla_backends.integrations.vllm.versions import UnsupportedVLLMVersionError  # noqa: E402
-from mla_backends.ref_torch import RefTorchBackend  # noqa: E402
+from mla_backends.ref_torch import RefTorchBackend
+from mla_backends.step.plan import plan_step  # noqa: E402
 
 GPU_CAPS = Capabilities(dtypes=frozenset({torch.bfloat16}), kv_cache_dtypes=frozenset({"bfloat16", "fp8_e4m3"}),
                         min_compute_capability=(9, 0), page_sizes=(32, 64), preferred_page_size=64,
@@ -132,7 +133,7 @@ def test_refusal_reaches_vllm_validation(monkeypatch: pytest.MonkeyPatch) -> Non
 def _impl(need_lse: bool):  # type: ignore[no-untyped-def]
     impl = object.__new__(vb.MLABackendsCPUImpl)
     impl.kv_lora_rank, impl.scale, impl.need_to_return_lse_for_decode = R, 0.3, need_lse
-    impl.mla_backend = RefTorchBackend()
+    impl.mla_backend, impl.mla_scale = RefTorchBackend(), 0.3
     return impl
 
 
@@ -141,9 +142,10 @@ def test_forward_mqa_runs_the_selected_backend(need_lse: bool) -> None:
     lens = [6, 13]
     cache, table, ql, qr = decode_case(lens)
     meta = decode_batch_metadata(table, torch.tensor(lens), lens, BS)
-    md = SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(block_table=table, seq_lens=torch.tensor(lens),
-                                                             dcp_tot_seq_lens=None, batch=meta))
     impl = _impl(need_lse)
+    plan = plan_step(meta, [impl.mla_backend])  # what the metadata builder does once per step
+    md = SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(block_table=table, seq_lens=torch.tensor(lens),
+                                                             dcp_tot_seq_lens=None, batch=meta, plan=plan))
     out, lse = impl.forward_mqa((ql, qr), cache, md, SimpleNamespace(_k_scale_float=1.0))
     ref_out, ref_lse = reference(cache, table, lens, ql, qr, 0.3)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
@@ -155,6 +157,11 @@ def test_forward_mqa_runs_the_selected_backend(need_lse: bool) -> None:
     torch.testing.assert_close(one, out)
     with pytest.raises(RuntimeError, match="carries no BatchMetadata"):
         impl.forward_mqa((ql, qr), cache, SimpleNamespace(decode=SimpleNamespace()), None)
+    other = SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(
+        block_table=table, seq_lens=torch.tensor(lens), dcp_tot_seq_lens=None, batch=meta,
+        plan=plan_step(decode_batch_metadata(table, torch.tensor(lens), lens, BS), [impl.mla_backend])))
+    with pytest.raises(ValueError, match="made for other metadata"):  # a plan must be the batch's own
+        impl.forward_mqa((ql, qr), cache, other, SimpleNamespace(_k_scale_float=1.0))
 
 
 class _Base032:
