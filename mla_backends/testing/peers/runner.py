@@ -129,7 +129,8 @@ def _failure(test: str, case: str, exc: BaseException) -> CheckResult:
 
 def run_peer(peer: Peer, *, quick: bool, device: torch.device, select: Select | None = None,
              progress: Callable[[str], None] | None = None) -> PeerReport:
-    """The suite over one peer on ``device`` (``select(test, id)`` picks checks; None: all)."""
+    """The suite over one peer on ``device`` (``select(test, id)`` picks checks; None: all); ``progress``
+    gets a line when the peer starts and when it ends."""
     report = PeerReport(peer.engine, peer.kernel, peer.call_site, None, engine_version(peer.engine), False)
     why = peer.not_runnable(device)
     if why is not None:
@@ -138,6 +139,8 @@ def run_peer(peer: Peer, *, quick: bool, device: torch.device, select: Select | 
     cls = peer.backend(device)
     report.backend, report.runnable = cls.name, True
     start = time.perf_counter()
+    if progress is not None:
+        progress(f"{cls.name} ({peer.kernel}): running the {'quick' if quick else 'full'} matrix on {device}")
     for test, ident, case, call in _checks(cls, quick, device):
         if select is not None and not select(test, ident):
             continue
@@ -155,10 +158,10 @@ def run_peer(peer: Peer, *, quick: bool, device: torch.device, select: Select | 
             report.results.append(_failure(test, ident, exc))
         else:
             report.results.append(CheckResult(test, ident, "passed"))
-        if progress is not None:
-            r = report.results[-1]
-            progress(f"{cls.name} {test}[{ident}] {r.status}")
     report.seconds = time.perf_counter() - start
+    if progress is not None:
+        progress(f"{cls.name}: {report.count('passed')} passed, {report.count('failed')} failed, "
+                 f"{report.count('skipped')} skipped in {report.seconds:.0f} s")
     return report
 
 
