@@ -38,14 +38,13 @@ makes the missing-``mscale`` mistake visible at all: with ``mscale = 1`` it woul
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 
 import torch
 
 from ..backend import Tolerance
-from .inputs import Prepared, expected
+from .inputs import Prepared, expected_at
 from .tolerances import rounding_eps
 
 __all__ = ["scale_hint", "lse_base_hint", "explains", "beyond_rounding", "SUITE_MSCALE_SQUARED",
@@ -120,21 +119,29 @@ def _named_candidates(p: Prepared) -> list[tuple[str, float]]:
     return [(text, s) for text, s in out if not math.isclose(s, p.scale, rel_tol=1e-6)]
 
 
-#: the golden-section search stops when its interval (in log factor) is this narrow: float64 resolution, so a
-#: float64 case's factor is found as precisely as its tolerance needs
-_SEARCH_WIDTH = 1e-13
-_SEARCH_MAX_STEPS = 90
+#: the golden-section search runs coarse first (log factor to this width), and refines only a factor that
+#: already explains most of the error, to float64 resolution (so a float64 case's factor is found as precisely
+#: as its tolerance needs, and a failure no factor explains costs only the coarse steps)
+_COARSE_WIDTH = 1e-3
+_FINE_WIDTH = 1e-13
 
 
-def _best_factor(loss: Callable[[float], float], lo: float = -3.0, hi: float = 3.0) -> float:
-    """Golden-section search of ``loss(log_factor)`` on ``[lo, hi]``; returns the factor ``exp(x)``."""
+#: ... but stops at this width once its best point fits the tolerance (enough to tell named factors apart)
+_FIT_WIDTH = 1e-5
+
+
+def _best_factor(loss: Callable[[float], float], lo: float = -3.0, hi: float = 3.0,
+                 width: float = _FINE_WIDTH) -> float:
+    """Golden-section search of ``loss(log_factor)`` on ``[lo, hi]`` down to ``width`` (or to
+    :data:`_FIT_WIDTH` once its best point has ``loss <= 0``: the worst excess over the tolerance, a factor that
+    fits); returns ``exp(x)``."""
     g = (math.sqrt(5.0) - 1) / 2
     a, b = lo, hi
     c, d = b - g * (b - a), a + g * (b - a)
     fc, fd = loss(c), loss(d)
-    for _ in range(_SEARCH_MAX_STEPS):
-        if b - a < _SEARCH_WIDTH:
-            break
+    while b - a > width:
+        if b - a < _FIT_WIDTH and min(fc, fd) <= 0:
+            return math.exp(c if fc <= fd else d)
         if fc < fd:
             b, d, fd = d, c, fc
             c = b - g * (b - a)
@@ -152,8 +159,10 @@ def scale_hint(p: Prepared, out: torch.Tensor, tol: Tolerance, *, ref: torch.Ten
     ``out`` is the backend's output as float64 on the CPU; ``tol`` the case's tolerance; ``ref`` the correct
     reference output (recomputed when not given)."""
 
+    reference = expected_at(p)
+
     def ref_at(scale: float) -> torch.Tensor:
-        return expected(dataclasses.replace(p, scale=scale))[0]
+        return reference(scale)[0]
 
     eps = rounding_eps(p.case.dtype, p.case.kv_cache_dtype)
     right = ref if ref is not None else ref_at(p.scale)
@@ -164,15 +173,26 @@ def scale_hint(p: Prepared, out: torch.Tensor, tol: Tolerance, *, ref: torch.Ten
             fitting.append((_max_error(out, under), text))
     if fitting:
         return f" -- looks like the softmax scale is {min(fitting)[1]} (expected {p.scale:.4g})"
-    factor = _best_factor(lambda x: _worst_excess(out, ref_at(p.scale * math.exp(x)), tol))
+    def loss(x: float) -> float:
+        return _worst_excess(out, ref_at(p.scale * math.exp(x)), tol)
+
+    coarse = _best_factor(loss, width=_COARSE_WIDTH)
+    if not beyond_rounding(coarse, eps) or (
+            _max_error(out, ref_at(p.scale * coarse)) > MAX_RESIDUAL_RATIO * _max_error(out, right)):
+        return ""  # no factor comes near explaining it
+    x = math.log(coarse)
+    factor = _best_factor(loss, x - 2 * _COARSE_WIDTH, x + 2 * _COARSE_WIDTH)
     if not beyond_rounding(factor, eps) or not explains(out, ref_at(p.scale * factor), right, tol):
         return ""
-    named = ""
-    for f, name in _NAMED_FACTORS.items():  # named only when that exact factor reproduces the output
-        if math.isclose(f, factor, rel_tol=0.05) and _fits(out, ref_at(p.scale * f), tol):
-            named = f" = {name}"
-            break
-    return (f" -- looks like the softmax scale is off by a constant factor {factor:.4g}{named} "
+    # named only when that exact factor reproduces the output too; the nearest such factor to the measured one
+    exact = sorted((abs(math.log(f / factor)), f, name) for f, name in _NAMED_FACTORS.items()
+                   if math.isclose(f, factor, rel_tol=0.05))
+    for _, f, name in exact:
+        if _fits(out, ref_at(p.scale * f), tol):
+            measured = f", measured {factor:.4g}" if f"{factor:.4g}" != f"{f:.4g}" else ""
+            return (f" -- looks like the softmax scale is off by a constant factor {f:.4g} = {name} "
+                    f"({p.scale * f:.4g}{measured}, expected {p.scale:.4g})")
+    return (f" -- looks like the softmax scale is off by a constant factor {factor:.4g} "
             f"({p.scale * factor:.4g}, expected {p.scale:.4g})")
 
 
