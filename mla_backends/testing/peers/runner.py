@@ -131,6 +131,9 @@ def run_peer(peer: Peer, *, quick: bool, device: torch.device, select: Select | 
              progress: Callable[[str], None] | None = None) -> PeerReport:
     """The suite over one peer on ``device`` (``select(test, id)`` picks checks; None: all); ``progress``
     gets a line when the peer starts and when it ends."""
+    if not isinstance(peer, Peer):
+        raise TypeError(f"peer: got {type(peer).__name__}; supported a Peer (mla_backends.testing.peers)")
+    _check_options(quick, device)
     report = PeerReport(peer.engine, peer.kernel, peer.call_site, None, engine_version(peer.engine), False)
     why = peer.not_runnable(device)
     if why is not None:
@@ -165,9 +168,17 @@ def run_peer(peer: Peer, *, quick: bool, device: torch.device, select: Select | 
     return report
 
 
+def _check_options(quick: object, device: object) -> None:
+    if not isinstance(quick, bool):
+        raise TypeError(f"quick: got {type(quick).__name__}; supported bool")
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device: got {type(device).__name__}; supported torch.device")
+
+
 def run_engine(engine: str, *, quick: bool, device: torch.device, select: Select | None = None,
                progress: Callable[[str], None] | None = None) -> EngineReport:
     """The suite over every peer of ``engine``; peers that cannot run here are listed with the reason."""
+    _check_options(quick, device)
     peers = [run_peer(p, quick=quick, device=device, select=select, progress=progress) for p in engine_peers(engine)]
     return EngineReport(engine, "quick" if quick else "full", str(device), peers)
 
