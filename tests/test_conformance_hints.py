@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from mla_backends.backend import DEFAULT_TOLERANCES, Capabilities, MLABackend, QueryLenSupport, Tolerance
+from mla_backends.backends.contract import DEFAULT_TOLERANCES, Capabilities, MLABackend, QueryLenSupport, Tolerance
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.testing import broken, build_matrix, checks, hints
 from mla_backends.testing.inputs import expected, prepare

@@ -43,7 +43,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..backend import Tolerance
+from ..backends.contract import Tolerance
 from .inputs import Prepared, expected_at
 from .tolerances import rounding_eps
 
@@ -62,7 +62,7 @@ _NAMED_FACTORS = {math.log2(math.e): "log2(e)", 1 / math.log2(math.e): "ln(2)",
 
 
 def _suite_mscale_squared() -> float:
-    from ..dims import MLADims
+    from ..core.dims import MLADims
 
     return MLADims.deepseek_v3().mscale ** 2
 
@@ -200,7 +200,7 @@ def lse_base_hint(got: torch.Tensor, ref: torch.Tensor, tol: Tolerance | None = 
     """A hint when the LSE ``got`` [T, H] (float64) is the natural-log reference ``ref`` in base 2: ``got *
     ln 2`` explains it (:func:`explains`, within ``tol``; float32's default when not given)."""
     if tol is None:
-        from ..backend import DEFAULT_TOLERANCES
+        from ..backends.contract import DEFAULT_TOLERANCES
 
         tol = DEFAULT_TOLERANCES["float32"]
     finite = torch.isfinite(got) & torch.isfinite(ref)

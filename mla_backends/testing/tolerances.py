@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import DEFAULT_TOLERANCES, MLABackend, Tolerance
-from ..dtypes import FP8_CACHE_DTYPES, dtype_name, kv_cache_torch_dtype, lse_dtype
+from ..backends.contract import DEFAULT_TOLERANCES, MLABackend, Tolerance
+from ..core.dtypes import FP8_CACHE_DTYPES, dtype_name, kv_cache_torch_dtype, lse_dtype
 
 __all__ = ["judged_dtype", "rounding_eps", "tolerance_for", "lse_tolerance"]
 

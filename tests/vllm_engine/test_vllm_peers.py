@@ -15,7 +15,7 @@ import pytest
 import torch
 from harness import HAVE_VLLM, SKIP_REASON
 
-from mla_backends.backend import Tolerance
+from mla_backends.backends.contract import Tolerance
 from mla_backends.testing import build_matrix, checks, hints
 from mla_backends.testing.inputs import expected, prepare
 from mla_backends.testing.peers import engine_peers

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...backend import MLABackend
-from ...device import device_info_for
-from ...errors import USER_CODE_FAILURES
+from ...backends.contract import MLABackend
+from ...core.device import device_info_for
+from ...core.errors import USER_CODE_FAILURES
 
 __all__ = ["ENGINES", "Peer", "engine_peers", "engine_version"]
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ...backend import MLABackend
+from ...backends.contract import MLABackend
 from .. import checks, context_split
 from ..cases import Case
 from ..matrix import build_matrix

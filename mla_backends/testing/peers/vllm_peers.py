@@ -35,12 +35,12 @@ from typing import ClassVar
 
 import torch
 
-from ...backend import DEFAULT_TOLERANCES, Capabilities, MLABackend, QueryLenSupport, Tolerance
-from ...cache import LatentKVCache
-from ...capabilities import AttentionSpec
-from ...dtypes import dtype_name
-from ...metadata import BatchMetadata
-from ...reasons import Reason, ReasonKind
+from ...backends.capabilities import AttentionSpec
+from ...backends.contract import DEFAULT_TOLERANCES, Capabilities, MLABackend, QueryLenSupport, Tolerance
+from ...backends.reasons import Reason, ReasonKind
+from ...core.dtypes import dtype_name
+from ...step.cache import LatentKVCache
+from ...step.metadata import BatchMetadata
 from ...triton_mla.interpreter import interpreter_enabled
 
 __all__ = ["VllmTritonMLADecode", "VllmCpuMLADecode", "TRITON_DECODE_MODULE", "num_kv_splits"]
