@@ -32,7 +32,7 @@ class RoundsInDtypeBackend(MLABackend):
         cpu=True, page_sizes=(16, 64), preferred_page_size=16, dims=frozenset({(512, 64)}),
         num_heads=frozenset({1, 16}), query_len=QueryLenSupport.VARLEN, returns_lse=True)
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, *, scale, topk_indices, out, lse_out):
+    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, *, scale, topk_indices, out, lse_out, state):
         dt, r = q_latent.dtype, cache.kv_lora_rank
         q = torch.cat((q_latent, q_rope), -1).float()
         for t in range(q.shape[0]):
@@ -109,8 +109,8 @@ class ScaledBackend(RefTorchBackend):
     name = "TEST_SCALED"
     factor = 1.0
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, *, scale, **kw):  # type: ignore[override]
-        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale * self.factor, **kw)
+    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, *, scale, **kw):  # type: ignore[override]
+        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale * self.factor, **kw)
 
 
 def _scaled(factor: float) -> type[ScaledBackend]:

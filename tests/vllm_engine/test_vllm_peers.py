@@ -143,8 +143,8 @@ class _Log2eTriton(TRITON):
 
     name = "VLLM_TRITON_MLA_DECODE_LOG2E"
 
-    def _forward_mqa_impl(self, *args, scale: float, **kw) -> None:  # type: ignore[override]
-        super()._forward_mqa_impl(*args, scale=scale * math.log2(math.e), **kw)
+    def forward_mqa_kernel(self, *args, scale: float, **kw) -> None:  # type: ignore[override]
+        super().forward_mqa_kernel(*args, scale=scale * math.log2(math.e), **kw)
 
 
 def test_a_wrong_scale_around_vllms_kernel_is_diagnosed() -> None:

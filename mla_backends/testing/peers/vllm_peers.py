@@ -156,9 +156,9 @@ class VllmTritonMLADecode(MLABackend):
         interpreter's ``tl.dot`` on bf16 operands is wrong), so the matrix is built from what can run there."""
         return _INTERPRETED
 
-    def _forward_mqa_impl(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                          meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
-                          out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+    def forward_mqa_kernel(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                           meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                           out: torch.Tensor, lse_out: torch.Tensor | None, state: object | None) -> None:
         from ...triton_mla.interpreter import launch_guard
 
         kernels = _triton_decode_module()
@@ -243,9 +243,9 @@ class VllmCpuMLADecode(MLABackend):
             reasons.append(Reason(ReasonKind.DEVICE, "device", "CUDA", "the CPU (a vLLM CPU-build op)"))
         return reasons
 
-    def _forward_mqa_impl(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                          meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
-                          out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+    def forward_mqa_kernel(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                           meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                           out: torch.Tensor, lse_out: torch.Tensor | None, state: object | None) -> None:
         ops = importlib.import_module("vllm._custom_ops")
         q = torch.cat((q_latent, q_rope), dim=-1).contiguous()
         o = torch.zeros(q.shape[0], q.shape[1], cache.kv_lora_rank, dtype=q.dtype, device=q.device)
