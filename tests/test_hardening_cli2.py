@@ -190,12 +190,13 @@ def test_every_command_words_an_unknown_option_as_its_own_error(capsys, name, po
         assert f"{name} has no JSON output" in error["message"]
 
 
-def test_conformance_says_it_has_no_json_output(capsys):
-    """(A conformance run that runs no test, ``-- --collect-only``: tests/test_hardening_cli.py.)"""
+def test_conformance_says_a_backend_run_has_no_json_output(capsys):
+    """(A conformance run that runs no test, ``-- --collect-only``: tests/test_hardening_cli.py.) ``--json`` is
+    only for ``--engine`` runs (their table); a backend's run is pytest's output."""
     assert main(["conformance", "REF_TORCH", "--json"]) == 2
     error = json.loads(capsys.readouterr().out)["error"]
-    assert error["message"].startswith("unrecognized arguments: --json (supported: --help, --quick, --device; "
-                                       "conformance has no JSON output")
+    assert error["message"].startswith("--json: got it with NAME; supported only with --engine")
+    assert error["argument"] == "--json"
 
 
 # ---- issue 25 item 4: env and --version ---------------------------------------------------------------------

@@ -1,4 +1,6 @@
-"""``mla-backends conformance NAME [--quick] [--device D] [-- PYTEST_ARGS]``: run the suite on a backend.
+"""``mla-backends conformance NAME [--quick] [--device D] [-- PYTEST_ARGS]``: run the suite on a backend;
+``mla-backends conformance --engine vllm|sglang [--quick] [--device D] [--json]``: run it over an engine's own
+MLA decode kernels (:mod:`mla_backends.testing.peers`) and print one table.
 
 NAME is any registered backend (built-in or from a plugin) or an import path ``package.module:Class`` for a
 backend under development. The suite runs in-process through ``pytest.main`` on
@@ -18,6 +20,8 @@ __all__ = ["register", "run", "pytest_args", "NOTHING_RAN_STATUS"]
 
 #: exit status of a run in which no test ran although pytest reported no failure (pytest's own status 5)
 NOTHING_RAN_STATUS = 5
+#: the engines ``--engine`` takes (mla_backends.testing.peers.ENGINES, named here to keep --help light)
+ENGINE_CHOICES = ("vllm", "sglang")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,9 +34,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="examples: mla-backends conformance REF_TORCH;  mla-backends conformance TRITON_MLA --quick "
         "-- -x -k output",
     )
-    p.add_argument("backend", metavar="NAME",
+    p.add_argument("backend", metavar="NAME", nargs="?",
                    help="registered backend name, vLLM's or SGLang's name for it (CUTLASS_MLA, trtllm_mla, "
                         "...) or package.module:Class (need not be installed as a plugin)")
+    p.add_argument("--engine", choices=ENGINE_CHOICES,
+                   help="instead of NAME: run the suite over that engine's own MLA decode kernels, called as the "
+                        "engine calls them, and print one table (kernel, engine version, cases passed, each "
+                        "failure's worst element and diagnosis; kernels that cannot run here with the reason)")
+    p.add_argument("--json", action="store_true", help="with --engine: print the table as JSON")
     p.add_argument(
         "--quick", action="store_true", help="reduced case matrix (interpreted Triton, quick checks)"
     )
@@ -70,6 +79,21 @@ def pytest_args(name: str, quick: bool, device: str, extra: list[str]) -> list[s
 
 
 def run(args: argparse.Namespace) -> int:
+    extra = list(getattr(args, "extra", []) or [])
+    if args.engine is not None:
+        if args.backend is not None:
+            raise ValueError(f"NAME: got {args.backend!r} with --engine {args.engine}; supported one of NAME or "
+                             "--engine")
+        if extra:
+            raise ValueError(f"--engine: got pytest arguments after -- ({' '.join(extra)}); supported none (the "
+                             "engine run calls the checks itself)")
+        return run_engine_table(args.engine, quick=args.quick, device=args.device, as_json=args.json)
+    if args.backend is None:
+        raise ValueError("NAME: got none; supported a registered backend name, package.module:Class, or "
+                         "--engine vllm|sglang")
+    if args.json:
+        raise ValueError("--json: got it with NAME; supported only with --engine (a backend's run is pytest's "
+                         "output)")
     import pytest
     import torch
 
@@ -88,8 +112,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     counter = _TestsRun()
-    code = int(pytest.main(pytest_args(name, args.quick, args.device, list(getattr(args, "extra", []) or [])),
-                           plugins=[counter]))
+    code = int(pytest.main(pytest_args(name, args.quick, args.device, extra), plugins=[counter]))
     if code == 0 and not counter.calls:  # --collect-only, --setup-plan, --fixtures, pytest's --help ...
         code = NOTHING_RAN_STATUS
         verdict = (f"not checked: no tests ran (exit {code}; the pytest options given run none, as "
@@ -98,6 +121,32 @@ def run(args: argparse.Namespace) -> int:
         verdict = "passed" if code == 0 else f"FAILED (pytest exit code {code})"
     print(f"mla-backends conformance: {cls.name} {verdict}", file=sys.stderr if code else sys.stdout)
     return code
+
+
+def run_engine_table(engine: str, *, quick: bool, device: str, as_json: bool) -> int:
+    """``--engine``: the suite over ``engine``'s peer kernels; prints the table (or its JSON) on stdout and
+    returns 0 (every runnable kernel passed), 1 (a failure) or :data:`NOTHING_RAN_STATUS` (none could run)."""
+    import json
+
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device: got cuda; supported auto or cpu on this machine (no CUDA device)")
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any Triton kernel module is loaded
+    dev = torch.device("cuda") if device != "cpu" and torch.cuda.is_available() else torch.device("cpu")
+
+    from ..testing.peers.runner import format_table, run_engine
+
+    def progress(line: str) -> None:
+        print(f"mla-backends conformance --engine {engine}: {line}", file=sys.stderr, flush=True)
+
+    report = run_engine(engine, quick=quick, device=dev, progress=progress)
+    if as_json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(format_table(report))
+    return report.status
 
 
 class _TestsRun:

@@ -14,14 +14,15 @@ from collections.abc import Callable
 
 import torch
 
-from ..backends.contract import DEFAULT_TOLERANCES, MLABackend, Tolerance
+from ..backends.contract import MLABackend, Tolerance
 from ..backends.reasons import Reason, ReasonKind, as_reason
 from ..core.device import device_info_for
-from ..core.dtypes import dtype_name, lse_dtype
+from ..core.dtypes import lse_dtype
 from ..step.metadata import BatchMetadata
 from .cases import Case, UnsupportedProbe, declared_reasons
 from .hints import lse_base_hint, scale_hint
 from .inputs import GUARD_ROWS, SENTINEL, Prepared, expected, prepare
+from .tolerances import lse_tolerance, tolerance_for
 
 __all__ = [
     "Prepared",
@@ -39,6 +40,7 @@ __all__ = [
     "check_rejects_bad_inputs",
     "check_no_host_sync",
     "assert_close",
+    "ComparisonFailure",
 ]
 
 # ---- devices ---------------------------------------------------------------------------------------------
@@ -82,29 +84,19 @@ def make_backend(cls: type[MLABackend], device: torch.device) -> MLABackend:
 
 
 # ---- comparisons -----------------------------------------------------------------------------------------
-def tolerance_for(cls: type[MLABackend], dtype: torch.dtype, kv_cache_dtype: str) -> tuple[str, Tolerance]:
-    """The declared tolerance for a case: ``"<dtype>/<cache>"``, then ``"<cache>"`` (fp8 only), then
-    ``"<dtype>"`` in ``capabilities.tolerances``, falling back to the package defaults."""
-    tols = cls.capabilities.tolerances or {}
-    name = dtype_name(dtype)
-    keys = (
-        [f"{name}/{kv_cache_dtype}"] + ([kv_cache_dtype] if kv_cache_dtype.startswith("fp8") else []) + [name]
-    )
-    for key in keys:
-        if key in tols:
-            return key, tols[key]
-    if name in DEFAULT_TOLERANCES:
-        return f"{name} (default)", DEFAULT_TOLERANCES[name]
-    raise ValueError(
-        f"capabilities.tolerances: got no entry for {', '.join(keys)}; supported one per declared dtype"
-    )
+class ComparisonFailure(AssertionError):
+    """A comparison against the reference that failed, with its worst element as data (the message says
+    the same): ``what`` was compared, ``index`` of the worst element, ``got`` / ``expected`` there,
+    ``max_error`` over all elements, ``bad`` / ``total`` element counts, ``hint`` (the diagnosis, ``""``
+    when no known mistake explains the result) and ``where`` (the case)."""
 
-
-def lse_tolerance(tol: Tolerance, dtype: torch.dtype = torch.float32) -> Tolerance:
-    """The LSE of ``dtype`` queries is ``dtypes.lse_dtype(dtype)`` by contract (float32, float64 for float64):
-    its tolerance is the declared one, but never tighter than that dtype's."""
-    floor = DEFAULT_TOLERANCES[dtype_name(lse_dtype(dtype))]
-    return Tolerance(max(tol.atol, floor.atol), max(tol.rtol, floor.rtol))
+    def __init__(self, message: str, *, what: str, index: list[int], got: float, expected: float,
+                 max_error: float, bad: int, total: int, tolerance: Tolerance, tol_key: str, hint: str,
+                 where: str) -> None:
+        super().__init__(message)
+        self.what, self.index, self.got, self.expected = what, index, got, expected
+        self.max_error, self.bad, self.total, self.hint, self.where = max_error, bad, total, hint, where
+        self.tolerance, self.tol_key = tolerance, tol_key
 
 
 def assert_close(
@@ -117,9 +109,9 @@ def assert_close(
     meta: BatchMetadata | None = None,
     hint: Callable[[torch.Tensor], str] | None = None,
 ) -> None:
-    """``|got - ref| <= atol + rtol * |ref|`` elementwise (and finite), else an ``AssertionError`` that
-    names the worst element. On failure ``hint(got as float64)`` may add a diagnosis (:mod:`.hints`);
-    LSE comparisons check for a base-2 LSE by default."""
+    """``|got - ref| <= atol + rtol * |ref|`` elementwise (and finite), else a :class:`ComparisonFailure`
+    (an ``AssertionError``) that names the worst element. On failure ``hint(got as float64)`` may add a
+    diagnosis (:mod:`.hints`); LSE comparisons check for a base-2 LSE by default."""
     g = got.detach().cpu().to(torch.float64)
     if g.shape != ref.shape:
         raise AssertionError(f"{what}: got shape {list(g.shape)}; expected {list(ref.shape)} [{where}]")
@@ -136,13 +128,17 @@ def assert_close(
         caller_req = int(meta.order[int(meta.token_request[token])])
         req = f" (caller request {caller_req}, position {int(meta.token_positions[token])})"
     if hint is None and what.startswith("LSE"):
-        hint = functools.partial(lse_base_hint, ref=ref)
+        hint = functools.partial(lse_base_hint, ref=ref, tol=tol)
     note = hint(g) if hint is not None else ""
-    raise AssertionError(
+    max_error = float(err.nan_to_num(math.inf).max())
+    raise ComparisonFailure(
         f"{what}: {int(bad.sum())} of {bad.numel()} elements outside |x - ref| <= {tol.atol:g} + "
         f"{tol.rtol:g} * |ref| (tolerance {tol_key}); worst at index {list(idx)}, token {token}{req}: "
         f"got {g[idx].item():.6g}, expected {ref[idx].item():.6g}, "
-        f"max error {float(err.nan_to_num(math.inf).max()):.3g}{note} [{where}]"
+        f"max error {max_error:.3g}{note} [{where}]",
+        what=what, index=list(idx), got=g[idx].item(), expected=ref[idx].item(), max_error=max_error,
+        bad=int(bad.sum()), total=bad.numel(), tolerance=tol, tol_key=tol_key,
+        hint=note.removeprefix(" -- "), where=where,
     )
 
 
@@ -164,7 +160,7 @@ def _check_result(cls: type[MLABackend], p: Prepared, out: torch.Tensor, lse: to
     ref_out, ref_lse = expected(p)
     key, tol = tolerance_for(cls, case.dtype, case.kv_cache_dtype)
     assert_close("output (latent space)", out, ref_out, tol, key, where, p.meta,
-                 hint=lambda got: scale_hint(p, got, tol))
+                 hint=lambda got: scale_hint(p, got, tol, ref=ref_out))
     if not cls.capabilities.returns_lse:
         return
     if lse is None:

@@ -11,6 +11,7 @@ kernel's own arithmetic. The checks that use them are in :mod:`.checks`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,9 +21,9 @@ from ..core.dims import MLADims
 from ..step.cache import LatentKVCache
 from ..step.metadata import BatchMetadata
 from .cases import Case
-from .reference import reference_mqa
+from .reference import ReferenceMQA
 
-__all__ = ["Prepared", "prepare", "expected", "GUARD_ROWS", "SENTINEL", "TRAILING"]
+__all__ = ["Prepared", "prepare", "expected", "expected_at", "GUARD_ROWS", "SENTINEL", "TRAILING"]
 
 #: rows of guard band on each side of the ``out`` / ``lse_out`` slices
 GUARD_ROWS = 3
@@ -141,16 +142,26 @@ def prepare(case: Case, device: torch.device) -> Prepared:
     )
 
 
-def expected(p: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference ``(out [T, H, r], lse [T, H])`` in float64 on the CPU, tokens in processing order."""
+def expected_at(p: Prepared) -> Callable[[float], tuple[torch.Tensor, torch.Tensor]]:
+    """The reference of ``p`` with the softmax scale left open: ``f(scale)`` gives ``(out [T, H, r], lse
+    [T, H])`` in float64 on the CPU, tokens in processing order; the scale-independent work is done once (the
+    hints recompute the reference at many scales)."""
     q_caller = p.meta.to_caller_order(p.q_latent.cpu())
     qr_caller = p.meta.to_caller_order(p.q_rope.cpu())
-    outs, lses = [], []
+    parts = []
     start = 0
     for rows, vis, q in zip(p.rows, p.visible, p.case.query_lens, strict=True):
-        o, lse = reference_mqa(q_caller[start : start + q], qr_caller[start : start + q], rows, vis, p.scale)
-        outs.append(o)
-        lses.append(lse)
+        parts.append(ReferenceMQA(q_caller[start : start + q], qr_caller[start : start + q], rows, vis))
         start += q
     order = p.meta.token_order.cpu()
-    return torch.cat(outs)[order], torch.cat(lses)[order]
+
+    def at(scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        outs, lses = zip(*(part(scale) for part in parts), strict=True)
+        return torch.cat(outs)[order], torch.cat(lses)[order]
+
+    return at
+
+
+def expected(p: Prepared) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference ``(out [T, H, r], lse [T, H])`` in float64 on the CPU, tokens in processing order."""
+    return expected_at(p)(p.scale)

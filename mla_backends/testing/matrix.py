@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -31,7 +32,14 @@ from .cases import (
     declared_reasons,
 )
 
-__all__ = ["build_matrix"]
+__all__ = ["build_matrix", "PROPERTY_SEED", "PROPERTY_CASES", "PROPERTY_ROW_BUDGET"]
+
+#: the quick matrix's property run: this many cases of random shapes, drawn with this fixed seed
+PROPERTY_SEED = 20261202
+PROPERTY_CASES = 4
+#: ... each bounded to this many (cached row, head) pairs (sum of sequence lengths times heads), so the run
+#: stays a few seconds under Triton's interpreter
+PROPERTY_ROW_BUDGET = 16 * 700
 
 #: query dtypes in order of preference for the base case
 _DTYPE_PREFERENCE = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -295,7 +303,49 @@ class _Builder:
                     sparse_kv = self.make("sparse-kv", _decode(_small), kv=kvn, topk=k0)
                     if not sparse_kv.rejected:
                         cases.append(sparse_kv)
+        if quick:
+            cases += self.property_cases()
         return list({c.id: c for c in cases}.values())
+
+    def property_cases(self) -> list[Case]:
+        """Random shapes the backend's author did not pick: per case a declared page size, head count, query
+        dtype and dims pair,
+        1-5 requests whose lengths straddle page boundaries or fall anywhere up to 8 pages, query lengths
+        as declared, sparse top-k lists when declared; the block table is scattered as in every case.
+        Drawn from :data:`PROPERTY_SEED`, so the cases are the same on every run; sized within
+        :data:`PROPERTY_ROW_BUDGET`."""
+        caps = self.cls.capabilities
+        rng = random.Random(f"{PROPERTY_SEED}:{self.cls.name}")
+        cases = []
+        for i in range(PROPERTY_CASES):
+            if caps.page_sizes is not None:
+                page = rng.choice(sorted(caps.page_sizes))
+            elif caps.page_size_multiple is not None:
+                page = caps.page_size_multiple * rng.choice((1, 2, 3, 4))
+            else:
+                page = rng.choice((1, 3, 8, 16, 24, 40, 64))
+            heads = rng.choice(self.heads or [16])
+            dtype = rng.choice(self.dtypes)
+            dims = rng.choice(self.dims)
+            batch = rng.randint(1, 5)
+            if caps.query_len >= QueryLenSupport.VARLEN:
+                qlens = [rng.choice((1, 1, 2, 3, 5)) for _ in range(batch)]
+            elif caps.query_len >= QueryLenSupport.UNIFORM:
+                qlens = [rng.choice((1, 2, 3))] * batch
+            else:
+                qlens = [1] * batch
+            seqs = []
+            for q in qlens:
+                n = rng.choice((page - 1, page, page + 1, rng.randint(1, 8 * page + 7), rng.randint(1, 300)))
+                seqs.append(max(n, q))
+            while sum(seqs) * heads > PROPERTY_ROW_BUDGET:
+                j = seqs.index(max(seqs))
+                seqs[j] = max(qlens[j], seqs[j] // 2)
+            sparse = not caps.dense or (caps.sparse and rng.random() < 0.35)
+            topk = rng.choice((8, 16, 32)) if sparse else None
+            cases.append(self.make(f"prop{i}", lambda p, s=tuple(seqs), q=tuple(qlens): (s, q),
+                                   page=page, heads=heads, dtype=dtype, dims=dims, topk=topk))
+        return [c for c in cases if not c.rejected]
 
     def guard_cases(self) -> list[Case]:
         caps = self.cls.capabilities

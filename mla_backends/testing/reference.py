@@ -23,7 +23,8 @@ import functools
 
 import torch
 
-__all__ = ["UpProjections", "up_projections", "random_orthogonal", "expanded_attention", "reference_mqa"]
+__all__ = ["UpProjections", "up_projections", "random_orthogonal", "expanded_attention", "ExpandedAttention",
+           "reference_mqa", "ReferenceMQA"]
 
 #: Householder reflections composed into each random orthogonal matrix
 REFLECTIONS = 6
@@ -62,6 +63,40 @@ def up_projections(kv_lora_rank: int) -> UpProjections:
     return UpProjections(kv_lora_rank)
 
 
+class ExpandedAttention:
+    """Expanded attention of ``n`` tokens with ``g`` heads each over ``S`` cached rows (float64 throughout),
+    with everything that does not depend on the softmax scale computed once: call it with a scale.
+
+    Args:
+        q_nope: ``[n, g, r]`` expanded no-RoPE queries; ``q_pe``: ``[n, g, rope]`` roped queries.
+        kv_c: ``[S, r]`` latent rows; ``k_pe``: ``[S, rope]`` shared RoPE keys (broadcast to every head).
+        visible: ``[n, S]`` bool, which rows each query may attend to (at least one per query).
+        w_uk / w_uv: ``[r, r]`` key / value up-projections.
+
+    ``self(scale)`` returns ``(o [n, g, r], lse [n, g])``: the expanded (value-space) output and the natural-log
+    LSE. The conformance hints recompute it at many scales (:mod:`.hints`), hence the split.
+    """
+
+    def __init__(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                 visible: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor) -> None:
+        k_nope = kv_c @ w_uk  # [S, r]  per-head keys, materialised
+        keys = torch.cat([k_nope, k_pe], dim=-1)  # [S, r + rope]: k_pe broadcast to the heads
+        self.values = kv_c @ w_uv  # [S, r]  per-head values, materialised
+        query = torch.cat([q_nope, q_pe], dim=-1)  # [n, g, r + rope]
+        self.raw_scores = torch.einsum("ngd,sd->ngs", query, keys)  # before the softmax scale
+        self.visible = visible
+
+    def __call__(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.raw_scores * scale
+        scores = scores.masked_fill(~self.visible[:, None, :], float("-inf"))
+        m = scores.max(dim=-1, keepdim=True).values
+        weights = torch.exp(scores - m)
+        total = weights.sum(dim=-1, keepdim=True)
+        probs = weights / total
+        lse = (m + torch.log(total)).squeeze(-1)
+        return torch.einsum("ngs,sr->ngr", probs, self.values), lse
+
+
 def expanded_attention(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -72,30 +107,30 @@ def expanded_attention(
     w_uv: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expanded attention of ``n`` tokens with ``g`` heads each over ``S`` cached rows (float64 throughout).
+    """Expanded attention at one softmax ``scale`` (:class:`ExpandedAttention` for the arguments):
+    ``(o [n, g, r], lse [n, g])``, float64."""
+    return ExpandedAttention(q_nope, q_pe, kv_c, k_pe, visible, w_uk, w_uv)(scale)
 
-    Args:
-        q_nope: ``[n, g, r]`` expanded no-RoPE queries; ``q_pe``: ``[n, g, rope]`` roped queries.
-        kv_c: ``[S, r]`` latent rows; ``k_pe``: ``[S, rope]`` shared RoPE keys (broadcast to every head).
-        visible: ``[n, S]`` bool, which rows each query may attend to (at least one per query).
-        w_uk / w_uv: ``[r, r]`` key / value up-projections.
-        scale: softmax scale.
 
-    Returns:
-        ``(o [n, g, r], lse [n, g])``: the expanded (value-space) output and the natural-log LSE.
-    """
-    k_nope = kv_c @ w_uk  # [S, r]  per-head keys, materialised
-    keys = torch.cat([k_nope, k_pe], dim=-1)  # [S, r + rope]: k_pe broadcast to the heads
-    values = kv_c @ w_uv  # [S, r]  per-head values, materialised
-    query = torch.cat([q_nope, q_pe], dim=-1)  # [n, g, r + rope]
-    scores = torch.einsum("ngd,sd->ngs", query, keys) * scale
-    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
-    m = scores.max(dim=-1, keepdim=True).values
-    weights = torch.exp(scores - m)
-    total = weights.sum(dim=-1, keepdim=True)
-    probs = weights / total
-    lse = (m + torch.log(total)).squeeze(-1)
-    return torch.einsum("ngs,sr->ngr", probs, values), lse
+class ReferenceMQA:
+    """:func:`reference_mqa` of one request with the scale left open: ``self(scale)`` gives ``(out, lse)``
+    (the scale-independent work done once, in the constructor; same arguments as :func:`reference_mqa`
+    without ``scale``)."""
+
+    def __init__(self, q_latent: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor,
+                 visible: torch.Tensor) -> None:
+        r = q_latent.shape[-1]
+        self.proj = up_projections(r)
+        ql = q_latent.detach().cpu().to(torch.float64)
+        qr = q_rope.detach().cpu().to(torch.float64)
+        rows = rows.detach().cpu().to(torch.float64)
+        kv_c, k_pe = rows[:, :r], rows[:, r:]
+        q_nope = ql @ self.proj.w_uk  # inverse of the absorption q_latent = q_nope @ w_uk.T (w_uk is orthogonal)
+        self.attention = ExpandedAttention(q_nope, qr, kv_c, k_pe, visible, self.proj.w_uk, self.proj.w_uv)
+
+    def __call__(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        o_expanded, lse = self.attention(scale)
+        return o_expanded @ self.proj.w_uv.T, lse  # latent output: o_expanded = o_latent @ w_uv
 
 
 def reference_mqa(
@@ -117,13 +152,4 @@ def reference_mqa(
     Returns:
         ``(out [n, heads, r] float64, lse [n, heads] float64)``.
     """
-    r = q_latent.shape[-1]
-    proj = up_projections(r)
-    ql = q_latent.detach().cpu().to(torch.float64)
-    qr = q_rope.detach().cpu().to(torch.float64)
-    rows = rows.detach().cpu().to(torch.float64)
-    kv_c, k_pe = rows[:, :r], rows[:, r:]
-    q_nope = ql @ proj.w_uk  # inverse of the absorption q_latent = q_nope @ w_uk.T (w_uk is orthogonal)
-    o_expanded, lse = expanded_attention(q_nope, qr, kv_c, k_pe, visible, proj.w_uk, proj.w_uv, scale)
-    out = o_expanded @ proj.w_uv.T  # latent output: o_expanded = o_latent @ w_uv
-    return out, lse
+    return ReferenceMQA(q_latent, q_rope, rows, visible)(scale)
