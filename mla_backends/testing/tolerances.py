@@ -6,7 +6,7 @@ its query dtype: the reference reads the stored fp8 values exactly (dequantised 
 scale), so what is left to judge is the kernel's dequantisation into, and arithmetic in, the query dtype.
 
 The tolerance is looked up in the backend's declared ``Capabilities.tolerances`` (:func:`tolerance_for`), and
-falls back to :data:`~mla_backends.capabilities.DEFAULT_TOLERANCES` for the judged dtype. The defaults and
+falls back to :data:`~mla_backends.backends.capabilities.DEFAULT_TOLERANCES` for the judged dtype. The defaults and
 where each comes from are in ``docs/conformance.md`` ("Declaring tolerances"); :func:`rounding_eps` is the
 epsilon the hints measure "within rounding" by (:mod:`.hints`).
 """

@@ -2,7 +2,7 @@
 
 The suite has to fail wrong kernels and pass right ones; running it over the kernels vLLM and SGLang ship (as
 those engines call them) is its calibration. Each :class:`Peer` names a kernel, where its engine calls it and
-the adapter class (an :class:`~mla_backends.backend.MLABackend` subclass in :mod:`.vllm_peers`); the adapters
+the adapter class (an :class:`~mla_backends.backends.contract.MLABackend` subclass in :mod:`.vllm_peers`); the adapters
 import their engine only when a kernel is first called, so importing this package imports neither vLLM nor
 SGLang. :func:`engine_peers` lists an engine's peers; :mod:`.runner` runs the suite over them (what
 ``mla-backends conformance --engine vllm|sglang`` prints).
