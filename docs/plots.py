@@ -22,7 +22,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mla_backends import costs  # noqa: E402
+from mla_backends.planning import costs  # noqa: E402
 from mla_backends.cli.reports import deployment_report  # noqa: E402
 from mla_backends.core.dims import MLADims  # noqa: E402
 from mla_backends.core.gpus import gpu_spec  # noqa: E402

@@ -16,9 +16,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from mla_backends import cache as cache_module
 from mla_backends.layer.prefill import forward_mha
 from mla_backends.ref_torch import RefTorchBackend
+from mla_backends.step import cache as cache_module
 from mla_backends.step.cache import LatentKVCache
 from mla_backends.step.metadata import BatchMetadata
 

@@ -14,9 +14,9 @@ from fractions import Fraction
 
 import pytest
 
-from mla_backends import deployment
 from mla_backends.cli import main, reports
 from mla_backends.core.dims import MLADims
+from mla_backends.planning import deployment
 
 UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30,
          "TiB": 2**40, "": 2**30}

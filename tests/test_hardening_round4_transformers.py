@@ -22,8 +22,8 @@ from hf_models import compare_generations, generate_greedy, left_padded, tiny_v2
 
 pytest.importorskip("transformers")
 import mla_backends  # noqa: E402
-from mla_backends import checkpoint  # noqa: E402
 from mla_backends.integrations.transformers import is_patched, patch_model, unpatch_model  # noqa: E402
+from mla_backends.loading import checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 5
