@@ -240,3 +240,106 @@ def test_latent_cache_from_tensor_wraps_without_copy_and_checks_input() -> None:
         LatentKVCache.from_tensor(torch.zeros(2, R + 4, BS).transpose(1, 2), kv_lora_rank=R)
     with pytest.raises(ValueError, match="scale: got 0.5 for a float32 cache"):
         LatentKVCache.from_tensor(data, kv_lora_rank=R, model_dtype=torch.float32, scale=0.5)
+
+
+# ---- what vLLM's own MLA path takes, intersected with the backend's declarations (issue 37, part 2) ----------
+from mla_backends.integrations.vllm.selection import (  # noqa: E402
+    fp8_cache_view_dtype,
+    intersect,
+    path_reasons,
+    select_at_startup,
+    vllm_path,
+)
+
+VLLM_HEADS = (320, 512, 576)  # vLLM 0.32's MLACommonBackend.get_supported_head_sizes()
+CPU_PATH = vllm_path("CPU", head_sizes=VLLM_HEADS)
+GPU_PATH = vllm_path("cuda", head_sizes=VLLM_HEADS)
+
+
+def _request(rank: int = 512, rope: int = 64, *, dtype: torch.dtype = torch.float32, cache: str = "auto",
+             block: int | None = 16):  # type: ignore[no-untyped-def]
+    cfg = _config(cache_dtype=cache, block=block)
+    cfg.model_config.hf_text_config.update(kv_lora_rank=rank, qk_rope_head_dim=rope)
+    cfg.model_config.dtype = dtype
+    return request_from_vllm(cfg, device="cpu")
+
+
+@pytest.mark.parametrize("rank,rope,ok", [(512, 64, True), (256, 64, True), (448, 64, True), (256, 32, False),
+                                          (512, 32, False), (128, 64, False), (1024, 64, False)])
+def test_vllm_path_head_sizes(rank: int, rope: int, ok: bool) -> None:
+    reasons = path_reasons(_request(rank, rope), CPU_PATH)
+    assert (not reasons) is ok, reasons
+    if not ok:
+        assert reasons[0].startswith(f"head size: got {rank + rope} (kv_lora_rank {rank} + rope {rope}); "
+                                     "supported 320, 512, 576 by vLLM's MLA path on CPU")
+
+
+def test_vllm_path_other_fields() -> None:
+    assert path_reasons(_request(block=32), CPU_PATH)[0].startswith(
+        "block size: got 32; supported 16 by vLLM's MLA path on CPU (vLLM's CPU platform forces 16")
+    assert not path_reasons(_request(block=32, dtype=torch.bfloat16), GPU_PATH)
+    assert path_reasons(_request(dtype=torch.float32), GPU_PATH)[0].startswith(
+        "dtype: got float32; supported float16, bfloat16 by vLLM's MLA path on cuda")
+    fnuz = vllm_path("rocm", head_sizes=VLLM_HEADS, fp8_dtype=torch.float8_e4m3fnuz)
+    for name in ("fp8", "fp8_e4m3"):
+        msg = path_reasons(_request(dtype=torch.bfloat16, cache=name), fnuz)
+        assert msg and "kv cache dtype: got fp8_e4m3; supported auto, bfloat16, float16, fp8_e5m2" in msg[0]
+        assert "float8_e4m3fnuz" in msg[0]
+    assert not path_reasons(_request(dtype=torch.bfloat16, cache="fp8_e5m2"), fnuz)
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):  # the plugin writes fp8 rows itself on the CPU
+        assert not path_reasons(_request(cache=name), CPU_PATH)
+        assert not path_reasons(_request(dtype=torch.bfloat16, cache=name), GPU_PATH)
+
+
+def test_declarations_are_the_intersection() -> None:
+    ref = declarations(RefTorchBackend.capabilities)
+    cpu = intersect(ref, CPU_PATH)
+    assert (cpu.head_sizes, cpu.block_sizes, cpu.block_size_multiple) == (VLLM_HEADS, (16,), None)
+    assert cpu.dtypes == (torch.float16, torch.bfloat16, torch.float32)
+    gpu = intersect(ref, GPU_PATH)
+    assert (gpu.head_sizes, gpu.block_sizes, gpu.block_size_multiple) == (VLLM_HEADS, (), 1)
+    assert gpu.dtypes == (torch.float16, torch.bfloat16)
+    caps = Capabilities(dtypes=frozenset({torch.bfloat16, torch.float32}),
+                        kv_cache_dtypes=frozenset({"bfloat16", "fp8_e4m3"}), page_sizes=(32, 64),
+                        preferred_page_size=64, dims=frozenset({(512, 64), (256, 32)}))
+    narrow = intersect(declarations(caps), GPU_PATH)
+    assert narrow.head_sizes == (576,) and narrow.dtypes == (torch.bfloat16,) and narrow.block_sizes == (64, 32)
+    assert intersect(declarations(caps), CPU_PATH).block_sizes == ()  # 16 is in neither: nothing can run
+    fnuz = vllm_path("rocm", head_sizes=VLLM_HEADS, fp8_dtype=torch.float8_e4m3fnuz)
+    assert intersect(declarations(caps), fnuz).kv_cache_dtypes == ("auto", "bfloat16")
+    multiple = Capabilities(dtypes=frozenset({torch.float32}), kv_cache_dtypes=frozenset({"float32"}),
+                            page_size_multiple=8, preferred_page_size=8)
+    assert intersect(declarations(multiple), CPU_PATH).block_sizes == (16,)
+
+
+def test_startup_refusal_names_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLA_BACKEND", raising=False)
+    for rank, rope in ((256, 32), (512, 32), (128, 64)):
+        with pytest.raises(VLLMSelectionError) as exc:
+            select_at_startup(_request(rank, rope), CPU_PATH)
+        msg = str(exc.value)
+        assert f"kv_lora_rank {rank}, rope {rope}" in msg and "the selected backend REF_TORCH takes it" in msg
+        assert f"head size: got {rank + rope}" in msg and "supported 320, 512, 576 by vLLM's MLA path on CPU" in msg
+        assert msg.endswith("any by REF_TORCH"), msg
+    assert select_at_startup(_request(), CPU_PATH).backend is RefTorchBackend
+    monkeypatch.setenv("MLA_BACKEND", "TRITON_MLA")  # the backend refuses too: both lists
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(VLLMSelectionError, match=r"(?s)device: got CPU.*vLLM's own MLA path on CPU refuses it "
+                                                 r"too: head size: got 288"):
+        select_at_startup(_request(256, 32), CPU_PATH)
+
+
+def test_fp8_view_dtypes() -> None:
+    assert [fp8_cache_view_dtype(n) for n in ("fp8", "fp8_e4m3", "fp8_e5m2", "auto", "bfloat16")] == [
+        torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e5m2, None, None]
+
+
+def test_startup_line_names_model_and_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLA_BACKEND", raising=False)
+    sel = _request().select()
+    a = startup_line("CPU_MLA", sel, model="/ckpt/a", num_heads=8)
+    b = startup_line("CPU_MLA", sel, model="/ckpt/b", num_heads=8)
+    c = startup_line("CPU_MLA", sel, model="/ckpt/a", num_heads=4)
+    assert len({a, b, c}) == 3
+    assert a.startswith("mla-backends: vLLM attention backend CPU_MLA runs MLA decode on mla-backends "
+                        "(model /ckpt/a, 8 heads on this rank). Chosen: REF_TORCH")
