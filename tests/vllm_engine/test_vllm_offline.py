@@ -12,6 +12,9 @@ import re
 import pytest
 
 KINDS = ["v2", "v3"]
+#: forward_mqa calls of one phase: 2 layers x 9 decode steps x (1 batched + 4 single generates), + 2 layers x
+#: 1 step of the batched log-probability call
+DECODE_CALLS = 2 * 9 * 5 + 2 * 1
 
 
 @pytest.fixture(params=KINDS)
@@ -44,8 +47,9 @@ def test_decode_went_through_mla_backends(report: dict) -> None:
     assert calls, "the spy backend given through MLA_BACKEND never ran"
     # batched steps carry several requests; every call saw the model's 4 heads
     assert {c[1] for c in calls} == {"4"} and max(int(c[2]) for c in calls) == 4
-    # 2 MLA layers x (10 - 1) decode steps for the batched call and each of the 4 single calls
-    assert len(calls) == 2 * 9 * 5
+    # 2 MLA layers x (10 - 1) decode steps for the batched call and each of the 4 single calls, + 2 layers x 1
+    # step of the batched log-probability call
+    assert len(calls) == DECODE_CALLS
     ckpt = report["log"].split("=== phase plugin")[1]
     assert re.search(r"runs MLA decode on mla-backends \(model \S+/(v2|v3), 4 heads on this rank\)\. "
                      r"Chosen: SPY_REF, block_size 16", ckpt), "no start-up line naming the model and heads"
@@ -85,7 +89,7 @@ def test_fp8_cache_tokens_are_the_fp8_rounded_run(report_v2: dict, name: str, fa
     difference from the fp32 run is fp8 rounding, nothing else (vLLM's own CPU write left every token after
     the first at 0)."""
     fp8, rounded, fp32 = report_v2[name], report_v2[fake], report_v2["plugin"]
-    assert fp8["impls"] == ["MLABackendsCPUImpl"] and fp8["spy_calls"] == 2 * 9 * 5  # decode on mla-backends
+    assert fp8["impls"] == ["MLABackendsCPUImpl"] and fp8["spy_calls"] == DECODE_CALLS  # decode on mla-backends
     assert fp8["batched"] == rounded["batched"] and fp8["single"] == rounded["single"]
     assert fp8["batched"] == fp8["single"]
     assert [t[0] for t in fp8["batched"]] == [t[0] for t in fp32["batched"]]  # prefill reads no cache
