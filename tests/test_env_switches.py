@@ -160,3 +160,22 @@ def test_env_command_quotes_values_and_states(monkeypatch: pytest.MonkeyPatch, c
     assert "  MLA_BACKENDS_VLLM=false  (off; " in text
     assert "  MLA_BACKENDS_SGLANG=00  (REFUSED: MLA_BACKENDS_SGLANG: got '00'; supported" in text
     assert "would activate" not in text
+
+
+def test_env_command_reports_a_bad_autoload_switch_instead_of_failing(monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys) -> None:  # type: ignore[no-untyped-def]
+    from mla_backends.cli import main
+    from mla_backends.plugins import reset_registry
+
+    monkeypatch.setenv("MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD", "2")
+    reset_registry()
+    try:
+        assert main(["env"]) == 0
+        text = capsys.readouterr().out
+        assert "problem: plugin '(none loaded)' (environment): MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD: got '2'" in text
+        assert "  MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD=2  (REFUSED: " in text
+        assert main(["list"]) != 0  # commands that need the registry refuse it
+        assert "MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD: got '2'" in capsys.readouterr().err
+    finally:
+        monkeypatch.delenv("MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD")
+        reset_registry()

@@ -178,7 +178,7 @@ def environment_report() -> dict[str, Any]:
     from selector.detect import detect_devices
 
     from .. import __version__
-    from ..env_switches import SWITCHES, describe_switch
+    from ..env_switches import SWITCHES, EnvSwitchError, describe_switch
     from ..gpus import gpu_spec_for_device_name
     from ..plugins import get_registry
 
@@ -198,10 +198,17 @@ def environment_report() -> dict[str, Any]:
         gpus.append({"index": dev.index, "name": dev.name, "compute_capability": list(dev.compute_capability or ()),
                      "arch": dev.arch_label, "total_memory": dev.total_memory, "sm_count": dev.sm_count,
                      "gpu_table_key": None if row is None else row.key})
-    reg = get_registry()
-    by_source: dict[str, list[str]] = {}
-    for e in reg.entries():
-        by_source.setdefault(e.source, []).append(e.name)
+    try:
+        reg = get_registry()
+    except EnvSwitchError as exc:  # a bad MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD: reported, not fatal here
+        plugins: list[dict[str, Any]] = []
+        problems = [{"plugin": "(none loaded)", "stage": "environment", "error": str(exc)}]
+    else:
+        by_source: dict[str, list[str]] = {}
+        for e in reg.entries():
+            by_source.setdefault(e.source, []).append(e.name)
+        plugins = [{"plugin": p, "backends": by_source.get(p, [])} for p in reg.plugins]
+        problems = [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in reg.problems]
     known = _known_env()
     env = {k: {"value": os.environ.get(k), "effect": effect} for k, effect in known.items()}
     for name in SWITCHES:  # the on/off switches: their parsed state, or why the value is refused
@@ -218,8 +225,8 @@ def environment_report() -> dict[str, Any]:
         "torch_cuda": {"built_with": torch.version.cuda, "available": torch.cuda.is_available()},
         "gpus": gpus,
         "vllm": vllm_status(),
-        "plugins": [{"plugin": p, "backends": by_source.get(p, [])} for p in reg.plugins],
-        "plugin_problems": [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in reg.problems],
+        "plugins": plugins,
+        "plugin_problems": problems,
         "environment": env,
     }
 
