@@ -77,6 +77,10 @@ def test_tensor_parallel_2_equals_1_with_half_heads_per_rank(report_v3: dict) ->
     pids = {c[0] for c in calls}
     assert len(pids) == 2, f"expected two ranks, got processes {pids}"
     assert {c[1] for c in calls} == {"2"} and {c[3] for c in calls} == {"2"}  # H / 2 on each rank
+    log = report_v3["log"].split("=== phase tp2")[1]
+    for rank in ("Worker_TP0", "Worker_TP1"):  # each rank's start-up line names the model and its head count
+        assert re.search(rf"\({rank} pid=\d+\).*runs MLA decode on mla-backends \(model \S+/v3, 2 heads on this "
+                         r"rank\)\. Chosen: SPY_REF", log), rank
 
 
 FP8_RUNS = [("fp8", "fake_fp8_e4m3"), ("fp8_e5m2", "fake_fp8_e5m2")]
