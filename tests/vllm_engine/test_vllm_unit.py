@@ -263,6 +263,8 @@ def test_fp8_cache_without_host_scale_is_refused() -> None:
     with pytest.raises(VLLMSelectionError, match="layer 'l1' has _k_scale_float = None"):
         vb.check_layer_scales(cfg, ["l0", "l1"])
     vb.check_layer_scales(cfg, ["l0"])
+    with pytest.raises(VLLMSelectionError, match="layer 'l9' is not in vLLM's static_forward_context"):
+        vb.check_layer_scales(cfg, ["l0", "l9"])
     cfg.cache_config.cache_dtype = "auto"
     vb.check_layer_scales(cfg, ["l0", "l1"])  # no fp8 cache, no scale needed
 

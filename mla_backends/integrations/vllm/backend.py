@@ -107,8 +107,11 @@ def check_layer_scales(vllm_config: Any, layer_names: Any) -> None:
         return
     ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
     for name in layer_names or ():
-        if name in ctx:
-            layer_scale(ctx[name], name)
+        if name not in ctx:
+            raise VLLMSelectionError(f"mla-backends: layer {name!r} is not in vLLM's static_forward_context; "
+                                     f"supported layers registered there (its {SCALE_ATTR} is checked for the "
+                                     "fp8 cache)")
+        layer_scale(ctx[name], name)
 
 
 @dataclass
