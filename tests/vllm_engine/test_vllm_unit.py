@@ -223,6 +223,24 @@ def test_cpu_fp8_write_is_latent_cache_write(name: str, scale: float) -> None:
     assert torch.all((back - want).abs() <= tol * want.abs() + 1e-2 * scale)
 
 
+def test_cpu_fp8_write_and_read_share_one_scale() -> None:
+    lens = [5]
+    _, table, ql, qr = decode_case(lens)
+    meta = decode_batch_metadata(table, torch.tensor(lens), lens, BS)
+    md = SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(block_table=table, seq_lens=torch.tensor(lens),
+                                                             dcp_tot_seq_lens=None, batch=meta))
+    impl = _cpu_impl("fp8")
+    raw = torch.zeros(9, BS, R + 4, dtype=torch.uint8)
+    impl.do_kv_cache_update(torch.randn(1, R), torch.randn(1, 1, 4), raw, torch.tensor([2]), "fp8",
+                            torch.tensor([0.5]))
+    impl.forward_mqa((ql, qr), raw.view(torch.float8_e4m3fn), md, SimpleNamespace(_k_scale_float=0.5))
+    with pytest.raises(RuntimeError, match="written with k_scale 0.5 and would be read with _k_scale_float 2.0"):
+        impl.forward_mqa((ql, qr), raw.view(torch.float8_e4m3fn), md, SimpleNamespace(_k_scale_float=2.0))
+    with pytest.raises(TypeError, match="skip_scale: got True"):
+        impl.do_kv_cache_update(torch.randn(1, R), torch.randn(1, 1, 4), raw, torch.tensor([2]), "fp8",
+                                torch.tensor([0.5]), skip_scale=True)
+
+
 def test_cpu_non_fp8_write_stays_vllms() -> None:
     kv_c, k_pe = torch.randn(2, R), torch.randn(2, 1, 4)
     raw = torch.zeros(2, BS, R + 4)

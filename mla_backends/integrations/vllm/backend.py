@@ -207,6 +207,10 @@ class _DecodeOnMLABackends:
         if stored is not None:  # read as the format it was written in (vLLM views every fp8 cache as e4m3)
             data = data if data.dtype == stored else data.view(stored)
             scale = layer_scale(layer)
+            written = getattr(self, "_mla_write_cache", None)  # the CPU impl's own fp8 writes
+            if written is not None and written.scale_value != scale:
+                raise RuntimeError(f"mla-backends: fp8 rows were written with k_scale {written.scale_value} and "
+                                   f"would be read with {SCALE_ATTR} {scale}; supported one scale for both")
         cache = wrap_cache(data, kv_lora_rank=r, model_dtype=q_latent.dtype, scale=scale, previous=self._mla_cache)
         self._mla_cache = cache
         if meta.block_size != cache.block_size:
@@ -255,8 +259,11 @@ class MLABackendsCPUImpl(_DecodeOnMLABackends, _cpu_impl_base()):  # type: ignor
             super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
                                        skip_scale=skip_scale)
             return
+        if skip_scale:
+            raise TypeError("skip_scale: got True; supported False for fp8 rows the plugin writes on the CPU "
+                            "(they are always quantised with the layer's k_scale)")
         data = kv_cache if kv_cache.dtype == stored else kv_cache.view(stored)
-        scale = 1.0 if skip_scale else float(k_scale.reshape(-1)[0])  # host memory on the CPU: no sync
+        scale = float(k_scale.reshape(-1)[0])  # host memory on the CPU: no sync
         cache = wrap_cache(data, kv_lora_rank=self.kv_lora_rank, model_dtype=kv_c_normed.dtype,  # type: ignore[attr-defined]
                            scale=scale, previous=self._mla_write_cache)
         self._mla_write_cache = cache
