@@ -234,6 +234,11 @@ def test_cpu_fp8_write_and_read_share_one_scale() -> None:
     impl.do_kv_cache_update(torch.randn(1, R), torch.randn(1, 1, 4), raw, torch.tensor([2]), "fp8",
                             torch.tensor([0.5]))
     impl.forward_mqa((ql, qr), raw.view(torch.float8_e4m3fn), md, SimpleNamespace(_k_scale_float=0.5))
+    impl.do_kv_cache_update(torch.randn(1, R), torch.randn(1, 1, 4), raw, torch.tensor([2]), "fp8",
+                            torch.tensor([0.1]))  # a float32 tensor: 0.1 rounded; the host copy is the float 0.1
+    impl.forward_mqa((ql, qr), raw.view(torch.float8_e4m3fn), md, SimpleNamespace(_k_scale_float=0.1))
+    impl.do_kv_cache_update(torch.randn(1, R), torch.randn(1, 1, 4), raw, torch.tensor([2]), "fp8",
+                            torch.tensor([0.5]))
     with pytest.raises(RuntimeError, match="written with k_scale 0.5 and would be read with _k_scale_float 2.0"):
         impl.forward_mqa((ql, qr), raw.view(torch.float8_e4m3fn), md, SimpleNamespace(_k_scale_float=2.0))
     with pytest.raises(TypeError, match="skip_scale: got True"):

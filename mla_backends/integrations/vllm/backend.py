@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import struct
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -98,6 +99,11 @@ def layer_scale(layer: Any, name: str = "") -> float:
             f"mla-backends: {where} has {SCALE_ATTR} = {value!r}; supported a float (the host copy of vLLM's "
             "fp8 k_scale, which an fp8 KV cache is read with; this vLLM build does not provide it)")
     return float(value)
+
+
+def _same_float32(a: float, b: float) -> bool:
+    """True when ``a`` and ``b`` are one float32 (the cache keeps its scale as a float32 tensor)."""
+    return struct.pack("<f", a) == struct.pack("<f", b)
 
 
 def check_layer_scales(vllm_config: Any, layer_names: Any) -> None:
@@ -208,7 +214,7 @@ class _DecodeOnMLABackends:
             data = data if data.dtype == stored else data.view(stored)
             scale = layer_scale(layer)
             written = getattr(self, "_mla_write_cache", None)  # the CPU impl's own fp8 writes
-            if written is not None and written.scale_value != scale:
+            if written is not None and not _same_float32(written.scale_value, scale):
                 raise RuntimeError(f"mla-backends: fp8 rows were written with k_scale {written.scale_value} and "
                                    f"would be read with {SCALE_ATTR} {scale}; supported one scale for both")
         cache = wrap_cache(data, kv_lora_rank=r, model_dtype=q_latent.dtype, scale=scale, previous=self._mla_cache)
