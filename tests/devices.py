@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_backends.env_switches import TRITON_INTERPRET_SWITCH, switch_on
+from mla_backends.core.env_switches import TRITON_INTERPRET_SWITCH, switch_on
 
 __all__ = ["case_device"]
 

@@ -1,4 +1,4 @@
-"""Every on/off environment switch is parsed one way (mla_backends.env_switches): the documented spellings mean
+"""Every on/off environment switch is parsed one way (mla_backends.core.env_switches): the documented spellings mean
 what they say, anything else is refused naming the variable, the value and the spellings; the callers
 (vLLM plugin, plugin autoload, the Triton interpreter switch, the SGLang switch) all go through it, and
 ``mla-backends env`` quotes the value it read and its parsed state."""
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mla_backends import env_switches as sw
-from mla_backends.capabilities import env_switch_on
-from mla_backends.plugins import autoload_enabled
+from mla_backends.backends.capabilities import env_switch_on
+from mla_backends.core import env_switches as sw
+from mla_backends.plugins.loading import autoload_enabled
 
 ROOT = Path(__file__).resolve().parents[1]
 TRUE = ["1", "true", "True", "TRUE", "yes", "YES", "on", "On"]
@@ -122,17 +122,17 @@ def _reads_a_switch(node: ast.AST) -> bool:
 
 
 def test_no_module_reads_a_switch_by_itself() -> None:
-    """Only mla_backends/env_switches.py (and capabilities.env_switch_on's snapshot) read a switch's value."""
+    """Only mla_backends/core/env_switches.py (and capabilities.env_switch_on's snapshot) read a switch's value."""
     offenders = []
     for base in ("mla_backends", "selector"):
         for path in sorted((ROOT / base).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel in ("mla_backends/env_switches.py",):
+            if rel in ("mla_backends/core/env_switches.py",):
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
                 if _reads_a_switch(node):
                     offenders.append(f"{rel}:{node.lineno}")
-    assert not offenders, f"switch values read outside mla_backends.env_switches: {offenders}"
+    assert not offenders, f"switch values read outside mla_backends.core.env_switches: {offenders}"
 
 
 def test_the_scan_finds_a_private_reader() -> None:
@@ -165,7 +165,7 @@ def test_env_command_quotes_values_and_states(monkeypatch: pytest.MonkeyPatch, c
 def test_env_command_reports_a_bad_autoload_switch_instead_of_failing(monkeypatch: pytest.MonkeyPatch,
                                                                       capsys) -> None:  # type: ignore[no-untyped-def]
     from mla_backends.cli import main
-    from mla_backends.plugins import reset_registry
+    from mla_backends.plugins.loading import reset_registry
 
     monkeypatch.setenv("MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD", "2")
     reset_registry()

@@ -126,7 +126,7 @@ def vllm_status() -> dict[str, Any]:
     the mla-backends vLLM plugin would activate in a vLLM started from this environment, with the reason (the
     switch's value quoted as it is set): only when vLLM is installed and its module found, the entry point is
     installed, the switch is on and the version is supported."""
-    from ..env_switches import describe_switch
+    from ..core.env_switches import describe_switch
     from ..integrations.vllm import ENV_VAR
     from ..integrations.vllm.versions import UnsupportedVLLMVersionError, check_vllm_version
 
@@ -157,11 +157,11 @@ def vllm_status() -> dict[str, Any]:
 
 def _known_env() -> dict[str, str]:
     """Variable -> what it does, for every variable this package reads (the on/off switches from
-    :data:`mla_backends.env_switches.SWITCHES`)."""
+    :data:`mla_backends.core.env_switches.SWITCHES`)."""
     from selector.select import MLA_BACKEND_ENV
 
-    from ..dispatch import THRESHOLD_TABLE_ENV
-    from ..env_switches import SWITCHES
+    from ..core.env_switches import SWITCHES
+    from ..layer.dispatch import THRESHOLD_TABLE_ENV
 
     return {MLA_BACKEND_ENV: "forces a backend (auto/unset: the ladder)",
             THRESHOLD_TABLE_ENV: "threshold table every new layer loads",
@@ -178,9 +178,9 @@ def environment_report() -> dict[str, Any]:
     from selector.detect import detect_devices
 
     from .. import __version__
-    from ..env_switches import SWITCHES, EnvSwitchError, describe_switch
-    from ..gpus import gpu_spec_for_device_name
-    from ..plugins import get_registry
+    from ..core.env_switches import SWITCHES, EnvSwitchError, describe_switch
+    from ..core.gpus import gpu_spec_for_device_name
+    from ..plugins.loading import get_registry
 
     packages: dict[str, Any] = {}
     for label, dists, module in PACKAGES:

@@ -14,13 +14,13 @@ class SpyBackend(RefTorchBackend):
 
     name = "SPY_REF"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, **kw):  # type: ignore[no-untyped-def]
+    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, **kw):  # type: ignore[no-untyped-def]
         path = os.environ.get("MLA_SPY_FILE")
         if path:
             configured = self.layer_spec.num_heads if self.layer_spec is not None else -1
             with open(path, "a") as f:
                 f.write(f"{os.getpid()} {q_latent.shape[1]} {meta.num_requests} {configured}\n")
-        return super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
+        return super().forward_mqa_kernel(q_latent, q_rope, cache, meta, **kw)
 
 
 class FakeQuantSpy(SpyBackend):
@@ -32,7 +32,7 @@ class FakeQuantSpy(SpyBackend):
 
     name = "SPY_FAKE_QUANT"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, **kw):  # type: ignore[no-untyped-def]
+    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, **kw):  # type: ignore[no-untyped-def]
         import torch
 
         fmt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[os.environ["MLA_FAKE_QUANT"]]
@@ -40,4 +40,4 @@ class FakeQuantSpy(SpyBackend):
         rows = cache.data[pages]
         fmax = torch.finfo(fmt).max
         cache.data[pages] = rows.float().clamp(-fmax, fmax).to(fmt).to(rows.dtype)
-        return super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
+        return super().forward_mqa_kernel(q_latent, q_rope, cache, meta, **kw)

@@ -2,7 +2,7 @@
 ``select_backend()`` chooses.
 
 Off unless the switch ``MLA_BACKENDS_VLLM`` is on in vLLM's environment (``1``/``true``/``yes``/``on``; parsed
-by :mod:`mla_backends.env_switches`, which refuses spellings it does not know; installing mla-backends never
+by :mod:`mla_backends.core.env_switches`, which refuses spellings it does not know; installing mla-backends never
 changes vLLM by itself). With it, :func:`register` (the entry point, run by vLLM in every process) registers
 :class:`~mla_backends.integrations.vllm.backend.MLABackendsBackend` as ``AttentionBackendEnum.CUSTOM`` (on CUDA:
 ``--attention-backend CUSTOM``) and, on vLLM's CPU platform, whose selector always answers ``CPU_MLA`` for MLA
@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ...env_switches import VLLM_SWITCH, switch_on
+from ...core.env_switches import VLLM_SWITCH, switch_on
 
 __all__ = ["ENV_VAR", "BACKEND_PATH", "plugin_enabled", "register"]
 
-#: the switch: the plugin does nothing unless it is on (:data:`mla_backends.env_switches.TRUE_SPELLINGS`)
+#: the switch: the plugin does nothing unless it is on (:data:`mla_backends.core.env_switches.TRUE_SPELLINGS`)
 ENV_VAR = VLLM_SWITCH
 #: the class registered with vLLM's attention registry
 BACKEND_PATH = "mla_backends.integrations.vllm.backend.MLABackendsBackend"
@@ -33,7 +33,7 @@ BACKEND_PATH = "mla_backends.integrations.vllm.backend.MLABackendsBackend"
 
 def plugin_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """True when the switch ``MLA_BACKENDS_VLLM`` is on (in ``environ``, default ``os.environ``); a value that
-    is no on/off spelling raises :class:`~mla_backends.env_switches.EnvSwitchError` (vLLM's start-up fails
+    is no on/off spelling raises :class:`~mla_backends.core.env_switches.EnvSwitchError` (vLLM's start-up fails
     naming it)."""
     return switch_on(ENV_VAR, environ)
 
