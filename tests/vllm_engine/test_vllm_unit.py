@@ -132,11 +132,22 @@ def test_refusal_reaches_vllm_validation(monkeypatch: pytest.MonkeyPatch) -> Non
                                                       None) is None
 
 
+def _decode_md(impl, table, lens):  # type: ignore[no-untyped-def]
+    """What MLABackendsMetadataBuilder.build hands the impl: vLLM's decode fields, the BatchMetadata, its plan."""
+    from mla_backends.step.plan import plan_step
+
+    meta = decode_batch_metadata(table, torch.tensor(lens), lens, BS)
+    return SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(
+        block_table=table, seq_lens=torch.tensor(lens), dcp_tot_seq_lens=None, batch=meta,
+        plan=plan_step(meta, [impl.mla_backend])))
+
+
 def _impl(need_lse: bool):  # type: ignore[no-untyped-def]
     impl = object.__new__(vb.MLABackendsCPUImpl)
     impl.kv_lora_rank, impl.scale, impl.need_to_return_lse_for_decode = R, 0.3, need_lse
     impl.kv_cache_dtype = "auto"
     impl.mla_backend = RefTorchBackend()
+    impl.mla_scale = impl.scale
     return impl
 
 
@@ -144,10 +155,8 @@ def _impl(need_lse: bool):  # type: ignore[no-untyped-def]
 def test_forward_mqa_runs_the_selected_backend(need_lse: bool) -> None:
     lens = [6, 13]
     cache, table, ql, qr = decode_case(lens)
-    meta = decode_batch_metadata(table, torch.tensor(lens), lens, BS)
-    md = SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(block_table=table, seq_lens=torch.tensor(lens),
-                                                             dcp_tot_seq_lens=None, batch=meta))
     impl = _impl(need_lse)
+    md = _decode_md(impl, table, lens)
     out, lse = impl.forward_mqa((ql, qr), cache, md, SimpleNamespace(_k_scale_float=1.0))
     ref_out, ref_lse = reference(cache, table, lens, ql, qr, 0.3)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
@@ -199,6 +208,7 @@ def _cpu_impl(kv_cache_dtype: str):  # type: ignore[no-untyped-def]
     impl.kv_lora_rank, impl.scale, impl.need_to_return_lse_for_decode = R, 0.3, False
     impl.kv_cache_dtype = kv_cache_dtype
     impl.mla_backend = RefTorchBackend()
+    impl.mla_scale = impl.scale
     return impl
 
 
@@ -226,10 +236,8 @@ def test_cpu_fp8_write_is_latent_cache_write(name: str, scale: float) -> None:
 def test_cpu_fp8_write_and_read_share_one_scale() -> None:
     lens = [5]
     _, table, ql, qr = decode_case(lens)
-    meta = decode_batch_metadata(table, torch.tensor(lens), lens, BS)
-    md = SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(block_table=table, seq_lens=torch.tensor(lens),
-                                                             dcp_tot_seq_lens=None, batch=meta))
     impl = _cpu_impl("fp8")
+    md = _decode_md(impl, table, lens)
     raw = torch.zeros(9, BS, R + 4, dtype=torch.uint8)
     impl.do_kv_cache_update(torch.randn(1, R), torch.randn(1, 1, 4), raw, torch.tensor([2]), "fp8",
                             torch.tensor([0.5]))
@@ -261,10 +269,8 @@ def test_fp8_cache_read_as_written_whatever_view_vllm_hands_over(name: str) -> N
     scale = 0.5
     stored = (cache32 / scale).to(FP8[name])
     handed = stored.view(torch.uint8).view(torch.float8_e4m3fn)  # forward_impl's view
-    meta = decode_batch_metadata(table, torch.tensor(lens), lens, BS)
-    md = SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(block_table=table, seq_lens=torch.tensor(lens),
-                                                             dcp_tot_seq_lens=None, batch=meta))
-    out, _ = _cpu_impl(name).forward_mqa((ql, qr), handed, md, SimpleNamespace(_k_scale_float=scale))
+    impl = _cpu_impl(name)
+    out, _ = impl.forward_mqa((ql, qr), handed, _decode_md(impl, table, lens), SimpleNamespace(_k_scale_float=scale))
     ref_out, _ = reference(stored.double() * scale, table, lens, ql, qr, 0.3)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
 
@@ -272,13 +278,12 @@ def test_fp8_cache_read_as_written_whatever_view_vllm_hands_over(name: str) -> N
 def test_fp8_cache_without_host_scale_is_refused() -> None:
     lens = [5]
     cache32, table, ql, qr = decode_case(lens)
-    meta = decode_batch_metadata(table, torch.tensor(lens), lens, BS)
-    md = SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(block_table=table, seq_lens=torch.tensor(lens),
-                                                             dcp_tot_seq_lens=None, batch=meta))
     fp8 = cache32.to(torch.float8_e4m3fn)
+    impl = _cpu_impl("fp8")
+    md = _decode_md(impl, table, lens)
     for layer in (SimpleNamespace(), SimpleNamespace(_k_scale_float=None), SimpleNamespace(_k_scale_float="1")):
         with pytest.raises(VLLMSelectionError, match="has _k_scale_float = .*; supported a float"):
-            _cpu_impl("fp8").forward_mqa((ql, qr), fp8, md, layer)
+            impl.forward_mqa((ql, qr), fp8, md, layer)
     # at start-up: the metadata builder checks every layer of an fp8 cache
     ctx = {"l0": SimpleNamespace(_k_scale_float=1.0), "l1": SimpleNamespace()}
     cfg = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8_e5m2"),
