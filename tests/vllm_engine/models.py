@@ -27,16 +27,18 @@ def _randomise(model: Any, seed: int) -> Any:
     return model.eval()
 
 
-def build(kind: str, path: str | Path, seed: int = 0) -> Path:
-    """Save the ``kind`` (``"v3"`` or ``"v2"``) checkpoint under ``path`` in several safetensors shards."""
+def build(kind: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Save the ``kind`` (``"v3"`` or ``"v2"``) checkpoint under ``path`` in several safetensors shards
+    (``overrides``: config fields replacing :data:`COMMON`'s, e.g. ``kv_lora_rank=256, qk_rope_head_dim=32``)."""
     import transformers
 
+    common = {**COMMON, **overrides}
     if kind == "v3":  # vLLM needs noaux_tc + sigmoid (it loads e_score_correction_bias)
-        cfg = transformers.DeepseekV3Config(**COMMON, q_lora_rank=32, topk_method="noaux_tc", scoring_func="sigmoid",
+        cfg = transformers.DeepseekV3Config(**common, q_lora_rank=32, topk_method="noaux_tc", scoring_func="sigmoid",
                                             rope_interleave=True)
         model = transformers.DeepseekV3ForCausalLM(cfg)
     elif kind == "v2":
-        cfg = transformers.DeepseekV2Config(**COMMON, q_lora_rank=None, topk_method="greedy")
+        cfg = transformers.DeepseekV2Config(**common, q_lora_rank=None, topk_method="greedy")
         model = transformers.DeepseekV2ForCausalLM(cfg)
     else:
         raise ValueError(f"kind: got {kind!r}; supported 'v3', 'v2'")

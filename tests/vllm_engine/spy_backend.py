@@ -21,3 +21,23 @@ class SpyBackend(RefTorchBackend):
             with open(path, "a") as f:
                 f.write(f"{os.getpid()} {q_latent.shape[1]} {meta.num_requests} {configured}\n")
         return super().forward_mqa_kernel(q_latent, q_rope, cache, meta, **kw)
+
+
+class FakeQuantSpy(SpyBackend):
+    """The spy on a full-precision cache whose live rows are rounded to fp8 (``$MLA_FAKE_QUANT``: ``fp8_e4m3``
+    or ``fp8_e5m2``, scale 1.0, saturated as :meth:`LatentKVCache.quantize` does) in place before each decode
+    reads them: a run whose decode sees exactly the values an fp8 cache holds, computed without fp8 storage.
+    Rounding is idempotent, so rows rounded at an earlier step stay as they are; prefill never reads the
+    cache."""
+
+    name = "SPY_FAKE_QUANT"
+
+    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, **kw):  # type: ignore[no-untyped-def]
+        import torch
+
+        fmt = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[os.environ["MLA_FAKE_QUANT"]]
+        pages = torch.unique(meta.block_table.long().clamp(min=0))
+        rows = cache.data[pages]
+        fmax = torch.finfo(fmt).max
+        cache.data[pages] = rows.float().clamp(-fmax, fmax).to(fmt).to(rows.dtype)
+        return super().forward_mqa_kernel(q_latent, q_rope, cache, meta, **kw)

@@ -1,6 +1,7 @@
-"""``vllm serve`` with the plugin on 127.0.0.1 at a free port, queried by the ``openai`` client with token-id
-prompts: the generated ids (``return_token_ids``) equal the offline ``LLM.generate`` run. The server is
-stopped by the test; every wait is bounded."""
+"""``python -m mla_backends.integrations.vllm serve`` (vLLM's own ``vllm serve``) with the plugin on 127.0.0.1
+at a free port, queried by the ``openai`` client with token-id prompts: the generated ids
+(``return_token_ids``) equal the offline ``LLM.generate`` run. The server is stopped by the test; every wait
+is bounded."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def server(report_v3: dict, workdir: Path):  # type: ignore[no-untyped-def]
            "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     env.pop("MLA_BACKEND", None)  # the selector's own choice this time
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, str(HERE / "serve.py"), "serve", model, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "mla_backends.integrations.vllm", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--enforce-eager",
            "--max-model-len", str(LLM_ARGS["max_model_len"]), "--max-num-seqs", "8",
            "--distributed-executor-backend", "uni",
@@ -83,4 +84,5 @@ def test_served_tokens_equal_offline(server: dict, report_v3: dict) -> None:
                                         temperature=0.0, extra_body={"return_token_ids": True, "ignore_eos": True})
         got.append(list(res.choices[0].token_ids))
     assert got == report_v3["plugin"]["single"]
-    assert "runs MLA decode on mla-backends. Chosen: REF_TORCH, block_size 16" in server["log"].read_text()
+    assert (f"runs MLA decode on mla-backends (model {server['model']}, 4 heads on this rank). Chosen: REF_TORCH, "
+            "block_size 16") in server["log"].read_text()

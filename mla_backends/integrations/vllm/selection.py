@@ -17,7 +17,8 @@ from ...core.dims import MLADims
 from ...core.dtypes import FP8_CACHE_DTYPES
 
 __all__ = ["VLLMRequest", "Declarations", "VLLMSelectionError", "vllm_kv_cache_dtype", "request_from_vllm",
-           "select_for_vllm", "declarations", "startup_line", "VLLM_KV_NAMES"]
+           "select_for_vllm", "declarations", "startup_line", "VLLM_KV_NAMES", "VLLMPath", "vllm_path",
+           "path_reasons", "intersect", "select_at_startup", "fp8_cache_view_dtype"]
 
 #: vLLM cache dtype names -> mla-backends' canonical names (``auto`` stays ``auto``: the model dtype)
 _FROM_VLLM = {"auto": "auto", "bfloat16": "bfloat16", "float16": "float16", "fp8": "fp8_e4m3",
@@ -96,11 +97,17 @@ def select_for_vllm(vllm_config: Any, *, device: str, num_heads: int | None = No
     return request_from_vllm(vllm_config, device=device, num_heads=num_heads).select()
 
 
-def startup_line(member: str, selection: Any) -> str:
-    """The one start-up log line: the vLLM member taken and the selection's ``Chosen:`` line."""
+def startup_line(member: str, selection: Any, *, model: str | None = None, num_heads: int | None = None) -> str:
+    """The one start-up log line: the model, this rank's query heads, the vLLM member taken and the selection's
+    ``Chosen:`` line (two models in one process, or two head counts, each get their own line)."""
     chosen = next((ln.strip() for ln in selection.explain().splitlines() if ln.strip().startswith("Chosen:")),
                   f"Chosen: {selection.name}")
-    return f"mla-backends: vLLM attention backend {member} runs MLA decode on mla-backends. {chosen}"
+    who = ""
+    if model is not None or num_heads is not None:
+        parts = ([f"model {model}"] if model is not None else []) + (
+            [f"{num_heads} heads on this rank"] if num_heads is not None else [])
+        who = f" ({', '.join(parts)})"
+    return f"mla-backends: vLLM attention backend {member} runs MLA decode on mla-backends{who}. {chosen}"
 
 
 @dataclass(frozen=True)
@@ -143,3 +150,149 @@ def declarations(caps: Capabilities) -> Declarations:
         sizes, multiple = (), caps.page_size_multiple or 1
     return Declarations(dtypes=dtypes, kv_cache_dtypes=tuple(kv), head_sizes=heads, block_sizes=sizes,
                         block_size_multiple=multiple, returns_lse=caps.returns_lse, cuda_graphs=caps.cuda_graphs)
+
+
+#: what vLLM's MLA layer does with a cache, per vLLM cache dtype family: the storage it is read back as
+_FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+def fp8_cache_view_dtype(kv_cache_dtype: str) -> torch.dtype | None:
+    """The fp8 dtype a layer cache of vLLM's ``kv_cache_dtype`` (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) holds,
+    whatever view vLLM hands over (0.32 views every fp8 cache as its platform's e4m3 type before decode); None
+    for a non-fp8 cache."""
+    return _FP8_TORCH.get(vllm_kv_cache_dtype(kv_cache_dtype))
+
+
+@dataclass(frozen=True)
+class VLLMPath:
+    """What vLLM's own MLA code around the backend takes on one platform (its metadata, prefill, cache
+    writes), in mla-backends' names: ``block_sizes`` empty means any; ``kv_cache_dtypes`` canonical names plus
+    ``auto``. ``why`` says, per field, which part of vLLM sets the limit."""
+
+    platform: str
+    head_sizes: tuple[int, ...]
+    block_sizes: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    kv_cache_dtypes: tuple[str, ...]
+    why: dict[str, str]
+
+
+def vllm_path(platform: str, *, head_sizes: tuple[int, ...], fp8_dtype: torch.dtype = torch.float8_e4m3fn
+              ) -> VLLMPath:
+    """vLLM's path on ``platform`` (``"CPU"`` or a GPU platform's name): ``head_sizes`` is what vLLM's
+    ``MLACommonMetadata`` accepts (``MLACommonBackend.get_supported_head_sizes()``, read from vLLM by the
+    caller), ``fp8_dtype`` the platform's ``current_platform.fp8_dtype()``.
+
+    CPU: block size 16 (the CPU platform forces it for MLA models), float16/bfloat16/float32 (vLLM's CPU MLA
+    impl, whose SDPA prefill the plugin keeps), caches ``auto``/bfloat16/float16 and both fp8 formats (the
+    plugin quantises fp8 rows itself, as ``LatentKVCache.write`` does; vLLM's CPU write cannot). GPU: any block
+    size, float16/bfloat16 (vLLM's MLA prefill kernels), caches ``auto``/bfloat16/float16, ``fp8_e5m2`` and
+    ``fp8_e4m3`` only where the platform's fp8 type is ``float8_e4m3fn`` (what mla-backends reads: ROCm's
+    ``float8_e4m3fnuz`` would be misread).
+    """
+    heads = tuple(sorted(int(h) for h in head_sizes))
+    why = {"head size": "vLLM's MLACommonMetadata"}
+    if platform.upper() == "CPU":
+        why.update({"block size": "vLLM's CPU platform forces 16 for MLA models",
+                    "dtype": "vLLM's CPU MLA impl (SDPA prefill)",
+                    "kv cache dtype": "vLLM's CPU MLA cache write, fp8 rows written by the plugin"})
+        return VLLMPath("CPU", heads, (16,), (torch.float16, torch.bfloat16, torch.float32),
+                        ("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"), why)
+    kv = ["auto", "bfloat16", "float16", "fp8_e5m2"]
+    note = "vLLM's MLA cache write"
+    if fp8_dtype == torch.float8_e4m3fn:
+        kv.insert(3, "fp8_e4m3")
+    else:
+        note += (f"; fp8_e4m3 caches are {str(fp8_dtype).removeprefix('torch.')} on this platform, which "
+                 "mla-backends does not read")
+    why.update({"dtype": "vLLM's MLA prefill kernels", "kv cache dtype": note})
+    return VLLMPath(platform, heads, (), (torch.float16, torch.bfloat16), tuple(kv), why)
+
+
+def _names(values: tuple[Any, ...]) -> str:
+    return ", ".join(str(v).removeprefix("torch.") for v in values) if values else "any"
+
+
+def _fields(request: VLLMRequest) -> list[tuple[str, Any, str]]:
+    """(field, value, text) of the request for :func:`path_reasons`."""
+    d = request.dims
+    width = d.kv_lora_rank + d.qk_rope_head_dim
+    out = [("head size", width, f"{width} (kv_lora_rank {d.kv_lora_rank} + rope {d.qk_rope_head_dim})"),
+           ("dtype", request.dtype, str(request.dtype).removeprefix("torch.")),
+           ("kv cache dtype", request.kv_cache_dtype, request.kv_cache_dtype)]
+    if request.block_size is not None:
+        out.insert(1, ("block size", request.block_size, str(request.block_size)))
+    return out
+
+
+def _path_values(path: VLLMPath, field: str) -> tuple[Any, ...]:
+    return {"head size": path.head_sizes, "block size": path.block_sizes, "dtype": path.dtypes,
+            "kv cache dtype": path.kv_cache_dtypes}[field]
+
+
+def _backend_values(decl: Declarations, field: str) -> tuple[Any, ...]:
+    if field == "block size":
+        return decl.block_sizes
+    if field == "kv cache dtype":  # back to canonical names
+        return tuple(dict.fromkeys(vllm_kv_cache_dtype(n) for n in decl.kv_cache_dtypes))
+    return {"head size": decl.head_sizes, "dtype": decl.dtypes}[field]
+
+
+def path_reasons(request: VLLMRequest, path: VLLMPath, decl: Declarations | None = None,
+                 backend: str | None = None) -> list[str]:
+    """Every field of ``request`` vLLM's ``path`` cannot take, as "<field>: got X; supported A by vLLM's MLA
+    path on P (why)[, B by backend]" (``decl``: the selected backend's declarations, for the second part)."""
+    out = []
+    for field, value, text in _fields(request):
+        allowed = _path_values(path, field)
+        if not allowed or value in allowed:
+            continue
+        msg = (f"{field}: got {text}; supported {_names(allowed)} by vLLM's MLA path on {path.platform} "
+               f"({path.why.get(field, 'vLLM')})")
+        if decl is not None:
+            msg += f", {_names(_backend_values(decl, field))} by {backend or 'the selected backend'}"
+        out.append(msg)
+    return out
+
+
+def intersect(decl: Declarations, path: VLLMPath) -> Declarations:
+    """``decl`` narrowed to what vLLM's ``path`` also takes: what the backend tells vLLM is what can run."""
+    def both(mine: tuple[Any, ...], theirs: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not theirs:
+            return mine
+        if not mine:
+            return theirs
+        return tuple(v for v in mine if v in theirs)
+
+    kv = tuple(n for n in decl.kv_cache_dtypes if vllm_kv_cache_dtype(n) in path.kv_cache_dtypes)
+    blocks, multiple = decl.block_sizes, decl.block_size_multiple
+    if path.block_sizes:
+        if multiple is not None:
+            blocks = tuple(b for b in path.block_sizes if b % multiple == 0)
+        else:
+            blocks = both(decl.block_sizes, path.block_sizes)
+        multiple = None
+    return replace(decl, dtypes=both(decl.dtypes, path.dtypes), kv_cache_dtypes=kv,
+                   head_sizes=both(decl.head_sizes, path.head_sizes), block_sizes=blocks,
+                   block_size_multiple=multiple)
+
+
+def select_at_startup(request: VLLMRequest, path: VLLMPath) -> Any:
+    """``request.select()`` where vLLM's ``path`` also takes the request; otherwise
+    :class:`VLLMSelectionError` with both sides' reasons (the selection's, and every field vLLM's path
+    refuses, with what each side supports)."""
+    try:
+        sel = request.select()
+    except VLLMSelectionError as exc:
+        reasons = path_reasons(request, path)
+        if reasons:
+            raise VLLMSelectionError(f"{exc}\nvLLM's own MLA path on {path.platform} refuses it too: "
+                                     + "; ".join(reasons)) from exc
+        raise
+    reasons = path_reasons(request, path, declarations(sel.backend.capabilities), sel.name)
+    if reasons:
+        raise VLLMSelectionError(
+            f"mla-backends cannot run this vLLM MLA model ({request.describe()}): the selected backend "
+            f"{sel.name} takes it, but vLLM's own MLA path on {path.platform} around it does not: "
+            + "; ".join(reasons))
+    return sel
