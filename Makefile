@@ -18,7 +18,9 @@ VLLM_EDITABLE := $(VLLM_VENV)/.mla-backends-editable
 
 # the test loop (README, "Install and the two commands"): pytest-xdist workers for the main suite (0: one process)
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+# a module's (or a class's) tests on one worker, so a module fixture is built once; tests/conftest.py puts the
+# long tests first (tests/slow_tests.txt), and --no-loadscope-reorder keeps that order
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 PYTEST_ARGS ?=
 
 .PHONY: run test test-fast test-vllm install lint bench docs clean drop-example-plugin vllm-env
@@ -52,15 +54,16 @@ $(VLLM_EDITABLE): $(VLLM_STAMP) pyproject.toml
 vllm-env: $(VLLM_EDITABLE)
 
 # the whole suite: the main one on $(TEST_WORKERS) workers and, beside it, tests/vllm_engine in .venv-vllm (its
-# engines wait on model loads and a server as much as they compute); its log is printed when both are done.
-# Fails unless both runs exit 0, so pytest's exit 5 (nothing collected) fails it too.
+# engines leave a core idle at times, and so does the main suite's tail), with a pytest cache folder of its own;
+# its log is printed when both are done, last. Fails unless both runs exit 0, so pytest's exit 5 (nothing
+# collected) fails it too.
 test: $(STAMP) drop-example-plugin $(VLLM_EDITABLE)
 	@log=$$(mktemp) && \
-	{ $(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine $(PYTEST_ARGS) > $$log 2>&1 & } && vpid=$$! && \
+	{ $(VLLM_VENV)/bin/python -m pytest -q -o cache_dir=.pytest_cache/vllm tests/vllm_engine $(PYTEST_ARGS) > $$log 2>&1 & } && vpid=$$! && \
 	{ $(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS); main=$$?; } ; \
 	wait $$vpid; vllm=$$?; \
-	echo "==== tests/vllm_engine (.venv-vllm), run beside the main suite ===="; cat $$log; rm -f $$log; \
-	echo "make test: main suite rc=$$main, tests/vllm_engine rc=$$vllm"; \
+	echo "make test: main suite rc=$$main, tests/vllm_engine rc=$$vllm; the log of tests/vllm_engine (.venv-vllm):"; \
+	cat $$log; rm -f $$log; \
 	test $$main -eq 0 -a $$vllm -eq 0
 
 # the unit tests, minutes faster: the main suite without the tests tests/slow_tests.txt names (no vLLM)

@@ -8,10 +8,11 @@ The test loop (``make test-fast``, ``make test``; README "Install and the two co
 
 * ``slow``: every test named in ``tests/slow_tests.txt`` (a file, a class or a test, all its parameters
   included) gets the ``slow`` mark here, at collection; ``make test-fast`` runs ``-m "not slow"``.
-* ``xdist_group``: under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) the tests of a file in
-  :data:`SHARED_MODULE_FIXTURES` go to one worker, so that its costly module fixture is built once.
-* under pytest-xdist the listed slow tests are collected first, in the list's order (longest first), so that
-  the workers start the long ones early and no long test starts last (a serial run keeps the file order).
+* under pytest-xdist (``make test`` runs ``-n 2 --dist loadscope --no-loadscope-reorder``: a module's tests, or
+  a class's, go to one worker, so a module fixture is built once) the listed slow tests are collected first, in
+  the list's order (longest first), so that the workers start the long ones early and none starts last while
+  the other worker idles. A serial run keeps the file order. (``--dist loadgroup`` and ``xdist_group`` marks do
+  not group under pytest 9.2 with pytest-xdist 3.8: the group rides on a node id pytest no longer reads.)
 * each xdist worker runs torch on its share of the cores (two workers on two cores: one thread each) rather
   than every worker starting a thread per core.
 """
@@ -38,15 +39,6 @@ os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", os.path.join(os.path.dirname(
 
 TESTS = Path(__file__).resolve().parent
 SLOW_LIST = TESTS / "slow_tests.txt"
-
-#: files whose tests share a module-scoped fixture that takes seconds to build (a generated suite run, a
-#: checkpoint, an unsharded model run): kept on one xdist worker (``--dist loadgroup``)
-SHARED_MODULE_FIXTURES = frozenset({
-    "test_conformance_catches.py",  # suite_results: the broken-backend suite, run once (~30 s)
-    "test_dcp_gloo.py",  # model: the unsharded reference run the three world sizes compare with
-    "test_pretrained.py",  # v3_folder: a sharded DeepSeek-V3-shaped checkpoint
-    "test_hardening_cli2.py",  # tiny_table: a quick tuning run
-})
 
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
 if _workers > 1:  # set before any test runs; the one_thread fixture below still pins a test to one thread
@@ -82,17 +74,6 @@ def slow_rank(key: str, slow: list[str]) -> int:
     return next((i for i, e in enumerate(slow) if is_listed(key, [e])), len(slow))
 
 
-def loop_marks(key: str, slow: list[str]) -> list[pytest.MarkDecorator]:
-    """The marks the test loop gives the test ``key`` (:func:`_key`): ``slow`` when ``slow`` lists it, and
-    its file's ``xdist_group`` when the file is one of :data:`SHARED_MODULE_FIXTURES`."""
-    marks = [pytest.mark.slow] if is_listed(key, slow) else []
-    name = key.split("::", 1)[0]
-    if name in SHARED_MODULE_FIXTURES:
-        marks.append(pytest.mark.xdist_group(name))
-    return marks
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     slow = read_slow_list()
     rank: dict[str, int] = {}
@@ -101,9 +82,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             key = _key(item)
         except ValueError:  # a test outside tests/ (a generated suite a test runs): not ours to mark
             continue
-        for mark in loop_marks(key, slow):
-            item.add_marker(mark)
         rank[item.nodeid] = slow_rank(key, slow)
+        if rank[item.nodeid] < len(slow):
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and all must agree: a stable sort
         items.sort(key=lambda item: rank.get(item.nodeid, len(slow)))
 

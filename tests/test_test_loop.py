@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import SHARED_MODULE_FIXTURES, SLOW_LIST, TESTS, _key, is_listed, loop_marks, read_slow_list
+from conftest import SLOW_LIST, TESTS, _key, is_listed, read_slow_list, slow_rank
 
 ROOT = TESTS.parent
 
@@ -47,10 +47,6 @@ def test_every_slow_entry_names_a_test_file_class_or_function():
     assert len(entries) == len(set(entries)), "an entry is listed twice"
 
 
-def test_shared_fixture_files_exist():
-    assert all((TESTS / name).is_file() for name in SHARED_MODULE_FIXTURES), sorted(SHARED_MODULE_FIXTURES)
-
-
 @pytest.mark.parametrize(
     ("key", "listed"),
     [
@@ -74,12 +70,12 @@ def test_this_tests_key_is_its_file_and_name(request):
     assert request.node.get_closest_marker("slow") is None  # not listed, so not marked
 
 
-def test_loop_marks_name_slow_and_the_shared_fixture_group():
-    slow = ["test_a.py::test_x"]
-    assert [m.name for m in loop_marks("test_a.py::test_x[2]", slow)] == ["slow"]
-    assert loop_marks("test_a.py::test_y", slow) == []
-    (group,) = loop_marks("test_dcp_gloo.py::test_dcp_equals_unsharded[2-2]", slow)
-    assert group.name == "xdist_group" and group.args == ("test_dcp_gloo.py",)
+def test_slow_rank_is_the_first_entry_holding_the_test():
+    slow = ["test_a.py::test_x", "test_b.py", "test_a.py"]
+    assert slow_rank("test_a.py::test_x[2]", slow) == 0
+    assert slow_rank("test_a.py::test_y", slow) == 2
+    assert slow_rank("test_b.py::TestK::test_z", slow) == 1
+    assert slow_rank("test_c.py::test_x", slow) == 3  # not listed: after every listed test
 
 
 @pytest.mark.parametrize("case", [1, 2])
