@@ -81,7 +81,7 @@ bench: $(STAMP)
 
 # regenerate docs/selection.md from the ladders and declarations (tests/test_selector_docs.py checks it)
 docs: $(STAMP)
-	$(BIN)/python -m selector.docs_gen
+	$(BIN)/python -m docgen.selection
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(TEST_SITE) build dist *.egg-info

@@ -12,9 +12,9 @@ Grid (defaults): batch 1, 8, 64, 128; context 1k, 4k, 16k; heads 16, 128; kv cac
 bf16 queries; DeepSeek-V3 latent (512 + 64); page size 64; one new token per request; scattered pages.
 
 Each (point, backend) is judged against ``max(bytes / peak bandwidth, FLOPs / peak tensor rate)``
-(``mla_backends.roofline``): bytes are the cache rows read plus the queries and outputs, FLOPs the absorbed
+(``mla_backends.planning.roofline``): bytes are the cache rows read plus the queries and outputs, FLOPs the absorbed
 core (``2 * H * (576 + 512)`` per row and query token). The peaks are the vendor's figures from the package's
-GPU table (``mla_backends.gpus``; the detected device's name, or ``--gpu``); ``--peak-gbps`` and
+GPU table (``mla_backends.core.gpus``; the detected device's name, or ``--gpu``); ``--peak-gbps`` and
 ``--peak-tflops`` override them. An fp8 cache is judged against the bf16 tensor peak unless the backend runs
 fp8 MMA (:data:`FP8_MMA_BACKENDS`). Each record: ``backend, gpu, batch, context, heads, kv_cache_dtype, bytes,
 flops, roofline_us, bound`` (``"memory"`` or ``"compute"``); a timed run adds ``time_us`` (the kernel time
@@ -54,7 +54,7 @@ COMPILE_S = 4.0
 
 def point_dims(heads: int) -> Any:
     """The benchmarked shapes: DeepSeek-V3's latent (512 + 64) with ``heads`` query heads."""
-    from mla_backends.dims import MLADims
+    from mla_backends.core.dims import MLADims
 
     return MLADims(num_heads=heads)
 
@@ -68,7 +68,7 @@ def _kv_bytes(kv_cache_dtype: str) -> int:
     """Bytes per cache element of a canonical kv-cache dtype name (2 for bfloat16, 1 for fp8)."""
     import torch
 
-    from mla_backends.dtypes import kv_cache_torch_dtype
+    from mla_backends.core.dtypes import kv_cache_torch_dtype
 
     return kv_cache_torch_dtype(kv_cache_dtype, torch.bfloat16).itemsize
 
@@ -94,7 +94,7 @@ def _str_list(text: str) -> tuple[str, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from mla_backends.gpus import gpu_spec
+    from mla_backends.core.gpus import gpu_spec
 
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.batch, args.context, args.heads = (1, 64), (4096,), (128,)
-    from mla_backends.dtypes import canonical_kv_cache_dtype
+    from mla_backends.core.dtypes import canonical_kv_cache_dtype
 
     try:
         args.kv_dtypes = tuple(canonical_kv_cache_dtype(k) for k in args.kv_dtypes)
@@ -147,7 +147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def simulated_device_for(spec: Any) -> Any:
     """A simulated selector device for a GPU-table row (compute capability, memory, SMs)."""
-    from mla_backends.device import DeviceInfo
+    from mla_backends.core.device import DeviceInfo
 
     return DeviceInfo(kind="cuda", name=spec.name, compute_capability=spec.compute_capability,
                       total_memory=spec.memory_bytes, sm_count=spec.sms, simulated=True)
@@ -155,7 +155,7 @@ def simulated_device_for(spec: Any) -> Any:
 
 def detect(torch: Any) -> Any:
     """The device as the selector sees it (NVML through ``selector.detect``; torch as a fallback)."""
-    from mla_backends.device import CPU_DEVICE, device_info_for
+    from mla_backends.core.device import CPU_DEVICE, device_info_for
 
     dev = None
     try:
@@ -171,7 +171,7 @@ def detect(torch: Any) -> Any:
 
 def peaks(args: argparse.Namespace, device_name: str) -> tuple[Any, float | None, float | None]:
     """(table row or None, peak bytes/s, peak bf16 FLOP/s): ``--gpu``, else the device name; flags override."""
-    from mla_backends.gpus import gpu_spec_for_device_name
+    from mla_backends.core.gpus import gpu_spec_for_device_name
 
     spec = args.gpu or gpu_spec_for_device_name(device_name)
     bw = args.peak_gbps * 1e9 if args.peak_gbps else (spec.bandwidth_bytes_per_s if spec else None)
@@ -182,7 +182,7 @@ def peaks(args: argparse.Namespace, device_name: str) -> tuple[Any, float | None
 def judge(point: dict[str, Any], backend: str, spec: Any, bw: float, flops_bf16: float,
           args: argparse.Namespace) -> dict[str, Any]:
     """The roofline fields of one record (bytes, flops, roofline_us, bound)."""
-    from mla_backends.roofline import decode_roofline
+    from mla_backends.planning.roofline import decode_roofline
 
     peak_flops = flops_bf16
     fp8_mma = point["kv_cache_dtype"].startswith("fp8") and backend in FP8_MMA_BACKENDS
@@ -196,7 +196,7 @@ def judge(point: dict[str, Any], backend: str, spec: Any, bw: float, flops_bf16:
 
 
 def candidate_backends(names: tuple[str, ...] | None) -> dict[str, type]:
-    from mla_backends.plugins import registered_backends
+    from mla_backends.plugins.loading import registered_backends
 
     found = dict(registered_backends())
     if names:
@@ -223,7 +223,7 @@ def grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 def verdicts(torch: Any, backends: dict[str, type], point: dict[str, Any], device: Any,
              page: int) -> dict[str, list[str]]:
     """Each backend's reasons against the point on ``device`` (empty: it runs)."""
-    from mla_backends.backend import AttentionSpec
+    from mla_backends.backends.contract import AttentionSpec
 
     spec = AttentionSpec(num_heads=point["heads"], dtype=torch.bfloat16, kv_cache_dtype=point["kv_cache_dtype"],
                          block_size=page, need_lse=False, device=device)
@@ -243,8 +243,8 @@ def estimate_seconds(records: list[dict[str, Any]], args: argparse.Namespace) ->
 def build_inputs(torch: Any, point: dict[str, Any], page: int, device: Any) -> tuple[Any, ...]:
     """A filled cache (scattered pages), metadata for ``point["query_len"]`` (default 1) new tokens per
     request seeing ``point["context"]`` positions in all, and random queries ``[batch * query_len, H, ...]``."""
-    from mla_backends.cache import LatentKVCache
-    from mla_backends.metadata import BatchMetadata
+    from mla_backends.step.cache import LatentKVCache
+    from mla_backends.step.metadata import BatchMetadata
 
     B, ctx, H = point["batch"], point["context"], point["heads"]
     dims = point_dims(H)

@@ -63,10 +63,11 @@ def hot_path_figures(context: int, batch: int, block_size: int, repeat: int) -> 
     """Best times of ``BatchMetadata.build`` (a decode batch over ``context`` cached tokens) and of one
     ``MLAAttention`` decode step (REF_TORCH, DeepSeek-V2-Lite attention, fp32), in seconds. Uses only public
     API that older checkouts share, so ``--compare-with`` can time them too."""
-    from mla_backends.dims import MLADims
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
-    from mla_backends.metadata import BatchMetadata
+    from mla_backends.core.dims import MLADims
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.loading.hf import random_hf_state_dict
+    from mla_backends.step.metadata import BatchMetadata
+    from mla_backends.step.plan import plan_step
 
     torch.manual_seed(0)
     dims = MLADims.deepseek_v2_lite()
@@ -84,7 +85,7 @@ def hot_path_figures(context: int, batch: int, block_size: int, repeat: int) -> 
     meta = build()
     with torch.inference_mode():
         t_build = best_time(build, repeat * 10)
-        t_step = best_time(lambda: layer(x, None, cache, meta), repeat)
+        t_step = best_time(lambda: layer(x, None, cache, plan_step(meta, [layer])), repeat)  # plan + layer
     return {"build_s": t_build, "decode_step_s": t_step}
 
 
@@ -173,11 +174,12 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(hot, fh, indent=2)
         return 0
 
-    from mla_backends import costs
-    from mla_backends.dims import MLADims
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
-    from mla_backends.metadata import BatchMetadata
+    from mla_backends.core.dims import MLADims
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.loading.hf import random_hf_state_dict
+    from mla_backends.planning import costs
+    from mla_backends.step.metadata import BatchMetadata
+    from mla_backends.step.plan import plan_step
 
     torch.manual_seed(0)
     dims = MLADims.deepseek_v2_lite()
@@ -214,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             rates = new if rates is None else best_rates(rates, new)
             t_mqa = min(t_mqa, best_time(lambda: backend.forward_mqa(q_lat, q_pe, cache, meta,
                                                                      scale=layer.scale), args.repeat))
-            t_layer = min(t_layer, best_time(lambda: layer(x, positions, cache, meta), args.repeat))
-        y_layer = layer(x, positions, cache, meta)
+            t_layer = min(t_layer, best_time(lambda: layer(x, positions, cache, plan_step(meta, [layer])),
+                                                args.repeat))
+        y_layer = layer(x, positions, cache, plan_step(meta, [layer]))
     assert rates is not None
     print(f"machine: fp32 matmul {rates['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, copy "
           f"{rates['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + write), {torch.get_num_threads()} threads")
@@ -237,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                    bytes=bytes_moved, bound=bound)
 
     # ---- shared prefill: fused CPU kernel vs the plain one -------------------------------------------------
-    from mla_backends.prefill import PrefillWorkspace, forward_mha
+    from mla_backends.layer.prefill import forward_mha
+    from mla_backends.layer.workspace import PrefillWorkspace
 
     n_new, n_ctx = args.prefill_new, args.prefill_context
     P = dims.qk_nope_head_dim

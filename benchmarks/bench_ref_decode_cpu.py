@@ -11,7 +11,7 @@ float32, page size 16 (vLLM's CPU backend forces it), a scattered block table; r
 - ``before`` (with ``--before PATH``): the REF_TORCH of another checkout (e.g. the code before a change:
   ``git worktree add /tmp/before <commit>``), loaded in this process under another package name.
 
-Each call gets preallocated outputs and metadata prepared once (``meta.prepare``), as every layer of a step
+Each call gets preallocated outputs and a step planned once (``plan_step``), as every layer of a step
 after the first. The machine may be shared: every round times each variant once, in turn, and each keeps its
 best over ``--rounds`` rounds (after a warm-up call); the load average is recorded. With ``--threads 1`` the
 timer is the CPU time of the calling thread (torch runs every op on it), which time spent preempted by other
@@ -70,15 +70,21 @@ class Inputs:
         self.cache = pkg.LatentKVCache(nb, PAGE, RANK, ROPE, model_dtype=torch.float32)
         self.cache.data.copy_(torch.randn(self.cache.data.shape, generator=g))
         self.meta = pkg.BatchMetadata.build([1] * batch, self.contexts, table, PAGE, num_blocks=nb)
+        self.pkg = pkg
         self.q_latent = torch.randn(batch, HEADS, RANK, generator=g)
         self.q_rope = torch.randn(batch, HEADS, ROPE, generator=g)
         self.out = torch.empty(batch, HEADS, RANK)
         self.lse = torch.empty(batch, HEADS)
 
     def call(self, backend: object) -> Callable[[], object]:
-        self.meta.prepare(backend)  # once per step, as an engine does before the first layer
+        planner = getattr(self.pkg, "plan_step", None)  # once per step, as an engine does before the first layer
+        if planner is None:  # a checkout from before the step plan (--before): its metadata prepares itself
+            self.meta.prepare(backend)
+            kw = {}
+        else:
+            kw = {"plan": planner(self.meta, [backend])}
         return lambda: backend.forward_mqa(self.q_latent, self.q_rope, self.cache, self.meta, scale=SCALE,
-                                           out=self.out, lse_out=self.lse)
+                                           out=self.out, lse_out=self.lse, **kw)
 
 
 def baseline(inp: Inputs) -> Callable[[], torch.Tensor]:

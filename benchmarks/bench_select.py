@@ -64,7 +64,7 @@ def main() -> int:
               f"-> {runs[0]['backend']}; triton/flashinfer imported: {heavy or 'none'}")
 
     from mla_backends import select_backend
-    from mla_backends.dims import MLADims
+    from mla_backends.core.dims import MLADims
 
     dims = MLADims.deepseek_v3().tensor_parallel(8)
     select_backend(dims, device="sm90", block_size=64)

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.warmup < 0 or args.iters < 1:
         p.error(f"--warmup/--iters: got {args.warmup}/{args.iters}; supported >= 0 / >= 1")
-    from mla_backends.gpus import gpu_spec
+    from mla_backends.core.gpus import gpu_spec
 
     try:
         gpu = gpu_spec(args.gpu) if args.gpu else None
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def roofline_fields(rec: dict[str, Any], spec: Any, bw: float, fl: float, opts: Any) -> dict[str, Any]:
     """``bench_decode_gpu.judge``'s fields for a record, plus ``compute_us`` (the FLOP term alone)."""
-    from mla_backends.roofline import decode_roofline
+    from mla_backends.planning.roofline import decode_roofline
 
     fields = bench.judge(rec, "TRITON_MLA", spec, bw, fl, opts)
     r = decode_roofline(bench.point_dims(rec["heads"]), [rec["context"]] * rec["batch"], cache_bytes=2,

@@ -1,6 +1,6 @@
 """Count the device-to-host syncs of one decode step of a 3-layer model (CPU, REF_TORCH).
 
-The count comes from :func:`mla_backends.host_sync.no_host_sync` in counting mode, loaded from this checkout
+The count comes from :func:`mla_backends.core.host_sync.no_host_sync` in counting mode, loaded from this checkout
 by file path, so the same script also counts an older checkout's code (``PYTHONPATH=/path/to/old python
 benchmarks/count_host_syncs.py``): the guard sees operations, not devices, so CPU counts are what a GPU
 would sync on. ``BatchMetadata.build`` runs outside the count (it is where host work belongs).
@@ -37,10 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=40)
     args = ap.parse_args(argv)
     guard = load_guard()
-    from mla_backends.dims import MLADims
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
-    from mla_backends.metadata import BatchMetadata
+    from mla_backends.core.dims import MLADims
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.loading.hf import random_hf_state_dict
+    from mla_backends.step.metadata import BatchMetadata
+    from mla_backends.step.plan import plan_step
 
     torch.manual_seed(0)
     dims = MLADims.deepseek_v2_lite()
@@ -56,10 +57,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(q: list[int], c: list[int], counted: bool):
         meta = BatchMetadata.build(q, c, bt, bs)
+        plan = plan_step(meta, layers)  # once per step, before the first layer (outside the guard)
         x = torch.randn(sum(q), dims.hidden_size)
         if not counted:
             for layer, cache in zip(layers, caches, strict=True):
-                x = layer(x, None, cache, meta)
+                x = layer(x, None, cache, plan)
             return None
         inside: list[str] = []
         with guard.no_host_sync(count=True) as rec:
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 layer.backend.forward_mqa = wrapped
                 try:
-                    x = layer(x, None, cache, meta)
+                    x = layer(x, None, cache, plan)
                 finally:
                     del layer.backend.forward_mqa
         return rec, inside

@@ -75,9 +75,9 @@ def _example(heads: int, q_name: str, kv_name: str, sparse: bool):
     """CPU tensors shaped like a real call (2 requests, query lengths 1 and 4, context 200)."""
     import torch
 
-    from mla_backends.cache import LatentKVCache
-    from mla_backends.dtypes import parse_model_dtype as torch_dtype
-    from mla_backends.metadata import BatchMetadata
+    from mla_backends.core.dtypes import parse_model_dtype as torch_dtype
+    from mla_backends.step.cache import LatentKVCache
+    from mla_backends.step.metadata import BatchMetadata
 
     q_dtype = torch_dtype(q_name)
     cache = LatentKVCache(16, PAGE, RANK, ROPE, kv_cache_dtype=kv_name, model_dtype=q_dtype, device="cpu")
@@ -211,7 +211,7 @@ def report(arch: str, heads_filter: tuple[int, ...] | None = None, kv_filter: st
     import torch
     import triton
 
-    from mla_backends.dtypes import parse_model_dtype as torch_dtype
+    from mla_backends.core.dtypes import parse_model_dtype as torch_dtype
     from mla_backends.triton_mla import kernels
     from mla_backends.triton_mla.configs import fitting_configs
     from mla_backends.triton_mla.launch import build_launches

@@ -6,7 +6,7 @@
 Writes docs/kv-cache-bytes.png (latent vs expanded vs GQA cache per sequence against context length),
 docs/dcp-tokens.png (tokens a DeepSeek-V3 deployment on 8 H200 holds under DCP 1/2/4/8 and DP-attention) and
 docs/crossover.png (modelled vs measured absorbed/expanded crossover). Every modelled number comes from
-mla_backends.costs; the measured ones are read from the threshold table, never re-measured here.
+mla_backends.planning.costs; the measured ones are read from the threshold table, never re-measured here.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import numpy as np  # noqa: E402
 
 from mla_backends import costs  # noqa: E402
 from mla_backends.cli.reports import deployment_report  # noqa: E402
-from mla_backends.dims import MLADims  # noqa: E402
-from mla_backends.gpus import gpu_spec  # noqa: E402
+from mla_backends.core.dims import MLADims  # noqa: E402
+from mla_backends.core.gpus import gpu_spec  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GiB = costs.GiB

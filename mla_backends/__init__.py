@@ -11,39 +11,65 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import _legacy
+
 __version__ = "0.1.0"
 
-# name -> module that defines it (imported on first attribute access)
+# name -> module that defines it (imported on first attribute access). This is the public API: what an engine
+# builder and a kernel author import. Everything else is internal and may move (docs/architecture.md, "What is
+# public"); the modules under the sub-packages are not API.
 _LAZY = {
-    "AttentionSpec": ".backend",
-    "Capabilities": ".backend",
-    "MLABackend": ".backend",
-    "QueryLenSupport": ".backend",
-    "Tolerance": ".backend",
-    "LatentKVCache": ".cache",
-    "IndexerDims": ".dims",
-    "MLADims": ".dims",
-    "RopeScaling": ".dims",
-    "BatchMetadata": ".metadata",
-    "BackendName": ".registry",
-    "get_backend": ".plugins",
-    "registered_backends": ".plugins",
+    # the shape of a layer
+    "MLADims": ".core.dims",
+    "IndexerDims": ".core.dims",
+    "RopeScaling": ".core.dims",
+    "DeviceInfo": ".core.device",
+    # one step: metadata, its plan, the cache it writes, the persistent metadata of CUDA-graph decode
+    "BatchMetadata": ".step.metadata",
+    "plan_step": ".step.plan",
+    "StepPlan": ".step.plan",
+    "StepPlanError": ".step.plan",
+    "PlanRequest": ".step.plan",
+    "Run": ".step.plan",
+    "LatentKVCache": ".step.cache",
+    "DecodeGraphMetadata": ".step.graph",
+    # the backend contract (what a kernel author implements and declares)
+    "MLABackend": ".backends.contract",
+    "BackendContractError": ".backends.contract",
+    "Capabilities": ".backends.capabilities",
+    "AttentionSpec": ".backends.capabilities",
+    "QueryLenSupport": ".backends.capabilities",
+    "Tolerance": ".backends.capabilities",
+    "Reason": ".backends.reasons",
+    "ReasonKind": ".backends.reasons",
     "RefTorchBackend": ".ref_torch",
-    "MLAAttention": ".layer",
-    "load_attention_layers": ".pretrained",
-    "Checkpoint": ".checkpoint",
-    "forward_mha": ".prefill",
+    # plugins and the registry
+    "hookimpl": ".plugins.hookspecs",
+    "register_backend": ".plugins.loading",
+    "get_backend": ".plugins.loading",
+    "registered_backends": ".plugins.loading",
+    "BackendName": ".plugins.registry",
+    # the layer, the shared prefill and its workspace
+    "MLAAttention": ".layer.attention",
+    "forward_mha": ".layer.prefill",
+    "PrefillWorkspace": ".layer.workspace",
+    "shared_workspace": ".layer.workspace",
+    "SparseKVCache": ".layer.sparse",
+    "Indexer": ".layer.sparse",
+    "IndexerKeyCache": ".layer.sparse",
+    # checkpoints
+    "Checkpoint": ".loading.checkpoint",
+    "load_attention_layers": ".layer.pretrained",
+    # selection
     "select_backend": "selector",
     "Selection": "selector",
     "NoBackendError": "selector",
     "BackendNotSupportedError": "selector",
-    "DeviceInfo": ".device",
-    "Indexer": ".sparse",
-    "IndexerKeyCache": ".sparse",
-    "SparseKVCache": ".sparse",
 }
 
 __all__ = ["__version__", *_LAZY]
+
+_legacy.install()  # the flat module paths of 0.3 keep working for one release (DeprecationWarning)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,6 +1,6 @@
 """Backend selection for MLA: device detection, per-architecture ladders (data), overrides, explanations.
 
-Attributes load lazily. ``DeviceInfo`` lives in ``mla_backends.device`` (``selector.device`` re-exports it).
+Attributes load lazily. ``DeviceInfo`` lives in ``mla_backends.core.device`` (``selector.device`` re-exports it).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "DeviceInfo": "mla_backends.device",
+    "DeviceInfo": "mla_backends.core.device",
     "select_backend": "selector.select",
     "Selection": "selector.select",
     "NoBackendError": "selector.select",

@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any
 
-from mla_backends.device import CPU_DEVICE, DeviceInfo, parse_device_spec
+from mla_backends.core.device import CPU_DEVICE, DeviceInfo, parse_device_spec
 
 __all__ = ["detect_device", "detect_devices", "resolve_device", "clear_device_cache"]
 

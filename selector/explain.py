@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from mla_backends.backend import AttentionSpec
-from mla_backends.device import DeviceInfo
-from mla_backends.dtypes import dtype_name
-from mla_backends.errors import error_dict
-from mla_backends.reasons import as_reason
-from mla_backends.registry import PluginProblem
+from mla_backends.backends.contract import AttentionSpec
+from mla_backends.backends.reasons import as_reason
+from mla_backends.core.device import DeviceInfo
+from mla_backends.core.dtypes import dtype_name
+from mla_backends.core.errors import error_dict
+from mla_backends.plugins.registry import PluginProblem
 
-if TYPE_CHECKING:
-    from .select import Selection, SelectionError, Verdict
+# this module formats what selector.select returns (Selection, SelectionError and their Verdicts) and is imported
+# lazily by it; it reads those objects by their attributes, so it names their types only in docstrings (an import
+# back would make the two modules a cycle)
+Selection = SelectionError = Verdict = Any
 
 __all__ = ["format_selection", "format_failure", "selection_dict", "failure_dict", "device_dict",
            "format_problems", "capability_summary", "capability_data"]

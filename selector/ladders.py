@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mla_backends.device import DeviceInfo
-from mla_backends.registry import BackendName, Registry
+from mla_backends.core.device import DeviceInfo
+from mla_backends.plugins.registry import BackendName, Registry
 
 __all__ = ["Ladder", "LADDERS", "ladder_for", "candidates"]
 

@@ -15,17 +15,17 @@ from typing import Any
 
 import torch
 
-from mla_backends.aliases import alias_note, name_clash_note
-from mla_backends.backend import AttentionSpec, MLABackend
-from mla_backends.capabilities import environment_snapshot
-from mla_backends.device import DeviceInfo
-from mla_backends.dims import MLADims
-from mla_backends.dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, parse_model_dtype
-from mla_backends.errors import USER_CODE_FAILURES, failure_text
-from mla_backends.plugins import get_registry
-from mla_backends.reasons import Reason, ReasonKind, all_of_kinds, as_reason
-from mla_backends.registry import BackendName, PluginProblem, Registry, UnknownBackendError
-from mla_backends.validation import require_int
+from mla_backends.backends.capabilities import environment_snapshot
+from mla_backends.backends.contract import AttentionSpec, MLABackend
+from mla_backends.backends.reasons import Reason, ReasonKind, all_of_kinds, as_reason
+from mla_backends.core.device import DeviceInfo
+from mla_backends.core.dims import MLADims
+from mla_backends.core.dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, parse_model_dtype
+from mla_backends.core.errors import USER_CODE_FAILURES, failure_text
+from mla_backends.core.validation import require_int
+from mla_backends.plugins.aliases import alias_note, name_clash_note
+from mla_backends.plugins.loading import get_registry
+from mla_backends.plugins.registry import BackendName, PluginProblem, Registry, UnknownBackendError
 
 from .detect import clear_device_cache, resolve_device
 from .ladders import candidates, ladder_for
@@ -66,7 +66,7 @@ class Verdict:
 
     Attributes:
         name / source: the backend and the plugin that registered it (``builtin`` for ours).
-        reasons: every :class:`~mla_backends.reasons.Reason` it does not fit (empty when it fits); each
+        reasons: every :class:`~mla_backends.backends.reasons.Reason` it does not fit (empty when it fits); each
             reads "<what>: got X; supported Y" and compares equal to that text.
         selected: True for the chosen backend.
         block_size: the page size it would run with (the request's, or its preferred one).

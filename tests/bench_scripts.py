@@ -28,7 +28,7 @@ def fake_h200(monkeypatch, bench: ModuleType) -> None:
     length. The caller replaces ``bench.time_backend`` with its fake timer."""
     import torch
 
-    from mla_backends.device import DeviceInfo
+    from mla_backends.core.device import DeviceInfo
 
     real_build = bench.build_inputs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

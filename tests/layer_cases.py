@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from mla_backends.metadata import BatchMetadata
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 
 HIDDEN = 32
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -90,7 +91,7 @@ def run_schedule(layer, cache, block_table: torch.Tensor, xs: list[torch.Tensor]
                                    decode_threshold=decode_threshold, num_blocks=cache.num_blocks)
         hidden = torch.cat([xs[b][done[b]: done[b] + q] for b, q in enumerate(qlens)])
         positions = torch.cat([torch.arange(done[b], done[b] + q) for b, q in enumerate(qlens)])
-        y = layer(hidden, positions, cache, meta)
+        y = layer(hidden, positions, cache, plan_step(meta, [layer]))
         off = 0
         for b, q in enumerate(qlens):
             outs[b].append(y[off: off + q])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mla_backends.backend import MLABackend
+from mla_backends.backends.contract import MLABackend
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
     FlashInferMLABackend,
@@ -18,8 +18,8 @@ from mla_backends.flashinfer_mla import (
     FlashInferXqaMLABackend,
 )
 from mla_backends.flashinfer_mla._common import FlashInferBackendBase
+from mla_backends.plugins.registry import Registry
 from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.registry import Registry
 from mla_backends.triton_mla import TritonMLABackend
 
 
@@ -28,11 +28,11 @@ def _fake_of(real: type[MLABackend]) -> type[MLABackend]:
     but requiring no package: ``requires``/``extra`` are dropped and FlashInfer's installed-version check
     answers "fine", so no test depends on what this machine has installed. It never runs a kernel."""
 
-    def _forward_mqa_impl(self, *args, **kwargs):  # never run: the selector only reads declarations
+    def forward_mqa_kernel(self, *args, **kwargs):  # never run: the selector only reads declarations
         raise AssertionError("fake backends are for selection tests only")
 
     body = {"capabilities": dataclasses.replace(real.capabilities, requires=(), extra=None),
-            "_forward_mqa_impl": _forward_mqa_impl, "__module__": __name__}
+            "forward_mqa_kernel": forward_mqa_kernel, "__module__": __name__}
     if issubclass(real, FlashInferBackendBase):
         body["installed_reasons"] = classmethod(lambda cls: [])
     return type("Fake" + real.__name__.removesuffix("Backend"), (real,), body)
@@ -61,7 +61,7 @@ def fake_registry(*classes: type[MLABackend]) -> Registry:
 def install(monkeypatch, registry: Registry) -> Registry:
     """Make ``registry`` the process-wide one for a test (restored by monkeypatch), with a clean selector
     state: no ``TRITON_INTERPRET`` (the conftest sets it on CPU machines), no ``MLA_BACKEND``, empty cache."""
-    import mla_backends.plugins as reg_mod
+    import mla_backends.plugins.loading as reg_mod
     from selector.select import clear_cache
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

@@ -1,6 +1,7 @@
-"""The backend contract, written once in ``MLABackend.forward_mqa``, and reasons as data (:mod:`mla_backends.reasons`).
+"""The backend contract, written once in ``MLABackend.forward_mqa``, and reasons as data
+(:mod:`mla_backends.backends.reasons`).
 
-* No built-in backend class defines ``forward_mqa``: each implements ``_forward_mqa_impl``.
+* No built-in backend class defines ``forward_mqa``: each implements ``forward_mqa_kernel``.
 * The base class refuses a kernel method that reshapes its output or returns a value, naming the backend.
 * A third-party class that still overrides ``forward_mqa`` is registered, keeps working, and leaves a plugin
   problem (stage ``contract``) that ``mla-backends list`` shows.
@@ -15,7 +16,7 @@ import pytest
 import torch
 from selector_fakes import install
 
-from mla_backends.backend import (
+from mla_backends.backends.contract import (
     AttentionSpec,
     BackendContractError,
     Capabilities,
@@ -23,16 +24,16 @@ from mla_backends.backend import (
     QueryLenSupport,
     contract_problems,
 )
-from mla_backends.cache import LatentKVCache
+from mla_backends.backends.inputs import check_declared_support
+from mla_backends.backends.reasons import Reason, ReasonKind, all_of_kinds, as_reason, reason_texts, without_kinds
 from mla_backends.cli import main
-from mla_backends.device import CPU_DEVICE
+from mla_backends.core.device import CPU_DEVICE
 from mla_backends.flashinfer_mla._common import FlashInferBackendBase
-from mla_backends.hookspecs import hookimpl
-from mla_backends.metadata import BatchMetadata
-from mla_backends.mqa_inputs import check_declared_support
-from mla_backends.plugins import get_registry, load_registry, registered_backends, run_plugin
-from mla_backends.reasons import Reason, ReasonKind, all_of_kinds, as_reason, reason_texts, without_kinds
+from mla_backends.plugins.hookspecs import hookimpl
+from mla_backends.plugins.loading import get_registry, load_registry, registered_backends, run_plugin
 from mla_backends.ref_torch import RefTorchBackend
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 from mla_backends.testing.broken import PaddedHeadsBackend
 from selector.select import select_backend
 
@@ -68,7 +69,7 @@ def test_no_builtin_backend_class_defines_forward_mqa():
     offenders = [c.__qualname__ for c in classes if "forward_mqa" in vars(c)]
     assert offenders == [], f"these backend classes define forward_mqa themselves: {offenders}"
     builtins = [e.cls for e in get_registry().entries() if e.source == "builtin"]
-    assert len(builtins) == 6 and all("_forward_mqa_impl" in vars(c) for c in builtins)
+    assert len(builtins) == 6 and all("forward_mqa_kernel" in vars(c) for c in builtins)
     assert all(contract_problems(c) == [] for c in classes)
     assert "forward_mqa" in vars(MLABackend)
 
@@ -90,8 +91,8 @@ def test_a_kernel_method_returning_a_value_is_refused(setup):
     class Returns(RefTorchBackend):
         name = "RETURNS_MLA"
 
-        def _forward_mqa_impl(self, *args, **kw):
-            super()._forward_mqa_impl(*args, **kw)
+        def forward_mqa_kernel(self, *args, **kw):
+            super().forward_mqa_kernel(*args, **kw)
             return kw["out"], kw["lse_out"]
 
     cache, meta, q_latent, q_rope = setup
@@ -106,9 +107,9 @@ def test_base_allocates_checks_and_skips_zero_tokens(setup):
     class Spy(RefTorchBackend):
         name = "SPY_MLA"
 
-        def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, **kw):
+        def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, **kw):
             calls.append(kw)
-            super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
+            super().forward_mqa_kernel(q_latent, q_rope, cache, meta, **kw)
 
     out, lse = Spy().forward_mqa(q_latent, q_rope, cache, meta, scale=0.1)
     assert calls[0]["out"] is out and calls[0]["lse_out"] is lse and out.shape == (2, H, R)
@@ -139,7 +140,7 @@ def test_no_lse_backends_get_none_back(setup):
         capabilities = Capabilities(dtypes=frozenset({torch.float32}), kv_cache_dtypes=frozenset({"float32"}),
                                     cpu=True, returns_lse=False)
 
-        def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, *, lse_out, **kw):
+        def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, *, lse_out, **kw):
             assert lse_out is None
             kw["out"].zero_()
 
@@ -178,7 +179,7 @@ def test_forward_mqa_override_is_a_recorded_problem_and_still_runs(monkeypatch, 
 
 
 def _dims():
-    from mla_backends.dims import MLADims
+    from mla_backends.core.dims import MLADims
 
     return MLADims.deepseek_v3().tensor_parallel(8)
 
@@ -277,3 +278,32 @@ def test_select_json_gives_each_reason_as_text_and_fields(monkeypatch, capsys):
     cand = doc["candidates"][0]
     assert cand["reasons"] == [d["text"] for d in cand["reason_details"]]
     assert cand["reason_details"][0]["kind"] == "device" and cand["reason_details"][0]["got"] == "SM61"
+
+
+def test_a_kernel_method_under_its_0_3_name_still_runs_with_a_deprecation_warning():
+    """A plugin written against 0.3 (``_forward_mqa_impl``, no ``state``, calling the built-in's method) keeps
+    working for one release: same output as the built-in, and a DeprecationWarning naming the new hook."""
+    import warnings
+
+    from mla_backends.ref_torch import RefTorchBackend
+    from mla_backends.step.cache import LatentKVCache
+    from mla_backends.step.metadata import BatchMetadata
+
+    class OldStyle(RefTorchBackend):
+        name = "OLD_STYLE"
+
+        def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, **kw):
+            super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
+
+    g = torch.Generator().manual_seed(3)
+    cache = LatentKVCache(4, 4, 16, 8, kv_cache_dtype="float32", model_dtype=torch.float32)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=g))
+    meta = BatchMetadata.build([1, 1], [5, 2], [[0, 1], [2, -1]], 4, num_blocks=4)
+    ql, qr = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 8, generator=g)
+    want, want_lse = RefTorchBackend().forward_mqa(ql, qr, cache, meta, scale=0.3)
+    with pytest.warns(DeprecationWarning, match="implement forward_mqa_kernel"):
+        got, lse = OldStyle().forward_mqa(ql, qr, cache, meta, scale=0.3)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per class
+        OldStyle().forward_mqa(ql, qr, cache, meta, scale=0.3)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.metadata import BatchMetadata
 from mla_backends.ref_torch import RefTorchBackend
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 
 R, ROPE, H, BS = 512, 64, 4, 16
 
@@ -88,21 +88,29 @@ def test_forward_mqa_block_ids_outside_the_cache(setup):
     _raises(ValueError, "num_blocks", fwd, q_latent, q_rope, small, meta8, scale=0.1)
 
 
-def test_block_ids_are_checked_once_per_step(setup):
-    """Every layer of a step shares one BatchMetadata: the synchronising block-id check runs on the first call
-    only, and its verdict is remembered per cache size (a smaller cache is still checked)."""
+def test_block_ids_are_checked_on_the_host_against_every_cache(setup):
+    """The step's largest live block id is worked out once, when the step is planned (from build's host maxima;
+    hand-made metadata has its table read there, once); every cache is then checked against it on the host,
+    a smaller cache included, and the call reads nothing from the device."""
+    from dataclasses import replace
+
+    from mla_backends.core.host_sync import no_host_sync
+    from mla_backends.step.plan import plan_step
+
     cache, _, q_latent, q_rope = setup
-    fwd = RefTorchBackend().forward_mqa
+    backend = RefTorchBackend()
     meta = BatchMetadata.build([1, 1], [20, 5], _table(), BS)  # no num_blocks: build() could not check ids
-    fwd(q_latent, q_rope, cache, meta, scale=0.1)
-    assert meta.step_plan.block_ids_checked == {cache.num_blocks}
+    plan = plan_step(meta, [backend])
+    assert plan.max_block_id == 6
     small = LatentKVCache(4, BS, R, ROPE, model_dtype=torch.float32)
-    _raises(ValueError, "block_table", fwd, q_latent, q_rope, small, meta, scale=0.1)  # block 6 of 4
-    assert small.num_blocks not in meta.step_plan.block_ids_checked
-    # a layer running a sub-batch asks for it on every layer: it is the same object, checked once
-    sub = meta.select_requests(1, 2)
-    fwd(q_latent[1:], q_rope[1:], cache, sub, scale=0.1)
-    assert meta.select_requests(1, 2).step_plan.block_ids_checked == {cache.num_blocks}
+    _raises(ValueError, "block_table", backend.forward_mqa, q_latent, q_rope, small, meta, scale=0.1, plan=plan)
+    hand_made = replace(meta, verified_block_table=None, max_block_ids=None)  # no host maxima to trust
+    hand_plan = plan_step(hand_made, [backend])  # reads the table once, here
+    assert hand_plan.max_block_id == 6
+    with no_host_sync():
+        backend.forward_mqa(q_latent, q_rope, cache, hand_made, scale=0.1, plan=hand_plan)
+    _raises(ValueError, "block_table", backend.forward_mqa, q_latent, q_rope, small, hand_made, scale=0.1,
+            plan=hand_plan)
 
 
 def test_forward_mqa_page_size_mismatch(setup):

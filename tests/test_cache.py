@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.dims import MLADims
+from mla_backends.core.dims import MLADims
+from mla_backends.step.cache import LatentKVCache
 
 STORAGE = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from mla_backends import costs
 from mla_backends.cli import main, reports
-from mla_backends.dims import MLADims
+from mla_backends.core.dims import MLADims
+from mla_backends.planning import costs
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -147,7 +147,7 @@ def test_cost_model_doc_examples_match_the_commands(capsys):
         (["kv-cache", "--model", "missing/config.json"], "does not exist"),
         (["kv-cache", "--tp", "3"], "--tp: got 3"),
         (["kv-cache", "--kv-cache-dtype", "int4"], "--kv-cache-dtype: got 'int4'"),
-        (["kv-cache", "--cache-memory", "0"], "--cache-memory: got 0"),
+        (["kv-cache", "--cache-memory", "0"], "--cache-memory: got '0'"),
         (["kv-cache", "--gpu-memory", "0"], "--gpu-memory: got '0'"),
         (["kv-cache", "--gpu", "h200"], "--tp: got 1; deepseek-v3's weights"),
         (["kv-cache", "--gpu", "h200", "--tp", "8", "--dcp", "3"], "--dcp: got 3"),

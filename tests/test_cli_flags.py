@@ -93,7 +93,7 @@ def test_json_error_argument_is_the_flag(capsys, argv, flag):
 
 def test_message_leads_with_the_flag_not_the_library_name(capsys):
     e = _json_error(capsys, "kv-cache", "--cache-memory", "nan", "--json")
-    assert e["message"].startswith("--cache-memory: got nan") and "gpu_memory_gib" not in e["message"]
+    assert e["message"].startswith("--cache-memory: got 'nan'") and "gpu_memory_gib" not in e["message"]
     e = _json_error(capsys, "select", "--block-size", "0", "--json")
     assert e["message"].startswith("--block-size: got 0")
     e = _json_error(capsys, "kv-cache", "--gpu", "h999", "--json")

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from selector_fakes import FakeCutlass, run_cli
 
-from mla_backends.aliases import BACKEND_ALIASES, NOT_PROVIDED, alias_target
+from docgen.selection import render_selection_doc
 from mla_backends.cli import build_parser, main
-from mla_backends.device import parse_device_spec, simulated_gpu
-from mla_backends.dims import MLADims
-from mla_backends.gpus import GPU_TABLE
-from mla_backends.registry import BackendName, Registry, UnknownBackendError
-from selector.docs_gen import render_selection_doc
+from mla_backends.core.device import parse_device_spec, simulated_gpu
+from mla_backends.core.dims import MLADims
+from mla_backends.core.gpus import GPU_TABLE
+from mla_backends.plugins.aliases import BACKEND_ALIASES, NOT_PROVIDED, alias_target
+from mla_backends.plugins.registry import BackendName, Registry, UnknownBackendError
 from selector.select import BackendNotSupportedError, select_backend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ BROKEN = "mla_backends.testing.broken:LatentScaleBackend"
     ("torch_native", "REF_TORCH"), ("Cutlass-MLA", "FLASHINFER_MLA_CUTLASS"),
 ])
 def test_aliases_resolve_everywhere_a_name_is_taken(fakes, monkeypatch, alias, ours):
-    from mla_backends.plugins import get_backend
+    from mla_backends.plugins.loading import get_backend
     from mla_backends.testing.suite import resolve_backend
 
     assert get_backend(alias).name == ours and resolve_backend(alias).name == ours

@@ -123,7 +123,7 @@ def test_list_and_select_with_the_real_entry_points(capsys, monkeypatch):
     """Real entry points: the example plugin is listed and selectable, the broken one reported."""
     from importlib.metadata import entry_points
 
-    from mla_backends.plugins import load_registry
+    from mla_backends.plugins.loading import load_registry
 
     monkeypatch.delenv("MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD", raising=False)
     install(monkeypatch, load_registry())

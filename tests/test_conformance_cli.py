@@ -14,7 +14,7 @@ import pytest
 
 from mla_backends.cli import main
 from mla_backends.cli.conformance_cmd import pytest_args
-from mla_backends.plugins import get_registry
+from mla_backends.plugins.loading import get_registry
 
 REPO = Path(__file__).resolve().parent.parent
 CLI = [sys.executable, "-m", "mla_backends"]

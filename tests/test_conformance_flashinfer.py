@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_backends.plugins import registered_backends
-from mla_backends.reasons import ReasonKind
+from mla_backends.backends.reasons import ReasonKind
+from mla_backends.plugins.loading import registered_backends
 from mla_backends.testing import BackendConformance, build_matrix
 from mla_backends.testing.checks import pick_device, run_reasons
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import torch
 
-from mla_backends.dtypes import lse_dtype
+from mla_backends.core.dtypes import lse_dtype
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.testing import BackendConformance, build_matrix
 from mla_backends.testing.checks import check_out_rows_untouched, check_output

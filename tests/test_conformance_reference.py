@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mla_backends.backend import Capabilities, MLABackend, QueryLenSupport
+from mla_backends.backends.contract import Capabilities, MLABackend, QueryLenSupport
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.testing import build_matrix
 from mla_backends.testing.cases import declared_reasons
@@ -134,7 +134,7 @@ def test_build_plan_is_a_deprecated_alias_of_build_matrix() -> None:
 
 
 def test_tolerance_lookup_order() -> None:
-    from mla_backends.backend import Tolerance
+    from mla_backends.backends.contract import Tolerance
 
     tols = {
         "bfloat16": Tolerance(1e-2, 1e-2),

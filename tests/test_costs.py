@@ -11,9 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from mla_backends import costs
 from mla_backends.cli import reports
-from mla_backends.dims import IndexerDims, MLADims
+from mla_backends.core.dims import IndexerDims, MLADims
+from mla_backends.core.gpus import gpu_spec
+from mla_backends.planning import costs
+from mla_backends.planning.roofline import model_decode_roofline
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +98,7 @@ def test_decode_arithmetic_intensity(v3):
     assert i8 == 34_816 / 1_152 and round(i8) == 30
     assert i1 / i8 == pytest.approx(8)  # decays as 1/TP
     assert costs.gqa_decode_arithmetic_intensity(costs.LLAMA3_70B, 2) == 8
-    ridge = costs.H100_SXM.ridge
+    ridge = gpu_spec("h100").ridge_flop_per_byte()
     assert round(ridge) == 295
     assert round(100 * round(i1) / round(ridge)) == 82  # "82 % of the H100's ridge"
 
@@ -112,13 +114,16 @@ def test_flops_per_token(v3):
 
 
 def test_decode_roofline_at_4096(v3):
-    r1 = costs.decode_roofline(v3, 4096)
+    r1 = model_decode_roofline(v3, 4096)  # the one roofline model, peaks from the GPU table (H100 SXM)
     assert round(r1.flops / 1e9, 1) == 69.6
     assert round(r1.bytes / 1e6, 1) == 287.8
-    assert round(r1.compute_s * 1e6) == 70 and round(r1.memory_s * 1e6) == 86
-    assert r1.bound == "memory"
-    r8 = costs.decode_roofline(v3, 4096, tp=8)
-    assert round(r8.compute_s * 1e6, 1) == 8.8 and r8.bytes == r1.bytes
+    assert round(r1.compute_us) == 70 and round(r1.memory_us) == 86
+    assert r1.bound == "memory" and r1.roofline_us == r1.memory_us
+    r8 = model_decode_roofline(v3, 4096, tp=8)
+    assert round(r8.compute_us, 1) == 8.8 and r8.bytes == r1.bytes
+    assert model_decode_roofline(v3, 4096, gpu="h200").memory_us < r1.memory_us  # 4.8 TB/s against 3.35
+    with pytest.raises(ValueError, match="context_len: got 0"):
+        model_decode_roofline(v3, 0)
     # "33.55 MFLOP together, under 3 % of the 1.14 GFLOP attention core" (one layer, S=4096)
     core = 4096 * costs.absorbed_core_flops_per_context_token(v3)
     assert round(core / 1e9, 2) == 1.14 and costs.fold_flops_per_query_token(v3) / core < 0.03
@@ -182,7 +187,7 @@ def test_workspace(v3):
     assert costs.workspace_rows(2048, 256, 16) == 16_384  # 8 full-length requests
     assert costs.workspace_rows(1024, 1024, 16) == 65_536  # 4 pages per seq = 65,536
     assert costs.workspace_rows(1024, 512, 16) == 32_768
-    from mla_backends.prefill import MAX_WORKSPACE_ROWS
+    from mla_backends.layer.workspace import MAX_WORKSPACE_ROWS
 
     assert costs.WORKSPACE_MAX_ROWS == MAX_WORKSPACE_ROWS == 65_536
     assert costs.workspace_latent_bytes(v3, 65_536) == 75_497_472 == 72 * costs.MiB

@@ -17,9 +17,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from layer_cases import hf_attention, scattered_block_tables, tiny_config
 
-from mla_backends.dcp import LSE_REASON, dcp_group_for
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata, dcp_local_len
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.dcp import LSE_REASON, dcp_group_for
+from mla_backends.step.metadata import BatchMetadata, dcp_local_len
+from mla_backends.step.plan import plan_step
 from mla_backends.testing import no_host_sync
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built into this torch")
@@ -56,7 +57,7 @@ def _run(config: dict, state_dict: dict, tp_rank: int, tp_size: int, dcp_size: i
         hidden = torch.cat([xs[b][done[b]: done[b] + q] for b, q in enumerate(qlens)])
         positions = torch.cat([torch.arange(done[b], done[b] + q) for b, q in enumerate(qlens)])
         with no_host_sync(count=True) as seen:
-            outs.append(layer(hidden, positions, cache, meta))
+            outs.append(layer(hidden, positions, cache, plan_step(meta, [layer])))
         syncs.append(seen.ops)
         done = [d + q for d, q in zip(done, qlens, strict=True)]
     written = int((cache.data.view(-1, cache.row_width) != 0).any(dim=1).sum())
@@ -86,7 +87,7 @@ def _errors(config: dict, state_dict: dict, rank: int, world: int, group: object
     cache = layer.allocate_cache(4, BLOCK)
     meta = BatchMetadata.build([2], [0], [[0]], BLOCK, dcp_rank=(rank + 1) % 2, dcp_size=2)
     x = torch.zeros(2, config["hidden_size"], dtype=torch.float64)
-    catch("meta_rank", lambda: layer(x, None, cache, meta))
+    catch("meta_rank", lambda: layer(x, None, cache, plan_step(meta, [layer])))
     return msgs
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_backends.decode_graph import DecodeGraphMetadata
-from mla_backends.dims import MLADims
-from mla_backends.hf_loading import random_hf_state_dict
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.loading.hf import random_hf_state_dict
+from mla_backends.step.graph import DecodeGraphMetadata
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 from mla_backends.testing import no_host_sync
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -43,12 +44,12 @@ def prefill(layers, caches, bt, lens, device):
     meta = BatchMetadata.build(lens, [0] * len(lens), bt, BS, device=device)
     x = torch.randn(sum(lens), DIMS.hidden_size, generator=torch.Generator().manual_seed(1)).to(device)
     for layer, cache in zip(layers, caches, strict=True):
-        x = layer(x, None, cache, meta)
+        x = layer(x, None, cache, plan_step(meta, [layer]))
 
 
 def step(layers, caches, x, meta):
     for layer, cache in zip(layers, caches, strict=True):
-        x = layer(x, None, cache, meta)
+        x = layer(x, None, cache, plan_step(meta, [layer]))
     return x
 
 

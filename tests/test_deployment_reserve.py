@@ -9,9 +9,9 @@ from fractions import Fraction
 
 import pytest
 
-from mla_backends import deployment, reserve
 from mla_backends.cli import main, reports
-from mla_backends.dims import MLADims
+from mla_backends.core.dims import MLADims
+from mla_backends.planning import deployment, reserve
 
 V3 = MLADims.deepseek_v3()
 
@@ -167,7 +167,7 @@ def test_max_num_batched_tokens_scales_the_activation_terms():
     (["--gpu", "h200", "--reserve", "lots"], "--reserve: got 'lots'"),
     (["--max-num-batched-tokens", "4096"], "--max-num-batched-tokens: got 4096 without --gpu"),
     (["--reserve", "1GB"], "--reserve: got 1GB without --gpu"),
-    (["--gpu", "h200", "--tp", "8", "--reserve", "60GB"], "the reserve (60.00 GB) do not fit"),
+    (["--gpu", "h200", "--tp", "8", "--reserve", "60GB"], "--reserve: got 60.00 GB (60,000,000,000 B) per rank"),
 ])
 def test_new_flags_are_validated(capsys, argv, message):
     assert main(["kv-cache", *argv]) == 2

@@ -6,10 +6,11 @@ import json
 
 import pytest
 
-from mla_backends import costs, deployment, reserve
 from mla_backends.cli import main, reports
-from mla_backends.dims import MLADims
-from mla_backends.gpus import gpu_spec
+from mla_backends.core.dims import MLADims
+from mla_backends.core.gpus import gpu_spec
+from mla_backends.planning import costs, deployment, reserve
+from mla_backends.step.plan import plan_step
 
 V3 = MLADims.deepseek_v3()
 
@@ -95,10 +96,10 @@ def test_deployment_workspace_is_what_forward_mha_allocates():
     H (N + V) per row); the deployment report once counted 192-wide keys and 128-wide values instead."""
     import torch
 
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
-    from mla_backends.metadata import BatchMetadata
-    from mla_backends.prefill import PrefillWorkspace
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.layer.workspace import PrefillWorkspace
+    from mla_backends.loading.hf import random_hf_state_dict
+    from mla_backends.step.metadata import BatchMetadata
 
     own = PrefillWorkspace(16)
     layer = MLAAttention(SMALL, backend="REF_TORCH", dtype=torch.float32, workspace=own)
@@ -108,7 +109,7 @@ def test_deployment_workspace_is_what_forward_mha_allocates():
     with torch.inference_mode():
         for q, c in ((24, 0), (4, 24)):  # fill the cache, then prefill over 24 cached rows (chunks of 16)
             meta = BatchMetadata.build([q], [c], bt, 8, decode_threshold=layer.decode_threshold)
-            layer(torch.randn(q, SMALL.hidden_size), None, cache, meta)
+            layer(torch.randn(q, SMALL.hidden_size), None, cache, plan_step(meta, [layer]))
     assert own.kv is not None and own.kv.shape[0] == 16
     allocated = own.nbytes
     assert reports.prefill_workspace_figures(SMALL, "float32", rows=16)["prefill_workspace_bytes"] == allocated

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.dims import MLADims, RopeScaling
+from mla_backends.core.dims import MLADims, RopeScaling
+from mla_backends.step.cache import LatentKVCache
 
 PRESETS = ["deepseek_v2", "deepseek_v2_lite", "deepseek_v3", "kimi_k2", "deepseek_v32"]
 

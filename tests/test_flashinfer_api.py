@@ -25,10 +25,9 @@ import pytest
 import torch
 from flashinfer_fakes import use_wrapper
 
-from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
-from mla_backends.backend import AttentionSpec
-from mla_backends.cache import LatentKVCache
-from mla_backends.device import device_info_for, simulated_device
+from mla_backends.backends import inputs as device_module  # where check_declared_support looks devices up
+from mla_backends.backends.contract import AttentionSpec
+from mla_backends.core.device import device_info_for, simulated_device
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
     FlashInferMLABackend,
@@ -38,9 +37,11 @@ from mla_backends.flashinfer_mla import (
     api,
     paged,
 )
-from mla_backends.metadata import BatchMetadata
-from mla_backends.plugins import get_backend
-from mla_backends.registry import BackendName
+from mla_backends.plugins.loading import get_backend
+from mla_backends.plugins.registry import BackendName
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import StepPlanError, plan_step
 
 pytest.importorskip("flashinfer",
                     reason="flashinfer-python is not installed (pip install 'mla-backends[flashinfer]')")
@@ -81,8 +82,8 @@ def test_package_import_and_selection_do_not_import_flashinfer():
     code = (
         "import sys\n"
         "import mla_backends.flashinfer_mla as m\n"
-        "from mla_backends.backend import AttentionSpec\n"
-        "from mla_backends.device import DeviceInfo\n"
+        "from mla_backends.backends.contract import AttentionSpec\n"
+        "from mla_backends.core.device import DeviceInfo\n"
         "for cls in (m.FlashInferMLABackend, m.FlashInferCutlassMLABackend, m.FlashInferTrtllmMLABackend,\n"
         "            m.FlashInferXqaMLABackend):\n"
         "    for cc in [(8, 0), (9, 0), (10, 0), (12, 0)]:\n"
@@ -247,33 +248,36 @@ def recording(monkeypatch):
 def test_fa_plans_once_per_batch_and_replans_when_another_batch_intervenes(recording):
     cache, meta, q, qr = make_batch(q_lens=(1, 4, 2), ctx=(20, 3, 40), heads=8)
     backend = FlashInferMLABackend()
-    for _ in range(3):  # three layers of one step
-        out, lse = backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa2")
+    state = backend.prepare(meta)  # the step's state, as plan_step makes it (unconfigured: nothing planned yet)
+    for _ in range(3):  # three layers of one step share it
+        out, lse = backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa2",
+                                   state=state)
     (wrapper,) = recording.instances
     assert wrapper.backend == "fa2" and len(wrapper.plans) == 1 and len(wrapper.runs) == 3
     assert wrapper.workspace is _common.workspace_for(cache.device, "fa")
     cache2, meta2, q2, qr2 = make_batch(q_lens=(1, 1, 1), heads=8)
     backend._launch(q2, qr2, cache2, meta2, scale=0.1, out=None, lse_out=None, fi_backend="fa2")
-    backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa2")
+    backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa2", state=state)
     assert len(wrapper.plans) == 3  # meta -> meta2 -> meta again: the wrapper holds one plan at a time
     assert torch.equal(lse, torch.full_like(lse, 1.5)) and out.dtype == q.dtype
 
 
 def test_configured_fa_backend_plans_in_prepare_and_forward_only_runs(recording):
     # the layer configures its backend (heads, dtypes, page size, scale), so the engine's one per-step call
-    # meta.prepare(backend) runs plan() outside any capture, and forward_mqa only runs the wrapper
+    # plan_step(meta, [backend]) runs plan() outside any capture, and forward_mqa only runs the wrapper
     cache, meta, q, qr = make_batch(q_lens=(1, 4, 2), ctx=(20, 3, 40), heads=8)
     backend = FlashInferMLABackend()
     spec = AttentionSpec(num_heads=8, dtype=q.dtype, kv_cache_dtype=cache.kv_cache_dtype,
                          block_size=cache.block_size, device=device_info_for(cache.device))
     backend.configure(spec, 0.1)
-    meta.prepare(backend)
+    plan = plan_step(meta, [backend])
     (wrapper,) = recording.instances
     assert len(wrapper.plans) == 1 and not wrapper.runs
     for _ in range(3):  # three layers
-        backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend=wrapper.backend)
+        backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend=wrapper.backend,
+                        state=plan.state(backend, meta))
     assert len(wrapper.plans) == 1 and len(wrapper.runs) == 3
-    assert meta.step_plan.is_prepared(backend) and backend.prepare_key() != FlashInferMLABackend
+    assert backend.prepare_key() != FlashInferMLABackend
 
 
 def test_fa_passes_zero_copy_cache_views_and_csr_metadata(recording):
@@ -342,16 +346,19 @@ def test_pack_query_and_block_table_helpers():
 
 def test_flashinfer_step_state_is_prepared_once_per_step_and_shared_by_instances():
     """The prepare hook: every layer's backend instance of a class gets the step's one FlashInferStep; a new
-    step (or a dataclasses.replace copy) gets a fresh one; sub-batches have their own."""
+    step (or a dataclasses.replace copy) gets a fresh one; another class prepares its own."""
     cache, meta, q, qr = make_batch(q_lens=(1, 4, 2), ctx=(20, 3, 40), heads=8)
     layers = [FlashInferMLABackend() for _ in range(4)]
-    state = meta.prepare(layers[0])  # what an engine calls before the first layer
+    xqa = FlashInferXqaMLABackend()
+    plan = plan_step(meta, [*layers, xqa])  # what an engine calls before the first layer
+    state = plan.state(layers[0], meta)
     assert isinstance(state, _common.FlashInferStep)
-    assert all(b.step_state(meta) is state for b in layers) and meta.prepare(layers[1]) is state
-    assert meta.step_plan.prepared == {FlashInferMLABackend: state}
-    assert meta.prepare(FlashInferXqaMLABackend()) is not state  # another class prepares its own
-    assert dataclasses.replace(meta).prepare(layers[0]) is not state
-    assert meta.select_requests(1, 3).prepare(layers[0]) is not state
+    assert all(plan.state(b, meta) is state for b in layers) and len(plan.states) == 2
+    assert plan.state(xqa, meta) is not state  # another class prepares its own
+    copy = dataclasses.replace(meta)
+    assert plan_step(copy, layers[:1]).state(layers[0], copy) is not state
+    with pytest.raises(StepPlanError, match="made for other metadata"):
+        plan.state(layers[0], copy)
 
 
 def test_one_zeroed_workspace_per_device_and_path(monkeypatch):

@@ -19,13 +19,13 @@ import pytest
 import torch
 from flashinfer_fakes import RecordingWrapper, use_wrapper
 
-from mla_backends.backend import AttentionSpec
-from mla_backends.cache import LatentKVCache
-from mla_backends.device import DeviceInfo
-from mla_backends.dims import MLADims
+from mla_backends.backends.contract import AttentionSpec
+from mla_backends.backends.reasons import ReasonKind
+from mla_backends.core.device import DeviceInfo
+from mla_backends.core.dims import MLADims
 from mla_backends.flashinfer_mla import FlashInferMLABackend, fa_limits
-from mla_backends.metadata import BatchMetadata
-from mla_backends.reasons import ReasonKind
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 from selector import select_backend
 
 H200 = DeviceInfo(kind="cuda", name="NVIDIA H200", compute_capability=(9, 0), sm_count=132, simulated=True)
@@ -176,8 +176,10 @@ def test_an_over_capacity_batch_is_planned_and_run_per_request_group(monkeypatch
     q = torch.randn(T, 16, 512).to(torch.bfloat16)
     qr = torch.randn(T, 16, 64).to(torch.bfloat16)
     backend = FlashInferMLABackend()
+    state = backend.prepare(meta)  # the step's state, as plan_step makes it
     for _ in range(2):  # two layers of one step: each group planned once
-        out, lse = backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa3")
+        out, lse = backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa3",
+                                   state=state)
     assert len(Recorder.instances) == 3  # three groups, one wrapper each
     assert all(len(w.plans) == 1 and len(w.runs) == 2 for w in Recorder.instances)
     assert torch.equal(out, q)  # every group wrote its own rows, in place
@@ -208,7 +210,7 @@ def test_the_applied_fp8_scale_is_the_bf16_rounding_and_its_bias_is_bounded():
 def test_the_declared_fp8_tolerance_covers_the_scale_rounding_on_the_conformance_cases():
     """The conformance reference dequantises with the exact scale: the bias of the bf16-rounded scale alone
     (the reference recomputed with the applied scale) must fit the room the fp8 tolerance adds over bf16's."""
-    from mla_backends.backend import DEFAULT_TOLERANCES, Tolerance
+    from mla_backends.backends.contract import DEFAULT_TOLERANCES, Tolerance
     from mla_backends.testing.checks import tolerance_for
     from mla_backends.testing.inputs import expected, prepare
     from mla_backends.testing.matrix import build_matrix

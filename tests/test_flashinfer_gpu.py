@@ -13,8 +13,7 @@ import math
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.dims import MLADims
+from mla_backends.core.dims import MLADims
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
     FlashInferMLABackend,
@@ -23,7 +22,8 @@ from mla_backends.flashinfer_mla import (
     fa_limits,
     paged,
 )
-from mla_backends.metadata import BatchMetadata
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 
 pytestmark = pytest.mark.gpu
 

@@ -16,9 +16,9 @@ import importlib.util
 import pytest
 import torch
 
-from mla_backends.backend import AttentionSpec
-from mla_backends.device import CPU_DEVICE, DeviceInfo, simulated_device
-from mla_backends.dims import MLADims
+from mla_backends.backends.contract import AttentionSpec
+from mla_backends.core.device import CPU_DEVICE, DeviceInfo, simulated_device
+from mla_backends.core.dims import MLADims
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
     FlashInferMLABackend,

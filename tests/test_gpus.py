@@ -1,13 +1,13 @@
-"""The package's one GPU table (mla_backends.gpus), its generated page and the decode roofline."""
+"""The package's one GPU table (mla_backends.core.gpus), its generated page and the decode roofline."""
 
 from __future__ import annotations
 
 import pytest
 
-from mla_backends.dims import MLADims
-from mla_backends.gpus import GPU_TABLE, gpu_spec, gpu_spec_for_device_name, known_gpu_names
-from mla_backends.gpus_doc import GPUS_DOC_PATH, main, render_gpus_doc
-from mla_backends.roofline import decode_roofline
+from docgen.gpus import GPUS_DOC_PATH, main, render_gpus_doc
+from mla_backends.core.dims import MLADims
+from mla_backends.core.gpus import GPU_TABLE, gpu_spec, gpu_spec_for_device_name, known_gpu_names
+from mla_backends.planning.roofline import decode_roofline
 
 
 def test_required_products_and_vendor_figures():
@@ -79,7 +79,7 @@ def test_unknown_driver_name_is_none():
 
 
 def test_gpus_doc_matches_the_table(tmp_path):
-    assert GPUS_DOC_PATH.read_text() == render_gpus_doc(), "docs/gpus.md is stale: python -m mla_backends.gpus_doc"
+    assert GPUS_DOC_PATH.read_text() == render_gpus_doc(), "docs/gpus.md is stale: python -m docgen.gpus"
     stale = tmp_path / "gpus.md"
     stale.write_text(render_gpus_doc().replace("989.4", "990", 1))
     assert main(["--check", "--path", str(stale)]) == 1

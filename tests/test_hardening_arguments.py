@@ -16,20 +16,20 @@ import pathlib
 import pytest
 import torch
 
-from mla_backends import aliases
-from mla_backends.cache import LatentKVCache
-from mla_backends.capabilities import Capabilities
-from mla_backends.dcp import dcp_group_for
-from mla_backends.decode_graph import DecodeGraphMetadata
-from mla_backends.device import parse_device_spec
-from mla_backends.dims import MLADims
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata
-from mla_backends.sparse.indexer import hadamard_matrix
-from mla_backends.sparse.indexer_cache import IndexerKeyCache
-from mla_backends.sparse.layer_support import build_indexer
-from mla_backends.tuning import check_grid_fits, tunable_backends
-from mla_backends.workspace import shared_workspace, shared_workspaces, workspace_key
+from mla_backends.backends.capabilities import Capabilities
+from mla_backends.core.device import parse_device_spec
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.dcp import dcp_group_for
+from mla_backends.layer.sparse.indexer import hadamard_matrix
+from mla_backends.layer.sparse.indexer_cache import IndexerKeyCache
+from mla_backends.layer.sparse.layer_support import build_indexer
+from mla_backends.layer.workspace import shared_workspace, shared_workspaces, workspace_key
+from mla_backends.planning.tuning import check_grid_fits, tunable_backends
+from mla_backends.plugins import aliases
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.graph import DecodeGraphMetadata
+from mla_backends.step.metadata import BatchMetadata
 from selector.select import select_backend
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -17,12 +17,12 @@ import pytest
 import torch
 
 import mla_backends
-from mla_backends import checkpoint
-from mla_backends.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, CheckpointError, attention_prefix
-from mla_backends.config_fields import read_config_json
-from mla_backends.dims import MLADims
-from mla_backends.hf_loading import expected_hf_shapes
-from mla_backends.threshold_table import ThresholdTable
+from mla_backends.core.config_fields import read_config_json
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.thresholds import ThresholdTable
+from mla_backends.loading import checkpoint
+from mla_backends.loading.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint, CheckpointError, attention_prefix
+from mla_backends.loading.hf import expected_hf_shapes
 
 pytest.importorskip("safetensors")
 pytestmark = pytest.mark.usefixtures("one_thread")

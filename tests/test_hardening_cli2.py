@@ -93,7 +93,7 @@ def test_model_configs_get_the_layers_field_checks(capsys, tmp_path, change, fie
         assert code == 2 and "Traceback" not in out + err and "KeyError" not in out + err
         message = json.loads(out)["error"]["message"] if fmt else err
         assert f"--model: config.{field}: {words}" in message and str(path) in message, message
-    from mla_backends.deployment import ModelShape
+    from mla_backends.planning.deployment import ModelShape
 
     with pytest.raises((TypeError, ValueError), match=f"config.{field}: "):
         ModelShape.from_config(config)
@@ -104,7 +104,8 @@ def test_model_configs_get_the_layers_field_checks(capsys, tmp_path, change, fie
 def tiny_table():
     import torch
 
-    from mla_backends import MLADims, tuning
+    from mla_backends import MLADims
+    from mla_backends.planning import tuning
 
     dims = MLADims.preset("deepseek-v2-lite").tensor_parallel(8)
     return tuning.tune(dims, backends=["REF_TORCH"], query_lens=[1], contexts=[8], dtype=torch.float32,
@@ -112,7 +113,7 @@ def tiny_table():
 
 
 def test_tune_tries_the_output_path_before_measuring(capsys, monkeypatch, tmp_path):
-    from mla_backends import tuning
+    from mla_backends.planning import tuning
 
     monkeypatch.setattr(tuning, "tune", lambda *a, **k: pytest.fail("measured before the --output check"))
     too_long = tmp_path / ("t" * 300 + ".json")
@@ -131,8 +132,8 @@ def test_tune_tries_the_output_path_before_measuring(capsys, monkeypatch, tmp_pa
 def test_a_failed_final_write_keeps_the_measurements(capsys, monkeypatch, tmp_path, tiny_table, beside_fails):
     """The output passed the check, then the write failed (the disk filled): the table goes beside it (or to
     stdout when no file can be written), and the run still fails, saying where the table went."""
-    from mla_backends import tuning
-    from mla_backends.threshold_table import ThresholdTable
+    from mla_backends.layer.thresholds import ThresholdTable
+    from mla_backends.planning import tuning
 
     output = tmp_path / "table.json"
     real_save = ThresholdTable.save
@@ -242,8 +243,8 @@ def test_version_and_import_load_no_torch():
 
 def test_the_lazy_package_still_exposes_its_public_api():
     import mla_backends
-    from mla_backends.backend import MLABackend
-    from mla_backends.dims import MLADims
+    from mla_backends.backends.contract import MLABackend
+    from mla_backends.core.dims import MLADims
 
     assert set(mla_backends.__all__) <= set(dir(mla_backends))
     assert mla_backends.MLADims is MLADims and mla_backends.MLABackend is MLABackend

@@ -8,7 +8,7 @@ import math
 import pytest
 from test_dims import DEEPSEEK_V3_CONFIG
 
-from mla_backends.dims import MLADims, read_config_json
+from mla_backends.core.dims import MLADims, read_config_json
 
 YARN = DEEPSEEK_V3_CONFIG["rope_scaling"]
 
@@ -74,7 +74,7 @@ def test_direct_construction_is_range_checked_too():
 
 
 def test_attention_bias_must_be_a_bool():
-    from mla_backends.hf_loading import hf_attention_bias
+    from mla_backends.loading.hf import hf_attention_bias
 
     with pytest.raises(TypeError, match="config.attention_bias: got str 'false'"):
         hf_attention_bias(dict(DEEPSEEK_V3_CONFIG, attention_bias="false"))

@@ -17,22 +17,22 @@ import dataclasses
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.dcp import DCPGroup, local_decode_metadata
-from mla_backends.decode_graph import DecodeGraphMetadata
-from mla_backends.dims import MLADims
-from mla_backends.dispatch import PerRequestPolicy
-from mla_backends.hf_loading import random_hf_state_dict
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata, dcp_local_len
-from mla_backends.naive import expanded_decode
-from mla_backends.prefill import forward_mha
-from mla_backends.reasons import Reason, ReasonKind
+from mla_backends.backends.naive import expanded_decode
+from mla_backends.backends.reasons import Reason, ReasonKind
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.dcp import DCPGroup, local_decode_metadata
+from mla_backends.layer.dispatch import PerRequestPolicy
+from mla_backends.layer.prefill import forward_mha
+from mla_backends.layer.sparse import IndexerKeyCache
+from mla_backends.layer.sparse.indexer import causal_topk
+from mla_backends.layer.workspace import clear_shared_workspaces, shared_workspace, shared_workspaces, workspace_key
+from mla_backends.loading.hf import random_hf_state_dict
 from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.sparse import IndexerKeyCache
-from mla_backends.sparse.indexer import causal_topk
-from mla_backends.step_plan import Run, StepPlan
-from mla_backends.workspace import clear_shared_workspaces, shared_workspace, shared_workspaces, workspace_key
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.graph import DecodeGraphMetadata
+from mla_backends.step.metadata import BatchMetadata, dcp_local_len
+from mla_backends.step.plan import PlanRequest, Run, StepPlanError, plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -87,7 +87,7 @@ def test_graph_metadata_on_a_layer_is_refused_before_the_cache_is_written():
         cache.rows_with_sink().copy_(torch.randn(cache.rows_with_sink().shape))
         before = cache.rows_with_sink().clone()
         with pytest.raises(ValueError, match=match):
-            layer(x, None, cache, gm.meta)
+            layer(x, None, cache, plan_step(gm.meta, [layer]))
         assert torch.equal(cache.rows_with_sink(), before), "a refused step wrote the cache"
 
 
@@ -120,8 +120,8 @@ def test_dcp_metadata_given_straight_to_forward_mqa_is_refused(rank):
     with pytest.raises(ValueError, match=f"^meta: got metadata of DCP rank {rank} of dcp_size 2 for forward_mqa; "
                                          "supported dcp_size 1"):
         RefTorchBackend().forward_mqa(ql, qr, cache, meta, scale=0.1)
-    with pytest.raises(ValueError, match=r"for meta.prepare\(backend\)"):
-        meta.prepare(RefTorchBackend())
+    with pytest.raises(ValueError, match=r"for plan_step\(meta, backends\)"):
+        plan_step(meta, [RefTorchBackend()])
     with pytest.raises(ValueError, match="of dcp_size 2 for expanded_decode"):
         expanded_decode(torch.randn(2, H, 16), qr, torch.randn(H, 16, R), torch.randn(H, R, 16), cache, meta, 0.1)
     with pytest.raises(ValueError, match="of dcp_size 2 for causal_topk"):
@@ -183,33 +183,40 @@ class _Recording(RefTorchBackend):
         return tuple(meta.context_lens.tolist())
 
 
-def test_each_graph_update_starts_a_fresh_step_plan():
+def test_each_graph_update_is_planned_afresh():
     gm, backend = _graph_meta((20, 33)), _Recording()
-    assert gm.meta.prepare(backend)[:2] == (20, 33)
-    gm.meta.check_cache(_cache())
-    assert gm.meta.step_plan.block_ids_checked
+    first = plan_step(gm.meta, [backend])
+    assert first.state(backend, gm.meta)[:2] == (20, 33)
+    gm.meta.check_cache(_cache())  # the persistent table was verified by update(): a host comparison
     gm.update([21, 34, 5], [*TABLE, [1, 2]])
-    assert not gm.meta.step_plan.is_prepared(backend) and not gm.meta.step_plan.block_ids_checked
-    assert gm.meta.prepare(backend)[:3] == (21, 34, 5)  # prepared again, for the new step
+    assert first.state(backend, gm.meta)[:2] == (20, 33)  # a made plan never changes
+    assert plan_step(gm.meta, [backend]).state(backend, gm.meta)[:3] == (21, 34, 5)  # the new step's plan
 
 
-def test_a_step_plan_reset_forgets_everything_dcp_included():
+class _DcpParticipant:
+    """What a DCP layer of rank ``rank`` of 2 tells plan_step: every request absorbed, on REF_TORCH."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.backend = rank, RefTorchBackend()
+
+    def plan_request(self, meta: BatchMetadata) -> PlanRequest:
+        return PlanRequest(runs_key="dcp", runs=(Run(True, 0, meta.num_requests),), backend=self.backend,
+                           dcp=(self.rank, 2))
+
+
+def test_a_step_plan_is_frozen_and_keeps_dcp_local_metadata():
     meta = _dcp_meta(1)
-    group = DCPGroup(2, 1, None)
-    first = local_decode_metadata(meta, group)
-    assert meta.step_plan.dcp and local_decode_metadata(meta, group) is first  # kept for the step
-    meta.step_plan.reset()
-    assert local_decode_metadata(meta, group) is not first  # built again: nothing of the old step is left
-    plan = StepPlan()
-    plan.runs["k"] = (Run(True, 0, 1),)
-    plan.block_ids_checked.add(3)
-    plan.sub_batches[(0, 1)] = meta
-    plan.accepted.add("k")
-    plan.prepared["k"] = None
-    plan.dcp["k"] = object()
-    assert all(getattr(plan, f.name) for f in dataclasses.fields(plan))
-    plan.reset()
-    assert not any(getattr(plan, f.name) for f in dataclasses.fields(plan)), "reset left state behind"
+    plan = plan_step(meta, [_DcpParticipant(1)])
+    local, tokens = plan.local_decode(0, 2, 1, 2)
+    assert local is not None and local.dcp_size == 1 and tokens.tolist() == [0, 1]
+    assert plan.local_decode(0, 2, 1, 2)[0] is local  # read back, never rebuilt
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.max_block_id = 0  # type: ignore[misc]
+    for mapping in (plan.runs, plan.batches, plan.local, plan.states):
+        with pytest.raises(TypeError):
+            mapping["k"] = None  # type: ignore[index]
+    with pytest.raises(StepPlanError, match="no DCP-local metadata"):
+        plan.local_decode(0, 2, 0, 2)
 
 
 def test_shared_workspaces_with_different_chunk_bounds_are_different_workspaces():

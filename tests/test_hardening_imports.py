@@ -20,12 +20,12 @@ import types
 
 import pytest
 
-import mla_backends.plugins as plugins
+import mla_backends.plugins.loading as plugins
 from mla_backends import get_backend
-from mla_backends.aliases import alias_note
 from mla_backends.cli import main
-from mla_backends.dims import MLADims
-from mla_backends.hookspecs import hookimpl
+from mla_backends.core.dims import MLADims
+from mla_backends.plugins.aliases import alias_note
+from mla_backends.plugins.hookspecs import hookimpl
 from mla_backends.ref_torch import RefTorchBackend
 from selector.select import BackendNotSupportedError, clear_cache, select_backend
 

@@ -11,12 +11,12 @@ import math
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.dims import MLADims
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata
-from mla_backends.prefill import forward_mha
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.prefill import forward_mha
 from mla_backends.ref_torch import RefTorchBackend
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 
 R, ROPE, H, BS, N, V = 512, 64, 4, 16, 32, 32
 
@@ -110,7 +110,7 @@ def test_outputs_may_not_alias_inputs_and_topk_repeats_count_once(step):
 
 def test_loading_weights_is_all_or_nothing():
     """Class: a state dict that fails part-way (a meta tensor, say) leaves every parameter and fold as it was."""
-    from mla_backends.hf_loading import StateDictError, fold_kv_b, random_hf_state_dict
+    from mla_backends.loading.hf import StateDictError, fold_kv_b, random_hf_state_dict
 
     dims = MLADims(num_heads=2, kv_lora_rank=64, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
                    q_lora_rank=32, hidden_size=64, num_layers=1)

@@ -11,16 +11,16 @@ import torch
 from layer_cases import tiny_config
 
 import selector.select as select_mod
-from mla_backends import costs
-from mla_backends.backend import QueryLenSupport
-from mla_backends.cache import LatentKVCache
-from mla_backends.dims import MLADims
-from mla_backends.dispatch import PerRequestPolicy, step_runs
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata
+from mla_backends.backends.contract import QueryLenSupport
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.dispatch import PerRequestPolicy, step_runs
+from mla_backends.planning import costs
+from mla_backends.plugins.registry import BackendName
 from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.registry import BackendName
-from mla_backends.step_plan import Run
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import Run
 from selector.select import BackendNotSupportedError, clear_cache, select_backend
 
 V3 = MLADims.deepseek_v3()

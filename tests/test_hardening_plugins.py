@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PRELUDE = '''
 import types, torch, dataclasses
-import mla_backends.plugins as plugins
-from mla_backends.hookspecs import hookimpl
+import mla_backends.plugins.loading as plugins
+from mla_backends.plugins.hookspecs import hookimpl
 from mla_backends.ref_torch import RefTorchBackend
 
 class EP:  # a stand-in for an importlib.metadata entry point

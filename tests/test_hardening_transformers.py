@@ -13,7 +13,7 @@ import torch
 from hf_models import compare_generations, generate_greedy, left_padded, right_padded, tiny_v3
 
 pytest.importorskip("transformers")
-from mla_backends.integrations.transformers import (  # noqa: E402
+from mla_backends.integrations.transformers import (
     DEFAULT_BLOCK_SIZE,
     MAX_RESERVE_TOKENS,
     MLAGenerationCache,

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from mla_backends.dims import MLADims
-from mla_backends.hf_loading import random_hf_state_dict
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata
-from mla_backends.prefill import PrefillWorkspace
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.workspace import PrefillWorkspace, clear_shared_workspaces, shared_workspace
+from mla_backends.loading.hf import random_hf_state_dict
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 from mla_backends.testing import HostSyncError, host_sync_allowed, no_host_sync
-from mla_backends.workspace import clear_shared_workspaces, shared_workspace
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,7 +36,7 @@ def block_table(num_requests: int, pages: int, num_blocks: int, seed: int = 0) -
 def run(layer, cache, bt, q, c, **build):
     meta = BatchMetadata.build(q, c, bt, BS, decode_threshold=layer.decode_threshold, **build)
     x = torch.randn(sum(q), DIMS.hidden_size, generator=torch.Generator().manual_seed(sum(q) + sum(c)))
-    return layer(x, None, cache, meta)
+    return layer(x, None, cache, plan_step(meta, [layer]))
 
 
 # ---- one workspace per device ------------------------------------------------------------------------------
@@ -88,9 +88,9 @@ def test_layer_forward_makes_no_host_sync(q, c):
         run(layer, cache, bt, c, [0, 0, 0])
         meta = BatchMetadata.build(q, c, bt, BS)
         x = torch.randn(sum(q), DIMS.hidden_size)
-        meta.prepare(layer.backend)  # the engine's once-per-step call, outside the guard
+        plan = plan_step(meta, [layer])  # the engine's once-per-step call, outside the guard
         with no_host_sync():
-            y = layer(x, None, cache, meta)
+            y = layer(x, None, cache, plan)
     assert y.shape == (sum(q), DIMS.hidden_size) and bool(torch.isfinite(y).all())
 
 
@@ -134,7 +134,7 @@ def test_bad_block_id_is_rejected_before_anything_is_written(q):
     snapshot = cache.data.clone()
     meta = BatchMetadata.build(q, [12, 20], bad, BS)  # no num_blocks: the layer checks against its cache
     with pytest.raises(ValueError, match="block id 12"):
-        layer(torch.randn(sum(q), DIMS.hidden_size), None, cache, meta)
+        layer(torch.randn(sum(q), DIMS.hidden_size), None, cache, plan_step(meta, [layer]))
     assert torch.equal(cache.data.view(torch.int32), snapshot.view(torch.int32))  # bit-identical
 
 
@@ -146,12 +146,14 @@ def test_two_new_tokens_on_one_slot_are_rejected_but_shared_prefix_pages_are_fin
         BatchMetadata.build([1, 1], [0, 0], [[3], [3]], BS)
 
 
-def test_verdict_is_computed_once_per_step():
+def test_cache_verdict_is_a_host_comparison_with_builds_maxima():
     layer = make_layer()
     cache = layer.allocate_cache(12, BS)
     meta = BatchMetadata.build([3], [0], [[1]], BS)
-    meta.check_cache(cache)
-    assert meta.step_plan.block_ids_checked == {12}
+    assert meta.max_live_block_id() == 1  # from build's host maxima
+    with no_host_sync():
+        meta.check_cache(cache)
+        plan_step(meta, [layer]).check_cache(cache)
     small = layer.allocate_cache(1, BS)
     with pytest.raises(ValueError, match=r"supported \[0, 0\]"):
         meta.check_cache(small)

@@ -8,7 +8,7 @@ from hf_models import LOGITS_RTOL, generate_greedy, left_padded, tiny_v2, tiny_v
 from hf_models import compare_generations as _compare
 
 pytest.importorskip("transformers")
-from mla_backends.integrations.transformers import (  # noqa: E402
+from mla_backends.integrations.transformers import (
     MLAGenerationCache,
     PatchedMLAAttention,
     UnsupportedGenerationError,
@@ -85,8 +85,8 @@ def test_decode_steps_run_absorbed_over_a_pool_allocated_once(monkeypatch):
     """Each decode step is one absorbed ``forward_mqa`` per layer over one new token per request; no
     ``forward_mha``, no re-run of the context, and the latent pool sized once for the call (never regrown or
     copied while decoding)."""
-    import mla_backends.layer as layer_mod
-    from mla_backends.backend import MLABackend
+    import mla_backends.layer.attention as layer_mod
+    from mla_backends.backends.contract import MLABackend
 
     model = tiny_v3()
     layers = len(model.model.layers)

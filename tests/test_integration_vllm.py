@@ -22,9 +22,10 @@ from mla_backends.integrations.vllm.selection import (
     startup_line,
     vllm_kv_cache_dtype,
 )
-from mla_backends.integrations.vllm.step import decode_batch_metadata, trust_block_ids, wrap_cache
+from mla_backends.integrations.vllm.step import decode_batch_metadata, wrap_cache
 from mla_backends.integrations.vllm.versions import UnsupportedVLLMVersionError, check_vllm_version
 from mla_backends.ref_torch import RefTorchBackend
+from mla_backends.step.plan import plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -154,14 +155,19 @@ def test_block_ids_checked_on_host_trusted_without_host_copy() -> None:
     cache_t, table, ql, qr = decode_case(lens)
     small = LatentKVCache.from_tensor(cache_t[:2], kv_lora_rank=R, model_dtype=torch.float32)
     meta = decode_batch_metadata(table, torch.tensor(lens), lens, BS)
-    trust_block_ids(meta, small)  # a host table keeps its real check
+    assert not meta.block_ids_trusted  # a host table keeps its real check
     with pytest.raises(ValueError, match="block id"):
         RefTorchBackend().forward_mqa(ql, qr, small, meta, scale=0.3)
     from dataclasses import replace
 
-    gpu_like = replace(meta, max_block_ids=None)  # what a GPU table gives: no host maxima
-    trust_block_ids(gpu_like, small)
-    assert small.num_blocks in gpu_like.step_plan.block_ids_checked
+    # what a GPU table gives (BatchMetadata.for_decode on a CUDA table): no host maxima, the engine's ids trusted,
+    # so the plan and the cache check read nothing from the device
+    gpu_like = replace(meta, max_block_ids=None, block_ids_trusted=True)
+    plan = plan_step(gpu_like, [RefTorchBackend()])
+    assert plan.max_block_id is None
+    plan.check_cache(small)  # no device read: trusted
+    untrusted = replace(meta, max_block_ids=None)  # neither host maxima nor trust: the plan reads the table once
+    assert plan_step(untrusted, [RefTorchBackend()]).max_block_id == max(meta.max_block_ids)
 
 
 def test_wrap_cache_shares_memory_once_per_layer() -> None:

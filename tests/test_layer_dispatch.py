@@ -9,9 +9,10 @@ import pytest
 import torch
 from layer_cases import tiny_config
 
-import mla_backends.layer as layer_mod
-from mla_backends.backend import QueryLenSupport
-from mla_backends.dispatch import (
+import mla_backends.layer.attention as layer_mod
+from mla_backends.backends.contract import QueryLenSupport
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.dispatch import (
     THRESHOLD_TABLE_ENV,
     ContextThresholds,
     PerBatchPolicy,
@@ -22,10 +23,9 @@ from mla_backends.dispatch import (
     resolve_policy,
     step_runs,
 )
-from mla_backends.hf_loading import random_hf_state_dict
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata
-from mla_backends.step_plan import Run
+from mla_backends.loading.hf import random_hf_state_dict
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import Run, StepPlanError, plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,7 +73,7 @@ def _tune_file(tmp_path, backends=("REF_TORCH",)):
     """The file ``mla-backends tune --output`` writes (the only threshold-table format)."""
     from test_tune import TINY
 
-    from mla_backends import tuning
+    from mla_backends.planning import tuning
 
     table = tuning.tune(TINY, backends=list(backends), query_lens=[1, 2], contexts=[4], dtype="float32",
                         repeats=1, progress=False)
@@ -118,15 +118,23 @@ def test_env_table_errors_name_the_variable(tmp_path, monkeypatch):
     assert layer_policy(None, None, "TRITON_MLA") == PerRequestPolicy()  # not measured: warning, constant
 
 
-def test_step_runs_are_cut_once_per_step():
-    caps = MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64).backend_cls.capabilities
+def test_step_runs_are_cut_once_per_step_by_the_plan():
+    layer = MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64, dispatch=PerRequestPolicy(threshold=4))
+    twin = MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64, dispatch=PerRequestPolicy(threshold=4),
+                                       layer_idx=1)
+    other = MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64, dispatch="per-batch", layer_idx=2)
+    caps = layer.backend_cls.capabilities
     bt = torch.arange(64, dtype=torch.int32).view(4, 16)
     meta = BatchMetadata.build([6, 1, 3, 0], [4, 9, 2, 0], bt, 4)
     runs = step_runs(meta, PerRequestPolicy(threshold=4), caps)
     assert runs == (Run(True, 0, 1), Run(False, 1, 2), Run(True, 2, 4))
-    assert step_runs(meta, PerRequestPolicy(threshold=4), caps) is runs  # kept in the step plan
     assert step_runs(meta, PerRequestPolicy(threshold=4), caps, sparse=True) == (Run(True, 0, 4),)
-    assert len(meta.step_plan.runs) == 2
+    plan = plan_step(meta, [layer, twin])
+    assert dict(plan.runs) == {layer.runs_key(): runs} and twin.runs_key() == layer.runs_key()  # one entry
+    with pytest.raises(TypeError):
+        plan.runs[layer.runs_key()] = ()  # the plan is read-only once made
+    with pytest.raises(StepPlanError, match="made without layer 2"):
+        plan.runs_for(other.runs_key(), "layer 2")
     with pytest.raises(TypeError, match="policy: got str"):
         step_runs(meta, "per-request", caps)
 
@@ -166,7 +174,7 @@ def _step(layer, qlens, ctx, decode_threshold=1):
     bt = torch.arange(64, dtype=torch.int32).view(4, 16)[: len(qlens)]
     meta = BatchMetadata.build(qlens, ctx, bt, 4, decode_threshold=decode_threshold)
     x = torch.randn(sum(qlens), 32, dtype=torch.float64)
-    return layer(x, None, cache, meta)
+    return layer(x, None, cache, plan_step(meta, [layer]))
 
 
 @pytest.mark.parametrize("dispatch, qlens, ctx, mqa, mha", [

@@ -16,7 +16,7 @@ from layer_cases import (
     tiny_config,
 )
 
-from mla_backends.layer import MLAAttention
+from mla_backends.layer.attention import MLAAttention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,7 +1,7 @@
 """Block-quantised fp8 checkpoints (DeepSeek's releases: float8 ``X.weight`` + ``X.weight_scale_inv``).
 
 The quantisation and the reference dequantisation are written plainly here, block by block in Python loops,
-independent of ``mla_backends.fp8_checkpoint``. Cases: blocks that do not divide the shapes, the block size
+independent of ``mla_backends.loading.fp8``. Cases: blocks that do not divide the shapes, the block size
 read from ``quantization_config``, a whole schedule against transformers with the dequantised weights, tensor
 parallelism, the V3.2 indexer's weights, and every malformed pair listed with nothing loaded.
 """
@@ -14,15 +14,15 @@ import pytest
 import torch
 from layer_cases import SCHEDULE, hf_attention, hf_full_sequence, run_schedule, scattered_block_tables, tiny_config
 
-from mla_backends.dims import MLADims
-from mla_backends.fp8_checkpoint import (
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.loading.fp8 import (
     DEFAULT_WEIGHT_BLOCK_SIZE,
     dequantize_block_fp8,
     dequantize_fp8_checkpoint,
     weight_block_size_from_config,
 )
-from mla_backends.hf_loading import StateDictError
-from mla_backends.layer import MLAAttention
+from mla_backends.loading.hf import StateDictError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -18,8 +18,8 @@ from layer_cases import (
     tiny_config,
 )
 
-from mla_backends.dispatch import PerBatchPolicy, PerRequestPolicy
-from mla_backends.layer import MLAAttention
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.dispatch import PerBatchPolicy, PerRequestPolicy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

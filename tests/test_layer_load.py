@@ -12,10 +12,11 @@ from layer_cases import (
     tiny_config,
 )
 
-from mla_backends.dims import MLADims
-from mla_backends.hf_loading import StateDictError, expected_hf_shapes, random_hf_state_dict
-from mla_backends.layer import MLAAttention
-from mla_backends.metadata import BatchMetadata
+from mla_backends.core.dims import MLADims
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.loading.hf import StateDictError, expected_hf_shapes, random_hf_state_dict
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,16 +139,16 @@ def test_forward_arguments_are_validated():
     meta = BatchMetadata.build([3], [0], [[0]], 4)
     x = torch.randn(3, 32, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="not loaded"):
-        layer(x, torch.arange(3), cache, meta)
+        layer(x, torch.arange(3), cache, plan_step(meta, [layer]))
     layer.load_hf_state_dict(random_hf_state_dict(layer.dims, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"hidden_states: got shape \[2, 32\]"):
-        layer(x[:2], torch.arange(3), cache, meta)
+        layer(x[:2], torch.arange(3), cache, plan_step(meta, [layer]))
     with pytest.raises(TypeError, match="hidden_states: got dtype float32"):
-        layer(x.float(), torch.arange(3), cache, meta)
+        layer(x.float(), torch.arange(3), cache, plan_step(meta, [layer]))
     with pytest.raises(TypeError, match="positions: got dtype float64"):
-        layer(x, torch.arange(3.0, dtype=torch.float64), cache, meta)
+        layer(x, torch.arange(3.0, dtype=torch.float64), cache, plan_step(meta, [layer]))
     with pytest.raises(ValueError, match="meta.block_size: got 8"):
-        layer(x, torch.arange(3), cache, BatchMetadata.build([3], [0], [[0]], 8))
+        layer(x, torch.arange(3), cache, plan_step(BatchMetadata.build([3], [0], [[0]], 8), [layer]))
     with pytest.raises(TypeError, match="cache: got dict"):
-        layer(x, torch.arange(3), {}, meta)
-    assert torch.isfinite(layer(x, None, cache, meta)).all()
+        layer(x, torch.arange(3), {}, plan_step(meta, [layer]))
+    assert torch.isfinite(layer(x, None, cache, plan_step(meta, [layer]))).all()

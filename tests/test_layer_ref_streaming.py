@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_backends.attention_math import padded_groups
-from mla_backends.cache import LatentKVCache
-from mla_backends.metadata import BatchMetadata
+from mla_backends.core.attention_math import padded_groups
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.ref_torch import backend as ref_backend
 from mla_backends.ref_torch.backend import STREAM_MAX_CHUNK_ROWS, STREAM_MIN_ROWS, stream_chunk_pages, stream_min_rows
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 
 pytestmark = pytest.mark.usefixtures("one_thread", "stream_by_rows")
 

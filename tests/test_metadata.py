@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from mla_backends.metadata import BatchMetadata
+from mla_backends.step.metadata import BatchMetadata
 
 BS = 4
 # caller order: prefill, decode, prefill, decode, empty, decode (ragged)
@@ -90,24 +88,33 @@ def test_decode_threshold_and_sub_batches():
         m.select_requests(2, 1)
 
 
-def test_sub_batches_are_built_once_per_step():
-    """Every layer asks for the same sub-batch: it is kept on the batch, so what is cached on it (the block-id
-    check, FlashInfer plans) is done once per step; a copy made with dataclasses.replace starts afresh."""
+def test_sub_batches_are_built_once_per_step_by_the_plan():
+    """Every layer reads the same sub-batch from the step's plan (built once there); the metadata itself keeps
+    nothing: select_requests makes a new, equal sub-batch on each call."""
+    from mla_backends.ref_torch import RefTorchBackend
+    from mla_backends.step.plan import PlanRequest, Run, plan_step
+
+    class Split:
+        def plan_request(self, meta):
+            return PlanRequest(runs_key="split", runs=(Run(True, 0, 1), Run(False, 1, 4), Run(True, 4, 6)),
+                               backend=RefTorchBackend())
+
     bt, nb = _block_table()
     m = BatchMetadata.build(QLENS, CTXS, bt, BS, num_blocks=nb)
-    sub = m.select_requests(1, 4)
-    sub.step_plan.block_ids_checked.add(99)
-    assert m.select_requests(1, 4) is sub and m.select_requests(0, 4) is not sub
-    assert m.step_plan.sub_batches[(1, 4)] is sub
-    copy = dataclasses.replace(m, block_table=bt)
-    assert copy.step_plan is not m.step_plan and copy.step_plan.sub_batches == {}
-    assert copy.select_requests(1, 4) is not sub
+    plan = plan_step(m, [Split(), Split()])
+    sub = plan.batch(1, 4)
+    assert plan.batch(1, 4) is sub and set(plan.batches) == {(0, 6), (0, 1), (1, 4), (4, 6)}
+    assert plan.batch(0, 6) is m
+    again = m.select_requests(1, 4)
+    assert again is not sub and again.query_lens_list == sub.query_lens_list
+    assert torch.equal(again.block_table, sub.block_table) and not hasattr(m, "step_plan")
 
 
 def test_prepare_runs_once_per_step_for_several_layers():
-    """The backend hook: one call per backend class and step however many layers (instances) ask, the same
-    state back every time; a new step prepares again."""
-    from mla_backends.backend import MLABackend
+    """The backend hook: one call per backend class and step however many layers (instances) take part, the
+    same state for every one; a new step prepares again; a plan for another step is refused."""
+    from mla_backends.backends.contract import MLABackend
+    from mla_backends.step.plan import StepPlanError, plan_step
 
     calls: list[BatchMetadata] = []
 
@@ -121,15 +128,19 @@ def test_prepare_runs_once_per_step_for_several_layers():
     bt, nb = _block_table()
     m = BatchMetadata.build(QLENS, CTXS, bt, BS, num_blocks=nb)
     layers = [Counting() for _ in range(5)]
-    states = [m.prepare(b) for b in layers for _ in range(2)]
+    plan = plan_step(m, layers)
+    states = [plan.state(b, m) for b in layers]
     assert calls == [m] and all(s is states[0] for s in states)
-    assert MLABackend().prepare(m) is None and m.prepare(MLABackend()) is None
+    assert MLABackend().prepare(m) is None and plan_step(m, [MLABackend()]).state(MLABackend(), m) is None
     m2 = BatchMetadata.build(QLENS, CTXS, bt, BS, num_blocks=nb)
-    assert m2.prepare(layers[0]) is not states[0] and calls == [m, m2]
-    with pytest.raises(TypeError, match="backend: got int"):
-        m.prepare(3)
-    with pytest.raises(ValueError, match="meta"):
-        m.step_plan.prepare(layers[0], m2)
+    plan2 = plan_step(m2, layers[:1])
+    assert plan2.state(layers[0], m2) is not states[0] and calls == [m, m2]
+    with pytest.raises(TypeError, match="participants: got int"):
+        plan_step(m, [3])
+    with pytest.raises(TypeError, match="meta: got list"):
+        plan_step([1], layers)
+    with pytest.raises(StepPlanError, match="made for other metadata"):
+        plan.state(layers[0], m2)
 
 
 def test_keep_caller_order():

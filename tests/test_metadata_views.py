@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.dcp import DCPGroup, local_decode_metadata
-from mla_backends.metadata import BatchMetadata
+from mla_backends.layer.dcp import DCPGroup, local_decode_metadata
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import StepPlanError, plan_step
 
 BLOCK = 4
 
@@ -33,7 +34,9 @@ def test_dcp_local_decode_with_shared_prefix_pages():
     local = local_decode_metadata(meta, DCPGroup(size=2, rank=1, group=None))
     assert local is not None and local.seq_lens_list == (4, 4)
     assert local.slot_mapping.tolist() == [-1, -1]  # a read-only view: it writes nothing
-    assert local_decode_metadata(meta, DCPGroup(size=2, rank=1, group=None)) is local  # once per step
+    again = local_decode_metadata(meta, DCPGroup(size=2, rank=1, group=None))  # a pure function of the metadata
+    assert again is not local and again.seq_lens_list == local.seq_lens_list
+    assert torch.equal(again.block_table, local.block_table)
 
 
 def test_a_copy_with_another_table_is_checked_again():
@@ -56,17 +59,18 @@ def test_hand_made_dcp_metadata_reads_its_local_table():
     dataclasses.replace(meta, verified_block_table=None, max_block_ids=None).check_cache(small)
 
 
-def test_layer_prepare_prepares_exactly_the_absorbed_batch():
-    """``layer.prepare(meta)``, the engine's one call: the backend's ``prepare`` sees the sub-batch the layer's
-    forward hands to ``forward_mqa`` (the decodes of a mixed step, not the prefill), once, and the forward does
-    not prepare again."""
+def test_plan_step_prepares_exactly_the_absorbed_batch():
+    """``plan_step(meta, layers)``, the engine's one call: the backend's ``prepare`` sees the sub-batch the
+    layer's forward hands to ``forward_mqa`` (the decodes of a mixed step, not the prefill), once for several
+    layers alike, and the forward does not prepare again (it reads the plan)."""
     from layer_cases import scattered_block_tables, tiny_config
 
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.loading.hf import random_hf_state_dict
     from mla_backends.ref_torch import RefTorchBackend
 
     seen: list[tuple[int, ...]] = []
+    kernel_states: list[object] = []
 
     class Preparing(RefTorchBackend):
         name = "PREPARING"
@@ -75,16 +79,27 @@ def test_layer_prepare_prepares_exactly_the_absorbed_batch():
             seen.append(meta.query_lens_list)
             return "state"
 
+        def forward_mqa_kernel(self, *args, state, **kw):
+            kernel_states.append(state)
+            super().forward_mqa_kernel(*args, state=None, **kw)
+
     cfg = tiny_config(heads=2).to_dict()
     layer = MLAAttention.from_hf_config(cfg, backend=Preparing, dtype=torch.float32)
     layer.load_hf_state_dict(random_hf_state_dict(layer.dims, attention_bias=layer.attention_bias))
+    twin = MLAAttention.from_hf_config(cfg, backend=Preparing, dtype=torch.float32, layer_idx=1)
     qlens, ctxs = [1, 6, 1], [5, 0, 3]
     bt, nb = scattered_block_tables(3, 8, BLOCK)
     cache = layer.allocate_cache(nb, BLOCK)
+    twin.allocate_cache(nb, BLOCK)  # configures the twin's backend alike (page size)
     meta = BatchMetadata.build(qlens, ctxs, bt, BLOCK, num_blocks=nb, decode_threshold=layer.decode_threshold)
-    layer.prepare(meta)
-    layer.prepare(meta)  # idempotent
+    plan = plan_step(meta, [layer, twin])
     assert seen == [(1, 1)]  # the two decodes (processing order puts them first), not the 6-token prefill
     x = torch.randn(sum(qlens), cfg["hidden_size"])
-    layer(x, None, cache, meta)
-    assert seen == [(1, 1)]  # the forward found the state prepared
+    layer(x, None, cache, plan)
+    assert seen == [(1, 1)] and kernel_states == ["state"]  # the forward read the planned state
+    with pytest.raises(StepPlanError, match="made for other metadata|made without"):
+        other = BatchMetadata.build(qlens, ctxs, bt, BLOCK, num_blocks=nb, decode_threshold=layer.decode_threshold)
+        d = layer.dims
+        layer.backend.forward_mqa(torch.zeros(2, d.num_heads, d.kv_lora_rank),
+                                  torch.zeros(2, d.num_heads, d.qk_rope_head_dim), cache, other.select_requests(0, 2),
+                                  scale=0.1, plan=plan)

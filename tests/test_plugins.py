@@ -12,13 +12,13 @@ import pytest
 import torch
 from selector_fakes import FakeXqa, install
 
-from mla_backends.backend import Capabilities, MLABackend
-from mla_backends.dims import MLADims
-from mla_backends.hookspecs import hookimpl
-from mla_backends.plugins import add_plugin, load_registry, run_plugin
-from mla_backends.reasons import ReasonKind
+from mla_backends.backends.contract import Capabilities, MLABackend
+from mla_backends.backends.reasons import ReasonKind
+from mla_backends.core.dims import MLADims
+from mla_backends.plugins.hookspecs import hookimpl
+from mla_backends.plugins.loading import add_plugin, load_registry, run_plugin
+from mla_backends.plugins.registry import BackendName, RegistrationError
 from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.registry import BackendName, RegistrationError
 from selector.select import select_backend
 
 V3 = MLADims.deepseek_v3().tensor_parallel(8)

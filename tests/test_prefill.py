@@ -8,15 +8,10 @@ import math
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.metadata import BatchMetadata
-from mla_backends.prefill import (
-    PrefillWorkspace,
-    context_chunks,
-    default_workspace_rows,
-    forward_mha,
-    merge_attention_states,
-)
+from mla_backends.layer.prefill import context_chunks, forward_mha, merge_attention_states
+from mla_backends.layer.workspace import PrefillWorkspace, default_workspace_rows
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -197,7 +192,7 @@ def _attention_inputs(n, m, dtype, v_width=V, seed=0):
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts calls into torch's fused CPU kernel (the test fails if the fused path stops being taken)."""
-    from mla_backends import prefill
+    from mla_backends.layer import prefill
 
     kernel = prefill.fused_prefill_kernel()
     if kernel is None:
@@ -219,7 +214,7 @@ def fused_calls(monkeypatch):
     (9, 9, True, 2 * (P + R)), (4, 20, False, 2 * (P + R)),  # value wider than the key: q/k padded instead
 ])
 def test_fused_cpu_kernel_matches_naive_float64(n, m, causal, v_width, dtype, tol, fused_calls):
-    from mla_backends.prefill import prefill_attention
+    from mla_backends.layer.prefill import prefill_attention
 
     args = _attention_inputs(n, m, dtype, v_width, seed=n * 1000 + m)
     o, lse = prefill_attention(*args, 0.3, causal=causal)
@@ -231,7 +226,7 @@ def test_fused_cpu_kernel_matches_naive_float64(n, m, causal, v_width, dtype, to
 
 
 def test_fused_kernel_blocks_queries_and_keys_and_merges_them(monkeypatch, fused_calls):
-    from mla_backends import prefill
+    from mla_backends.layer import prefill
 
     monkeypatch.setattr(prefill, "FUSED_KV_BYTES", 2 * H * (P + R) * 4 * 50)  # 50 rows per block / chunk
     args = _attention_inputs(6, 173, torch.float32, seed=4)
@@ -256,7 +251,7 @@ def test_fused_kernel_blocks_queries_and_keys_and_merges_them(monkeypatch, fused
 
 
 def test_fused_kernel_dispatch_rules(fused_calls):
-    from mla_backends.prefill import fused_applies, prefill_attention
+    from mla_backends.layer.prefill import fused_applies, prefill_attention
 
     f64 = _attention_inputs(4, 4, torch.float64)
     o, _ = prefill_attention(*f64, 0.3, causal=True)  # float64 keeps the plain path, exactly
@@ -292,7 +287,7 @@ def test_forward_mha_float32_runs_the_fused_kernel_and_matches_the_reference(fus
 @pytest.mark.parametrize("n, m", [(7, 7), (5, 12)])
 def test_plain_attention_in_query_slices_matches_the_reference(causal, n, m):
     """A ``budget`` of two queries' scores: every slice after the first keeps its causal offset."""
-    from mla_backends.prefill import prefill_attention
+    from mla_backends.layer.prefill import prefill_attention
 
     args = _attention_inputs(n, m, torch.float64, seed=n * 100 + m)
     o, lse = prefill_attention(*args, 0.3, causal=causal, fused=False, budget=2 * H * m)  # slices of 2 queries

@@ -1,6 +1,6 @@
 """The fused CUDA prefill kernels against the plain path, on a GPU (every test skips without CUDA).
 
-``prefill_attention`` with the kernel :func:`mla_backends.prefill.prefill_kernel_for` picks (torch's flash
+``prefill_attention`` with the kernel :func:`mla_backends.layer.prefill.prefill_kernel_for` picks (torch's flash
 SDPA for bf16/fp16 on SM80+, the memory-efficient one for float32) is compared with ``fused=False`` (plain
 matmuls in float32) at DeepSeek's widths (192-wide keys, 128-wide values), causal and over a context chunk;
 then ``forward_mha`` end to end, new tokens plus cached context in several workspace chunks.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.metadata import BatchMetadata
-from mla_backends.prefill import forward_mha, prefill_attention, prefill_kernel_for
-from mla_backends.prefill_kernels import PrefillKernel
+from mla_backends.layer.prefill import forward_mha, prefill_attention, prefill_kernel_for
+from mla_backends.layer.prefill_kernels import PrefillKernel
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""The prefill kernel choice (:mod:`mla_backends.prefill_kernels`), on the CPU.
+"""The prefill kernel choice (:mod:`mla_backends.layer.prefill_kernels`), on the CPU.
 
 * the choice by device, compute capability, dtype, head widths and mask, with the reason shown (CUDA
   devices are described, not present: the capability is passed, or ``torch.cuda`` is faked);
@@ -17,8 +17,8 @@ import math
 import pytest
 import torch
 
-from mla_backends import prefill, prefill_kernels
-from mla_backends.prefill_kernels import KernelChoice, PrefillKernel, choose_prefill_kernel, kernel_problem
+from mla_backends.layer import prefill, prefill_kernels
+from mla_backends.layer.prefill_kernels import KernelChoice, PrefillKernel, choose_prefill_kernel, kernel_problem
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -94,7 +94,7 @@ def test_a_torch_without_the_op_is_a_reason(monkeypatch):
 
 def test_the_choice_is_logged_once(caplog, monkeypatch):
     monkeypatch.setattr(prefill_kernels, "_LOGGED", set())
-    with caplog.at_level(logging.DEBUG, logger="mla_backends.prefill_kernels"):
+    with caplog.at_level(logging.DEBUG, logger="mla_backends.layer.prefill_kernels"):
         choice(n=7, m=7)
         choice(n=7, m=7)
     lines = [r.getMessage() for r in caplog.records]

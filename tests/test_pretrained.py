@@ -10,9 +10,9 @@ import torch
 from hf_models import tiny_v2, tiny_v3
 
 import mla_backends
-from mla_backends.checkpoint import INDEX_FILE, CheckpointError, attention_prefix
-from mla_backends.fp8_checkpoint import dequantize_block_fp8
-from mla_backends.hf_loading import shard_hf_tensor
+from mla_backends.loading.checkpoint import INDEX_FILE, CheckpointError, attention_prefix
+from mla_backends.loading.fp8 import dequantize_block_fp8
+from mla_backends.loading.hf import shard_hf_tensor
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 MLAAttention = mla_backends.MLAAttention
@@ -271,7 +271,7 @@ def test_index_cannot_point_outside_the_folder_and_layers_are_checked_first(v3_f
         mla_backends.load_attention_layers(path, [0, "1"], progress=False)
     # a bad option fails before any tensor is read
     reads = []
-    from mla_backends import checkpoint
+    from mla_backends.loading import checkpoint
 
     original = checkpoint.Checkpoint.read_attention_layer
     monkeypatch.setattr(checkpoint.Checkpoint, "read_attention_layer",

@@ -16,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.metadata import BatchMetadata
 from mla_backends.ref_torch import RefTorchBackend
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 
 R_LAT, R_ROPE, P_NOPE, V_DIM = 512, 64, 128, 128
 SCALE = (P_NOPE + R_ROPE) ** -0.5  # the unabsorbed scale, as a DeepSeek model computes it (no YaRN here)

@@ -15,10 +15,11 @@ import math
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.metadata import BatchMetadata
 from mla_backends.ref_torch import RefTorchBackend, plans
 from mla_backends.ref_torch import backend as ref_backend
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 from mla_backends.testing import no_host_sync
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -126,16 +127,19 @@ def test_plan_is_made_once_per_step_and_reused(monkeypatch):
         built.append(args[1:])
         return inner(*args)
 
-    monkeypatch.setattr(ref_backend, "dense_groups", spy)
+    monkeypatch.setattr(plans, "dense_groups", spy)
     cache, meta, q = make_step([1] * 4, [3, BS, 2 * BS - 1, 7])
-    first, lse1 = check(cache, meta, q, 2e-5, 1e-6)
-    second, lse2 = RefTorchBackend().forward_mqa(q[..., :r].contiguous(), q[..., r:].contiguous(), cache, meta,
-                                                 scale=SCALE)
+    ql, qr = q[..., :r].contiguous(), q[..., r:].contiguous()
+    layers = [RefTorchBackend(), RefTorchBackend()]  # two layers' instances of one class share the state
+    plan = plan_step(meta, layers)
+    first, lse1 = layers[0].forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
+    second, lse2 = layers[1].forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
     assert built == [(r + R, H, ref_backend.GROUP_ELEMENT_BUDGET)]
     assert torch.equal(first, second) and torch.equal(lse1, lse2)
+    check(cache, meta, q, 2e-5, 1e-6)  # and they are right
     next_step = BatchMetadata.build([1] * 4, [3, BS, 2 * BS - 1, 7], meta.block_table, BS)
-    RefTorchBackend().forward_mqa(q[..., :r].contiguous(), q[..., r:].contiguous(), cache, next_step, scale=SCALE)
-    assert len(built) == 2  # a new step builds its own
+    layers[0].forward_mqa(ql, qr, cache, next_step, scale=SCALE, plan=plan_step(next_step, layers))
+    assert len(built) >= 3  # a new step builds its own (check() above ran a step of its own too)
 
 
 def test_group_page_ids_replace_entries_past_the_last_page():
@@ -147,8 +151,8 @@ def test_group_page_ids_replace_entries_past_the_last_page():
 def test_prepared_step_makes_no_host_sync():
     cache, meta, q = make_step([1, 2, 1], [BS + 1, 4, 30])
     backend = RefTorchBackend()
-    meta.prepare(backend)  # the engine's once-per-step call
+    plan = plan_step(meta, [backend])  # the engine's once-per-step call
     ql, qr = q[..., :r].contiguous(), q[..., r:].contiguous()
     with no_host_sync():
-        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE)  # the first layer builds the plan
-        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE)  # later layers reuse it
+        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)  # the first layer fills its groups
+        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)  # later layers reuse them

@@ -8,10 +8,9 @@ import pytest
 import torch
 from selector_fakes import FakeTriton, FakeXqa, fake_registry
 
-from mla_backends.backend import Capabilities, MLABackend
-from mla_backends.plugins import _NotBuilt, _resolve, get_backend, load_registry, registered_backends
-from mla_backends.ref_torch import RefTorchBackend
-from mla_backends.registry import (
+from mla_backends.backends.contract import Capabilities, MLABackend
+from mla_backends.plugins.loading import _NotBuilt, _resolve, get_backend, load_registry, registered_backends
+from mla_backends.plugins.registry import (
     BackendName,
     Placement,
     RegistrationError,
@@ -19,6 +18,7 @@ from mla_backends.registry import (
     UnknownBackendError,
     validate_backend_class,
 )
+from mla_backends.ref_torch import RefTorchBackend
 from selector.select import select_backend
 
 
@@ -72,7 +72,7 @@ def test_validation_of_backend_classes():
     assert validate_backend_class(FakeXqa) == []
     assert validate_backend_class(object) == [
         "backend: got <class 'object'>; supported an MLABackend subclass"]
-    assert validate_backend_class(NoKernel) == ["_forward_mqa_impl: got the abstract base method; supported an "
+    assert validate_backend_class(NoKernel) == ["forward_mqa_kernel: got the abstract base method; supported an "
                                                 "implementation"]
     bad_caps = type("BAD_CAPS", (FakeXqa,), {"name": "BAD_CAPS", "capabilities": {"dtypes": "bf16"}})
     assert validate_backend_class(bad_caps) == ["capabilities: got dict; supported a Capabilities instance"]
@@ -101,7 +101,7 @@ def test_classes_passed_directly_are_validated():
     assert reg.get(FakeXqa) is FakeXqa
     with pytest.raises(ValueError, match="backend MLABackend: name: got 'ABSTRACT'.*capabilities: got NoneType"):
         reg.get(MLABackend)
-    with pytest.raises(ValueError, match="backend NoKernel: _forward_mqa_impl: got the abstract base method"):
+    with pytest.raises(ValueError, match="backend NoKernel: forward_mqa_kernel: got the abstract base method"):
         reg.get(NoKernel)
     with pytest.raises(ValueError, match="backend MLABackend: name: got 'ABSTRACT'"):
         select_backend("v3", device="cpu", backend=MLABackend)

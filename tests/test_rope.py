@@ -12,8 +12,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     apply_rotary_pos_emb_interleave,
 )
 
-from mla_backends.dims import MLADims, RopeScaling
-from mla_backends.rope import RotaryEmbedding, rope_inv_freq
+from mla_backends.core.dims import MLADims, RopeScaling
+from mla_backends.core.rope import RotaryEmbedding, rope_inv_freq
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

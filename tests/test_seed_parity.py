@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.metadata import BatchMetadata
-from mla_backends.naive import expanded_decode
+from mla_backends.backends.naive import expanded_decode
 from mla_backends.ref_torch import RefTorchBackend
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 
 
 def test_absorbed_reference_matches_naive_expanded_decode_in_float64():

@@ -8,8 +8,8 @@ import pytest
 import torch
 from selector_fakes import FakeTrtllm, FakeXqa, fake_registry, install
 
-from mla_backends.backend import Capabilities
-from mla_backends.dims import MLADims
+from mla_backends.backends.contract import Capabilities
+from mla_backends.core.dims import MLADims
 from mla_backends.ref_torch import RefTorchBackend
 from selector.select import NoBackendError, Selection, clear_cache, select_backend
 
@@ -229,7 +229,7 @@ def test_results_are_cached_per_request_device_and_environment(fakes, monkeypatc
 
 
 def test_sixteen_threads_get_one_consistent_answer(monkeypatch):
-    import mla_backends.plugins as reg_mod
+    import mla_backends.plugins.loading as reg_mod
 
     install(monkeypatch, fake_registry())
     monkeypatch.setattr(reg_mod, "_REGISTRY", None)  # threads race to load the real registry too
@@ -277,7 +277,7 @@ def test_page_size_hints_are_kept_only_above_the_chosen_backend(fakes):
 
 @pytest.mark.parametrize(("arch", "fits"), [("sm75", False), ("sm80", True), ("sm90", True), ("sm100", False)])
 def test_min_and_max_compute_capability_are_inclusive_bounds(arch, fits):
-    from mla_backends.backend import AttentionSpec
+    from mla_backends.backends.contract import AttentionSpec
     from selector.detect import resolve_device
 
     class Bounded(FakeXqa):

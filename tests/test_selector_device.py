@@ -10,8 +10,8 @@ import pynvml
 import pytest
 from selector_fakes import fake_registry, install
 
-from mla_backends.device import CPU_DEVICE, DeviceInfo, parse_device_spec, simulated_device
-from mla_backends.dims import MLADims
+from mla_backends.core.device import CPU_DEVICE, DeviceInfo, parse_device_spec, simulated_device
+from mla_backends.core.dims import MLADims
 from selector.detect import clear_device_cache, detect_device, resolve_device
 from selector.select import select_backend
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from selector.docs_gen import DOC_PATH, main, render_selection_doc
+from docgen.selection import DOC_PATH, main, render_selection_doc
 from selector.ladders import LADDERS
 
 
 def test_selection_doc_matches_the_data():
-    assert DOC_PATH.exists(), "run: python -m selector.docs_gen"
-    stale = "docs/selection.md is stale: run python -m selector.docs_gen"
+    assert DOC_PATH.exists(), "run: python -m docgen.selection"
+    stale = "docs/selection.md is stale: run python -m docgen.selection"
     assert DOC_PATH.read_text() == render_selection_doc(), stale
 
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 from selector_fakes import FAKES, FakeXqa, fake_registry, install
 
-from mla_backends.backend import MLABackend
-from mla_backends.device import CPU_DEVICE, simulated_device
-from mla_backends.dims import MLADims
-from mla_backends.plugins import load_registry
-from mla_backends.registry import BackendName, Registry
+from mla_backends.backends.contract import MLABackend
+from mla_backends.core.device import CPU_DEVICE, simulated_device
+from mla_backends.core.dims import MLADims
+from mla_backends.plugins.loading import load_registry
+from mla_backends.plugins.registry import BackendName, Registry
 from selector.ladders import LADDERS, candidates, ladder_for
 from selector.select import NoBackendError, clear_cache, select_backend
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mla_backends.dims import MLADims
-from mla_backends.registry import BackendName, UnknownBackendError
+from mla_backends.core.dims import MLADims
+from mla_backends.plugins.registry import BackendName, UnknownBackendError
 from selector.select import BackendNotSupportedError, select_backend
 
 V3 = MLADims.deepseek_v3().tensor_parallel(8)

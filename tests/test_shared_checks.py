@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
-from mla_backends.cache import LatentKVCache, block_table_slots, check_slot_mapping
-from mla_backends.device import simulated_device
-from mla_backends.dims import MLADims, read_config_json
+from mla_backends.backends import inputs as device_module  # where check_declared_support looks devices up
+from mla_backends.core.device import simulated_device
+from mla_backends.core.dims import MLADims, read_config_json
+from mla_backends.core.validation import require_on_device
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
     FlashInferMLABackend,
@@ -20,10 +20,10 @@ from mla_backends.flashinfer_mla import (
     FlashInferXqaMLABackend,
 )
 from mla_backends.flashinfer_mla._common import deliver_outputs, output_buffers
-from mla_backends.hf_loading import hf_attention_bias
-from mla_backends.metadata import BatchMetadata
-from mla_backends.sparse import IndexerKeyCache
-from mla_backends.validation import require_on_device
+from mla_backends.layer.sparse import IndexerKeyCache
+from mla_backends.loading.hf import hf_attention_bias
+from mla_backends.step.cache import LatentKVCache, block_table_slots, check_slot_mapping
+from mla_backends.step.metadata import BatchMetadata
 
 V2_LITE = {"num_attention_heads": 16, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
            "v_head_dim": 128, "hidden_size": 2048, "q_lora_rank": None, "attention_bias": True}
@@ -192,9 +192,14 @@ def test_dims_outside_the_kernel_are_refused(cls, monkeypatch):
                         "supported 512/64")
 
 
-def test_declared_support_is_derived_once_per_step_and_combination(monkeypatch):
-    from mla_backends.mqa_inputs import check_declared_support
+def test_declared_support_is_derived_when_planned_and_looked_up(monkeypatch):
+    """A configured backend's combination is asked of its declarations once, when the step is planned; the
+    calls of every layer then look it up in the plan. Other combinations (an LSE asked for) are asked in full,
+    and a rejection is never recorded."""
+    from mla_backends.backends.contract import AttentionSpec
+    from mla_backends.backends.inputs import check_declared_support
     from mla_backends.ref_torch import RefTorchBackend
+    from mla_backends.step.plan import plan_step
 
     cache, meta, q, qr = _batch()
     calls = []
@@ -205,9 +210,16 @@ def test_declared_support_is_derived_once_per_step_and_combination(monkeypatch):
         return inner(cls, spec)
 
     monkeypatch.setattr(RefTorchBackend, "not_supported_reasons", classmethod(spy))
+    backend = RefTorchBackend()
+    backend.configure(AttentionSpec(num_heads=16, dtype=torch.bfloat16, block_size=64), 0.1)
+    plan = plan_step(meta, [backend])
+    assert calls == [False] and plan.accepted
     for _ in range(3):  # three layers of one step
-        check_declared_support(RefTorchBackend, q, cache, meta)
-    check_declared_support(RefTorchBackend, q, cache, meta, lse_out=torch.empty(2, 16))
+        check_declared_support(RefTorchBackend, q, cache, meta, plan=plan)
+    assert calls == [False]
+    check_declared_support(RefTorchBackend, q, cache, meta, lse_out=torch.empty(2, 16), plan=plan)
     assert calls == [False, True]
+    check_declared_support(RefTorchBackend, q, cache, meta)  # no plan: asked in full
+    assert calls == [False, True, False]
     with pytest.raises(TypeError, match="REF_TORCH cannot run these inputs: dtype: got int8"):
         check_declared_support(RefTorchBackend, q.to(torch.int8), cache, meta)  # a rejection is never cached

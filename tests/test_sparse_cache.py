@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mla_backends import LatentKVCache, MLADims
-from mla_backends.sparse import IndexerKeyCache, dequantize_fp8_blockwise, quantize_fp8_blockwise
-from mla_backends.sparse.indexer_cache import indexer_bytes_per_token, pack_rows, unpack_rows
+from mla_backends.layer.sparse import IndexerKeyCache, dequantize_fp8_blockwise, quantize_fp8_blockwise
+from mla_backends.layer.sparse.indexer_cache import indexer_bytes_per_token, pack_rows, unpack_rows
 
 E4M3_MAX = 448.0
 
@@ -30,8 +30,8 @@ def test_v32_cache_is_132_bytes_per_token_uint8_rows():
 
 
 def test_cost_model_agrees_on_132_bytes_and_counts_only_indexing_layers():
-    costs = pytest.importorskip("mla_backends.costs",
-                                reason="the cost model (mla_backends/costs.py) is absent")
+    costs = pytest.importorskip("mla_backends.planning.costs",
+                                reason="the cost model (mla_backends/planning/costs.py) is absent")
     dims = MLADims.deepseek_v32()
     cache = IndexerKeyCache.allocate(dims, 1, 16)
     assert costs.indexer_bytes_per_token_per_layer(dims) == cache.bytes_per_token == 132

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mla_backends import BatchMetadata, IndexerDims, MLADims
-from mla_backends.sparse import Indexer, IndexerKeyCache, hadamard_matrix, index_scores
-from mla_backends.sparse import indexer as indexer_mod
+from mla_backends.layer.sparse import Indexer, IndexerKeyCache, hadamard_matrix, index_scores
+from mla_backends.layer.sparse import indexer as indexer_mod
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,9 +9,10 @@ import torch
 from layer_cases import SCHEDULE, run_schedule, scattered_block_tables
 
 from mla_backends import BatchMetadata, MLADims
-from mla_backends.hf_loading import StateDictError
-from mla_backends.layer import MLAAttention
-from mla_backends.sparse import Indexer, SparseKVCache
+from mla_backends.layer.attention import MLAAttention
+from mla_backends.layer.sparse import Indexer, SparseKVCache
+from mla_backends.loading.hf import StateDictError
+from mla_backends.step.plan import plan_step
 
 tmod = pytest.importorskip("transformers.models.deepseek_v32.modeling_deepseek_v32",
                            reason="this transformers has no deepseek_v32 model")
@@ -140,12 +141,13 @@ def test_skip_layer_reuses_the_previous_top_k_and_keeps_no_indexer_cache():
     x = torch.randn(9, 32, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     meta = BatchMetadata.build([6, 3], [0, 0], [[0, 1], [2]], 4)
     with pytest.raises(ValueError, match="reuses the previous layer's top-k"):
-        second(x, None, c2, meta)
-    y1 = first(x, None, c1, meta)
+        second(x, None, c2, plan_step(meta, [second]))
+    y1 = first(x, None, c1, plan_step(meta, [first]))
     topk = first.last_topk_indices
     assert tuple(topk.shape) == (9, 3)
     # same attention weights + the same top-k: the reusing layer computes what the indexing layer did
-    torch.testing.assert_close(second(x, None, c2, meta, topk_indices=topk), y1, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(second(x, None, c2, plan_step(meta, [second]), topk_indices=topk), y1, rtol=1e-12,
+                               atol=1e-12)
 
 
 def test_sparse_layer_on_triton_matches_transformers():
@@ -165,7 +167,7 @@ def test_sparse_layer_on_triton_matches_transformers():
     for qlens in SCHEDULE:  # as run_schedule, with positions left to the metadata (on the layer's device)
         meta = BatchMetadata.build(qlens, list(done), bt.to(device), 4, num_blocks=nb)
         hidden = torch.cat([xs[b][done[b]: done[b] + q] for b, q in enumerate(qlens)]).float().to(device)
-        y, off = layer(hidden, None, cache, meta).cpu(), 0
+        y, off = layer(hidden, None, cache, plan_step(meta, [layer])).cpu(), 0
         for b, q in enumerate(qlens):
             outs[b].append(y[off: off + q])
             off, done[b] = off + q, done[b] + q
@@ -185,9 +187,9 @@ def test_caller_top_k_on_an_indexing_layer_still_caches_the_indexer_keys():
     x = torch.randn(7, 32, generator=g, dtype=torch.float64)
     given, own = layer.allocate_cache(4, 4), layer.allocate_cache(4, 4)
     meta = BatchMetadata.build([7], [0], [[2, 0]], 4)
-    layer(x, None, own, meta)
+    layer(x, None, own, plan_step(meta, [layer]))
     topk = layer.last_topk_indices
-    layer(x, None, given, meta, topk_indices=topk)  # top-k from the caller: keys must be written all the same
+    layer(x, None, given, plan_step(meta, [layer]), topk_indices=topk)  # the caller's top-k: keys still written
     assert torch.equal(given.indexer_cache.data, own.indexer_cache.data)
     assert bool(given.indexer_cache.data.any())
 
@@ -210,7 +212,7 @@ def test_top_k_mismatches_raise_before_the_cache_changes():
         cache.data.copy_(torch.randn(cache.data.shape, dtype=torch.float64))
         before = cache.data.clone()
         with pytest.raises(ValueError, match=match):
-            layer(x, None, cache, meta, topk_indices=topk)
+            layer(x, None, cache, plan_step(meta, [layer]), topk_indices=topk)
         assert torch.equal(cache.data, before), "a rejected call wrote the cache"
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from layer_cases import hf_attention, run_schedule, scattered_block_tables, tiny_config
 
-from mla_backends.layer import MLAAttention
+from mla_backends.layer.attention import MLAAttention
 
 STEPS = [[6, 9, 2], [1, 1, 1], [4, 1, 7]]
 

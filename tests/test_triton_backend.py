@@ -11,11 +11,11 @@ import pytest
 import torch
 from devices import case_device
 
-from mla_backends import mqa_inputs as device_module  # where check_declared_support looks devices up
-from mla_backends.backend import AttentionSpec
-from mla_backends.cache import LatentKVCache
-from mla_backends.device import CPU_DEVICE, DeviceInfo
-from mla_backends.metadata import BatchMetadata
+from mla_backends.backends import inputs as device_module  # where check_declared_support looks devices up
+from mla_backends.backends.contract import AttentionSpec
+from mla_backends.core.device import CPU_DEVICE, DeviceInfo
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 from mla_backends.triton_mla import TritonMLABackend, choose_num_kv_splits
 from mla_backends.triton_mla.splits import MAX_KV_SPLITS, block_h_for, next_pow2
 
@@ -74,8 +74,8 @@ def test_importing_the_backend_and_gating_do_not_import_triton():
         import os, sys
         os.environ.pop("TRITON_INTERPRET", None)
         from mla_backends.triton_mla import TritonMLABackend
-        from mla_backends.backend import AttentionSpec
-        from mla_backends.device import CPU_DEVICE
+        from mla_backends.backends.contract import AttentionSpec
+        from mla_backends.core.device import CPU_DEVICE
         r = TritonMLABackend.not_supported_reasons(AttentionSpec(num_heads=16, device=CPU_DEVICE))
         assert any("requires a CUDA device" in str(x) for x in r), r
         assert "triton" not in sys.modules, "triton imported"

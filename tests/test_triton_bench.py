@@ -30,7 +30,7 @@ def test_peaks_come_from_the_gpu_table_and_flags_override(bench):
 
 
 def test_judge_bytes_flops_and_bound(bench):
-    from mla_backends.gpus import gpu_spec
+    from mla_backends.core.gpus import gpu_spec
 
     h200 = gpu_spec("h200")
     args = bench.parse_args([])

@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import torch
 
-from mla_backends.cache import LatentKVCache
-from mla_backends.metadata import BatchMetadata
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 from mla_backends.triton_mla import TritonMLABackend
 from mla_backends.triton_mla.configs import (
     CONFIG_TABLE,

@@ -3,13 +3,13 @@ those reports cover what the table can choose (no triton needed: it reads JSON).
 
 from __future__ import annotations
 
+from docgen.triton_configs import CONFIGS_DOC_PATH, compile_reports, main, render_configs_doc
 from mla_backends.triton_mla.configs import CONFIG_TABLE
-from mla_backends.triton_mla.configs_doc import CONFIGS_DOC_PATH, compile_reports, main, render_configs_doc
 
 
 def test_configs_doc_matches_the_table_and_reports(tmp_path):
     assert CONFIGS_DOC_PATH.read_text() == render_configs_doc(), (
-        "docs/triton-configs.md is stale: python -m mla_backends.triton_mla.configs_doc")
+        "docs/triton-configs.md is stale: python -m docgen.triton_configs")
     stale = tmp_path / "triton-configs.md"
     stale.write_text(render_configs_doc().replace("sm90-rows64-n32-s3", "sm90-rows64-n64-s2", 1))
     assert main(["--check", "--path", str(stale)]) == 1

@@ -17,9 +17,9 @@ import pytest
 import torch
 from devices import case_device
 
-from mla_backends.backend import DEFAULT_TOLERANCES
-from mla_backends.cache import LatentKVCache
-from mla_backends.metadata import BatchMetadata
+from mla_backends.backends.contract import DEFAULT_TOLERANCES
+from mla_backends.step.cache import LatentKVCache
+from mla_backends.step.metadata import BatchMetadata
 from mla_backends.triton_mla import SCRATCH, TritonMLABackend, choose_num_kv_splits
 from mla_backends.triton_mla.splits import sm_count
 
@@ -407,7 +407,7 @@ def test_gpu_cuda_graph_capture_and_replay_with_new_lengths():
 def test_launch_path_reads_no_device_values(monkeypatch):
     # After the shared validation, nothing in the call may read a tensor's value on the host (on a GPU that
     # would synchronise and break CUDA-graph capture): make every such read raise, then run a call.
-    import mla_backends.backend as backend_module  # MLABackend.forward_mqa runs the shared validation
+    import mla_backends.backends.contract as backend_module  # MLABackend.forward_mqa runs the shared validation
 
     cache, meta, ql, qr = make_case([1, 3], [40, 9], page=16, seed=12)
     real_check = backend_module.check_mqa_inputs

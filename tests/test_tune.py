@@ -10,11 +10,13 @@ import math
 import pytest
 import torch
 
-from mla_backends import costs, dispatch, tuning
 from mla_backends.cli import main
-from mla_backends.dims import MLADims
-from mla_backends.metadata import BatchMetadata
-from mla_backends.threshold_table import TABLE_FORMAT, ContextThresholds, ThresholdTable, TunedThresholds
+from mla_backends.core.dims import MLADims
+from mla_backends.layer import dispatch
+from mla_backends.layer.thresholds import TABLE_FORMAT, ContextThresholds, ThresholdTable, TunedThresholds
+from mla_backends.planning import costs, tuning
+from mla_backends.step.metadata import BatchMetadata
+from mla_backends.step.plan import plan_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,8 +146,9 @@ def test_path_timer_paths_match_reference():
     meta = BatchMetadata.build([q], [s], timer.block_table, timer.block_size, decode_threshold=q)
     ref = _naive_reference(timer, s, q)
     with torch.inference_mode():
-        torch.testing.assert_close(timer.absorbed(meta, q).double(), ref, atol=1e-9, rtol=1e-9)
-        torch.testing.assert_close(timer.expanded(meta, q).double(), ref, atol=1e-9, rtol=1e-9)
+        plan = plan_step(meta, [timer.layer.backend])
+        torch.testing.assert_close(timer.absorbed(plan, q).double(), ref, atol=1e-9, rtol=1e-9)
+        torch.testing.assert_close(timer.expanded(plan, q).double(), ref, atol=1e-9, rtol=1e-9)
     t = timer.time(s, q)
     assert (t.context_len, t.query_len) == (s, q) and t.absorbed_s > 0 and t.expanded_s > 0
     with pytest.raises(ValueError, match="context_len \\+ query_len: got 41"):
@@ -274,8 +277,8 @@ def test_tune_help_shows_the_default_grid(capsys):
 
 # ---- a layer dispatches by a loaded table ----------------------------------------------------------------
 def _layer(monkeypatch, **kwargs):
-    from mla_backends.hf_loading import random_hf_state_dict
-    from mla_backends.layer import MLAAttention
+    from mla_backends.layer.attention import MLAAttention
+    from mla_backends.loading.hf import random_hf_state_dict
 
     layer = MLAAttention(TINY, backend="REF_TORCH", dtype=torch.float32, **kwargs)
     layer.load_hf_state_dict(random_hf_state_dict(TINY, dtype=torch.float32))
@@ -284,7 +287,7 @@ def _layer(monkeypatch, **kwargs):
 
 def _mha_calls(monkeypatch, layer, query_len: int, context_len: int) -> int:
     """Run the layer on one request and count forward_mha calls (the expanded path)."""
-    import mla_backends.layer as layer_mod
+    import mla_backends.layer.attention as layer_mod
 
     calls = []
     real = layer_mod.forward_mha
@@ -296,7 +299,7 @@ def _mha_calls(monkeypatch, layer, query_len: int, context_len: int) -> int:
     monkeypatch.setattr(layer_mod, "forward_mha", counting)
     cache = layer.allocate_cache(16, 4)
     meta = BatchMetadata.build([query_len], [context_len], torch.arange(16, dtype=torch.int32).view(1, 16), 4)
-    out = layer(torch.randn(query_len, TINY.hidden_size), None, cache, meta)
+    out = layer(torch.randn(query_len, TINY.hidden_size), None, cache, plan_step(meta, [layer]))
     assert out.shape == (query_len, TINY.hidden_size) and torch.isfinite(out).all()
     monkeypatch.setattr(layer_mod, "forward_mha", real)
     return len(calls)
@@ -330,7 +333,7 @@ def test_layer_reads_the_table_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_layer_table_argument_errors(tmp_path, monkeypatch):
-    from mla_backends.layer import MLAAttention
+    from mla_backends.layer.attention import MLAAttention
 
     monkeypatch.delenv(dispatch.THRESHOLD_TABLE_ENV, raising=False)
     path = tmp_path / "t.json"
@@ -353,11 +356,11 @@ def test_layer_does_not_import_the_measurement_tool():
     import ast
     import inspect
 
-    import mla_backends.dispatch
-    import mla_backends.layer
-    import mla_backends.threshold_table
+    import mla_backends.layer.attention
+    import mla_backends.layer.dispatch
+    import mla_backends.layer.thresholds
 
-    for mod in (mla_backends.layer, mla_backends.dispatch, mla_backends.threshold_table):
+    for mod in (mla_backends.layer.attention, mla_backends.layer.dispatch, mla_backends.layer.thresholds):
         tree = ast.parse(inspect.getsource(mod))
         names = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         names |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -71,6 +71,13 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise UsageError(message, self)
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        """``--help``, ``--version`` and usage lines: written so that a closed pipe raises (argparse's own
+        method swallows the error, which made ``--help | true`` exit 0 when unbuffered)."""
+        from .pipes import write_or_raise
+
+        write_or_raise(message, file)
+
 
 def _global_options(parser: _Parser) -> None:
     """The options that come before the command (``-v``, ``--version``, ``--json``)."""
@@ -116,7 +123,7 @@ def report_error(exc: BaseException, *, as_json: bool, command: str | None,
     level). ``options`` are the command's option strings: a library argument the message leads with is
     reported as the flag that sets it (:func:`mla_backends.cli.flags.flag_error`; ``argument`` is that flag).
     """
-    from ..errors import error_dict
+    from ..core.errors import error_dict
     from .flags import flag_error
 
     if isinstance(exc, KeyboardInterrupt):
@@ -207,9 +214,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; every error is reported by :func:`report_error` (exit status 2).
 
     ``--json`` before the command means the same as after it (for the commands that have ``--json``). A stdout
-    closed by its reader ends the command quietly with status 141 (:mod:`mla_backends.cli.pipes`)."""
-    from .pipes import flush_stdout, stdout_closed
+    closed by its reader, or closed before the command starts (``>&-``), ends the command quietly with status
+    141 (:mod:`mla_backends.cli.pipes`)."""
+    from .pipes import CLOSED_STDOUT_STATUS, flush_stdout, stdout_closed, stdout_missing
 
+    if stdout_missing():  # nothing the command prints could be seen: run nothing, print nothing
+        return CLOSED_STDOUT_STATUS
     try:
         status = _run(argv)
         flush_stdout()

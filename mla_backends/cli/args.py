@@ -17,7 +17,7 @@ __all__ = ["load_model_dims", "load_model_config", "per_rank_dims", "int_list", 
 
 def load_model_dims(spec: str) -> Any:
     """``--model``: an existing config.json (or a folder holding one) or a preset name."""
-    from ..dims import PRESET_NAMES, MLADims
+    from ..core.dims import PRESET_NAMES, MLADims
 
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(
@@ -44,10 +44,10 @@ def load_model_dims(spec: str) -> Any:
 
 def load_model_config(spec: str) -> dict[str, Any] | None:
     """``--model``'s config.json for the deployment sizing (None for a preset): its MLP/MoE fields checked
-    as the layer checks its own (:meth:`mla_backends.deployment.ModelShape.from_config`), the error under
+    as the layer checks its own (:meth:`mla_backends.planning.deployment.ModelShape.from_config`), the error under
     ``--model`` (``--model: config.vocab_size: missing; ...``)."""
-    from ..deployment import ModelShape
-    from ..dims import read_config_json
+    from ..core.dims import read_config_json
+    from ..planning.deployment import ModelShape
 
     if not os.path.exists(spec):
         return None

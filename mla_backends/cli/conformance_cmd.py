@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     import pytest
     import torch
 
-    from ..plugins import get_registry
+    from ..plugins.loading import get_registry
 
     entry = get_registry().resolve(args.backend)  # ValueError/TypeError -> exit 2 with the message
     cls = entry.cls

@@ -11,7 +11,7 @@ import argparse
 import json
 from typing import Any
 
-from .. import reserve
+from ..planning import reserve
 from .args import add_model_args, csv_text, int_at_least, int_list, load_model_dims, per_rank_dims
 
 __all__ = ["register", "load_model_dims", "per_rank_dims", "run_kv_cache", "run_crossover", "model_label"]
@@ -37,8 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tokens per sequence, one or a list, for per-sequence sizes (and how many fit in --cache-memory; "
         "with --gpu the first length)",
     )
-    p.add_argument("--cache-memory", type=float, default=None, metavar="GiB",
-                   help="memory one rank gives to the KV cache alone, in GiB (no weights counted)")
+    p.add_argument("--cache-memory", default=None, metavar="SIZE",
+                   help="memory one rank gives to the KV cache alone (40GiB, 42.9GB; a bare number is GiB; "
+                        "no weights counted)")
     p.add_argument("--gpu", default=None, metavar="NAME", help="size a deployment on this GPU (a100, h100, h200, "
                    "b200): weights, prefill workspace, what is left for the cache")
     p.add_argument("--gpu-memory", default=None, metavar="SIZE",
@@ -95,7 +96,7 @@ def model_label(spec: str, dims: Any) -> str:
     still called ``deepseek-r1``; ``r1`` and ``deepseek_r1`` spell it too), or the config's own name."""
     import os
 
-    from ..dims import PRESET_NAMES
+    from ..core.dims import PRESET_NAMES
 
     if os.path.exists(str(spec)):
         return dims.name
@@ -104,6 +105,12 @@ def model_label(spec: str, dims: Any) -> str:
         if name in PRESET_NAMES:
             return name
     return dims.name
+
+
+def _size_label(text: str) -> str:
+    """A size as the user wrote it, with the GiB a bare number means (``40`` -> ``40 GiB``)."""
+    text = text.strip()
+    return text if text[-1:].isalpha() else f"{text} GiB"
 
 
 def _kib(n: float) -> str:
@@ -116,8 +123,11 @@ def run_kv_cache(args: argparse.Namespace) -> int:
     dims = load_model_dims(args.model)
     per_rank_dims(dims, args.tp)  # checks --tp; the cost functions take the whole model and tp
     tp = args.tp
-    if args.cache_memory is not None and args.cache_memory <= 0:
-        raise ValueError(f"--cache-memory: got {args.cache_memory}; supported a positive number of GiB")
+    cache_bytes = None
+    if args.cache_memory is not None:
+        from ..deployment import parse_memory
+
+        cache_bytes = parse_memory(args.cache_memory, "--cache-memory")  # exact decimal, whole bytes
     if args.gpu is not None or args.gpu_memory is not None:
         return _run_deployment(args, dims)
     if args.dcp != 1:  # the report below is one replicated rank: DCP/DP-attention would go unseen
@@ -136,7 +146,7 @@ def run_kv_cache(args: argparse.Namespace) -> int:
     contexts = args.context or [None]
     label = model_label(args.model, dims)
     reps = [reports.kv_cache_report(dims, kv_cache_dtype=args.kv_cache_dtype, model_dtype=args.dtype, tp=tp,
-                                    context_len=s, gpu_memory_gib=args.cache_memory, model_name=label)
+                                    context_len=s, cache_memory_bytes=cache_bytes, model_name=label)
             for s in contexts]
     rep = reps[0]  # the first --context's per-sequence figures stay at the top level
     if args.context:
@@ -183,7 +193,7 @@ def run_kv_cache(args: argparse.Namespace) -> int:
         print(f"  one {seq['context_len']:,}-token sequence: {seq['bytes_per_sequence'] / 2**20:,.1f} MiB")
     if "tokens_that_fit" in rep:
         line = (
-            f"  {args.cache_memory:g} GiB holds {rep['tokens_that_fit']:,} tokens "
+            f"  {_size_label(args.cache_memory)} holds {rep['tokens_that_fit']:,} tokens "
             f"(GQA: {rep['gqa_tokens_that_fit']:,})"
         )
         fits = [f"{seq['sequences_that_fit']:,} sequences of {seq['context_len']:,}"
@@ -234,8 +244,8 @@ def run_crossover(args: argparse.Namespace) -> int:
 
 def _run_deployment(args: argparse.Namespace, dims: Any) -> int:
     """``kv-cache --gpu/--gpu-memory``: the deployment sizing of :func:`reports.deployment_report`."""
-    from .. import deployment
-    from ..gpus import gpu_spec
+    from ..core.gpus import gpu_spec
+    from ..planning import deployment
     from . import reports
     from .args import load_model_config
 

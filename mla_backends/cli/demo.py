@@ -3,7 +3,7 @@
 It runs a DeepSeek-V3-shaped absorbed decode (16 local heads, V3 at TP=8) over a paged cache with a scattered
 block table, checks it against the naive expanded computation, and prints both times and their ratio.
 
-Then it runs a real :class:`~mla_backends.layer.MLAAttention` (random weights, the same shapes): a batched
+Then it runs a real :class:`~mla_backends.layer.attention.MLAAttention` (random weights, the same shapes): a batched
 prefill, decode steps, and a mixed step (decodes plus extends over cached prefixes), and checks the mixed step
 against the same step run entirely through the expanded path. Last, transformers' own ``generate()`` of a tiny
 random DeepSeek model, unpatched and patched (:mod:`mla_backends.cli.generate_demo`).
@@ -52,11 +52,11 @@ def _timed(fn, repeat: int = 3):
 def decode_comparison(args: argparse.Namespace) -> int:
     import torch
 
-    from ..cache import LatentKVCache, block_table_slots
-    from ..dims import MLADims
-    from ..metadata import BatchMetadata
-    from ..naive import expanded_decode
-    from ..plugins import get_backend
+    from ..backends.naive import expanded_decode
+    from ..core.dims import MLADims
+    from ..plugins.loading import get_backend
+    from ..step.cache import LatentKVCache, block_table_slots
+    from ..step.metadata import BatchMetadata
 
     torch.manual_seed(args.seed)
     dims = MLADims.deepseek_v3().tensor_parallel(8)
@@ -104,11 +104,12 @@ def layer_demo(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..dims import MLADims
-    from ..dispatch import PerRequestPolicy
-    from ..hf_loading import random_hf_state_dict
-    from ..layer import MLAAttention
-    from ..metadata import BatchMetadata
+    from ..core.dims import MLADims
+    from ..layer.attention import MLAAttention
+    from ..layer.dispatch import PerRequestPolicy
+    from ..loading.hf import random_hf_state_dict
+    from ..step.metadata import BatchMetadata
+    from ..step.plan import plan_step
 
     prompts = args.prompts
     torch.manual_seed(args.seed)
@@ -138,7 +139,7 @@ def layer_demo(args: argparse.Namespace) -> int:
         x = torch.randn(sum(qlens), dims.hidden_size) * 0.5
         with torch.inference_mode():
             t = time.perf_counter()
-            y = lay(x, None, c, meta)
+            y = lay(x, None, c, plan_step(meta, [lay]))
             return y, time.perf_counter() - t
 
     y, t = step(prompts)
@@ -175,7 +176,7 @@ def layer_demo(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from selector.select import SelectionError, select_backend
 
-    from ..dims import MLADims
+    from ..core.dims import MLADims
 
     print("$ mla-backends select   (this machine; the demo below runs fp32 on the CPU)")
     try:  # the demo's own request: V3 at TP=8, fp32, its page size

@@ -134,8 +134,8 @@ def _known_env() -> dict[str, str]:
     """Variable -> what it does, for every variable this package reads."""
     from selector.select import MLA_BACKEND_ENV
 
-    from ..dispatch import THRESHOLD_TABLE_ENV
-    from ..plugins import DISABLE_AUTOLOAD_ENV
+    from ..layer.dispatch import THRESHOLD_TABLE_ENV
+    from ..plugins.loading import DISABLE_AUTOLOAD_ENV
     from ..triton_mla.interpreter import INTERPRET_ENV
 
     return {MLA_BACKEND_ENV: "forces a backend (auto/unset: the ladder)",
@@ -155,8 +155,8 @@ def environment_report() -> dict[str, Any]:
     from selector.detect import detect_devices
 
     from .. import __version__
-    from ..gpus import gpu_spec_for_device_name
-    from ..plugins import get_registry
+    from ..core.gpus import gpu_spec_for_device_name
+    from ..plugins.loading import get_registry
 
     packages: dict[str, Any] = {}
     for label, dists, module in PACKAGES:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ..errors import argument_named
+from ..core.errors import argument_named
 
 __all__ = ["LIBRARY_FLAGS", "flag_for", "flag_error"]
 

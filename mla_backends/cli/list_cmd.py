@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from ..errors import USER_CODE_FAILURES, failure_text
+from ..core.errors import USER_CODE_FAILURES, failure_text
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
     from selector.detect import resolve_device
     from selector.explain import capability_summary, device_dict
 
-    from ..plugins import get_registry
-    from ..registry import PluginProblem
+    from ..plugins.loading import get_registry
+    from ..plugins.registry import PluginProblem
 
     device = resolve_device(args.device)
     reg = get_registry()

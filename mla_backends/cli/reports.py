@@ -1,21 +1,21 @@
 """The reports ``mla-backends kv-cache`` and ``mla-backends crossover`` print, as JSON-ready dicts.
 
-Built from the pure cost model in :mod:`mla_backends.costs`; this module only gathers its figures into the
+Built from the pure cost model in :mod:`mla_backends.planning.costs`; this module only gathers its figures into the
 shape the command line prints (and ``--json`` writes). See ``docs/cost-model.md`` for the formulas.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
-from .. import costs, deployment, reserve
-from ..dims import MLADims
-from ..dtypes import parse_model_dtype, resolve_kv_cache_dtype
-from ..prefill import MAX_WORKSPACE_ROWS, workspace_widths
-from ..validation import require_int
+from ..core.dims import MLADims
+from ..core.dtypes import parse_model_dtype, resolve_kv_cache_dtype
+from ..core.validation import require_int
+from ..layer.workspace import MAX_WORKSPACE_ROWS, workspace_widths
+from ..planning import costs, deployment, reserve
 
 __all__ = ["kv_cache_report", "crossover_report", "deployment_report", "usable_bytes", "prefill_workspace_figures",
            "DEFAULT_QUERY_LENS", "DEFAULT_CONTEXTS"]
@@ -31,13 +31,16 @@ def kv_cache_report(
     gpu_memory_gib: float | None = None,
     gqa: costs.GQAConfig = costs.LLAMA3_70B,
     model_name: str | None = None,
+    cache_memory_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Everything ``mla-backends kv-cache`` prints, as a JSON-ready dict (bytes are per rank unless noted).
 
-    ``gpu_memory_gib`` is the memory one rank gives to the KV cache; ``tokens_that_fit`` counts latent plus
-    indexer bytes. ``context_len`` adds per-sequence bytes and how many such sequences fit. ``kv_cache_dtype``
-    in the result is the stored dtype (``auto`` resolved against ``model_dtype``). ``model_name`` labels the
-    report (default ``dims.name``: ``deepseek-r1`` has V3's dims and keeps its own name).
+    ``gpu_memory_gib`` (GiB, read as the decimal it prints as) or ``cache_memory_bytes`` (what
+    ``--cache-memory`` parses to) is the memory one rank gives to the KV cache; ``tokens_that_fit`` counts
+    latent plus indexer bytes. ``context_len`` adds per-sequence bytes and how many such sequences fit.
+    ``kv_cache_dtype`` in the result is the stored dtype (``auto`` resolved against ``model_dtype``).
+    ``model_name`` labels the report (default ``dims.name``: ``deepseek-r1`` has V3's dims and keeps its own
+    name).
     """
     b = costs.element_bytes(kv_cache_dtype, model_dtype)
     per_layer = costs.latent_bytes_per_token_per_layer(dims, b)  # checks dims
@@ -72,6 +75,9 @@ def kv_cache_report(
         s = require_int("context_len", context_len, minimum=1)
         rep["context_len"] = s
         rep["bytes_per_sequence"] = s * cell
+    if gpu_memory_gib is not None and cache_memory_bytes is not None:
+        raise ValueError(f"cache_memory_bytes: got {cache_memory_bytes!r} with gpu_memory_gib "
+                         f"{gpu_memory_gib!r}; supported one of the two")
     if gpu_memory_gib is not None:
         if (
             isinstance(gpu_memory_gib, bool)
@@ -79,7 +85,12 @@ def kv_cache_report(
             or not (gpu_memory_gib > 0 and math.isfinite(gpu_memory_gib))
         ):
             raise ValueError(f"gpu_memory_gib: got {gpu_memory_gib!r}; supported a positive number of GiB")
-        mem = int(gpu_memory_gib * costs.GiB)
+        cache_memory_bytes = deployment.parse_memory(gpu_memory_gib, "gpu_memory_gib")  # exact, as printed
+    if cache_memory_bytes is not None:
+        mem = require_int("cache_memory_bytes", cache_memory_bytes, minimum=1)
+        if mem > deployment.MAX_SIZE_BYTES:
+            raise ValueError(f"cache_memory_bytes: got {mem:,}; supported at most {deployment.MAX_SIZE_BYTES:,} "
+                             "(2**53, 8 PiB)")
         rep["gpu_memory_bytes"] = mem
         rep["tokens_that_fit"] = mem // cell
         rep["gqa_tokens_that_fit"] = mem // rep["gqa_bytes_per_token"]
@@ -91,9 +102,9 @@ def kv_cache_report(
 def prefill_workspace_figures(dims: MLADims, model_dtype: str = "bfloat16", tp: int = 1,
                               rows: int = MAX_WORKSPACE_ROWS) -> dict[str, int]:
     """The prefill workspace beside the cache, as ``forward_mha`` allocates it
-    (:func:`mla_backends.prefill.workspace_widths`): ``rows`` gathered latent rows plus their per-head K-nope
+    (:func:`mla_backends.layer.workspace.workspace_widths`): ``rows`` gathered latent rows plus their per-head K-nope
     and V (model dtype, this rank's ``total_num_heads // tp`` heads), the one buffer every layer of a device
-    shares (:mod:`mla_backends.workspace`), and what one per layer would take. Bytes."""
+    shares (:mod:`mla_backends.layer.workspace`), and what one per layer would take. Bytes."""
     mb = costs.element_bytes("auto", model_dtype)
     require_int("tp", tp, minimum=1)
     require_int("rows", rows, minimum=1)
@@ -165,6 +176,49 @@ def usable_bytes(gpu_memory_bytes: int, gpu_memory_utilization: float) -> int:
     return math.floor(Fraction(gpu_memory_bytes) * Fraction(repr(float(gpu_memory_utilization))))
 
 
+def _gb(nbytes: int, digits: int = 2) -> str:
+    """``nbytes`` in GB (10**9) with ``digits`` decimals, rounded half up, in integer arithmetic (any size)."""
+    whole, frac = divmod((nbytes * 10**digits + 10**9 // 2) // 10**9, 10**digits)
+    return f"{whole:,}" + (f".{frac:0{digits}d}" if digits else "")
+
+
+def _largest_fitting(limit: int, cost: Callable[[int], int], below: int) -> int:
+    """The largest ``t`` in ``[1, below)`` with ``cost(t) < limit`` (``cost`` non-decreasing), else 0."""
+    lo, hi = 0, below  # cost(lo) fits (or lo == 0), cost(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if cost(mid) < limit else (lo, mid)
+    return lo
+
+
+def _does_not_fit(model: str, *, tp: int, gpu: str, gpu_memory_bytes: int, usable: int, weights: int, wdt: str,
+                  workspace: int, held: int, reserve_bytes: int | None, tokens: int,
+                  held_at: Callable[[int], int]) -> str:
+    """The message for a deployment whose weights, workspace and reserve leave no room for a cache, naming the
+    flag whose value cannot fit: ``--tp`` when the weights and workspace alone fill the GPU, ``--reserve`` when
+    its figure is what overflows, ``--max-num-batched-tokens`` when the reserve modelled for it does (with the
+    largest budget that fits), ``--tp`` again when even one batched token's reserve does not fit."""
+    fixed = f"{model}'s weights ({_gb(weights, 1)} GB per rank, {wdt}) and the prefill workspace ({_gb(workspace)} GB)"
+    room = usable - weights - workspace  # what the reserve and the cache share
+    if room <= 0:
+        return (f"--tp: got {tp}; {fixed} do not fit {gpu}, before any reserve; supported a larger --tp, a "
+                "smaller --weights-dtype, or a larger GPU (--gpu, --gpu-memory, --gpu-memory-utilization)")
+    after = f"{gpu} has {_gb(room)} GB ({room:,} B) left after {fixed}, for the reserve and the cache together"
+    if reserve_bytes is not None:
+        whole = (f", more than the GPU's whole memory ({_gb(gpu_memory_bytes)} GB)"
+                 if reserve_bytes >= gpu_memory_bytes else "")
+        return (f"--reserve: got {_gb(reserve_bytes)} GB ({reserve_bytes:,} B) per rank{whole}; {after}; "
+                f"supported a reserve of less than {room:,} bytes")
+    fits = _largest_fitting(room, held_at, tokens)
+    if fits:
+        return (f"--max-num-batched-tokens: got {tokens:,}; the reserve modelled for that many tokens a step "
+                f"({_gb(held)} GB per rank) does not fit: {after}; supported at most {fits:,} tokens (or --reserve "
+                "with the figure an engine measured)")
+    return (f"--tp: got {tp}; {fixed} and the reserve, even as modelled for one batched token "
+            f"({_gb(held_at(1))} GB), do not fit {gpu}; supported a larger --tp, a smaller --weights-dtype, "
+            "--reserve with the figure an engine measured, or a larger GPU")
+
+
 def deployment_report(
     dims: MLADims,
     *,
@@ -184,7 +238,7 @@ def deployment_report(
     model_name: str | None = None,
 ) -> dict[str, Any]:
     """What one rank of a deployment of ``tp`` GPUs holds: weights, the prefill workspace, the reserve (what
-    an engine holds back: :mod:`mla_backends.reserve`, or ``reserve_bytes`` given) and the latent cache in what
+    an engine holds back: :mod:`mla_backends.planning.reserve`, or ``reserve_bytes`` given) and the latent cache in what
     is left of ``gpu_memory_bytes * gpu_memory_utilization``; tokens per rank and ``cluster_tokens``
     (``tokens per rank x dcp x data-parallel groups``: DP-attention makes every rank a group); the DCP
     communication per token per layer. Exact in whole bytes: ``usable_bytes`` (:func:`usable_bytes`) equals
@@ -195,6 +249,9 @@ def deployment_report(
             or not 0 < gpu_memory_utilization <= 1):
         raise ValueError(f"--gpu-memory-utilization: got {gpu_memory_utilization!r}; supported (0, 1]")
     require_int("--gpu-memory", gpu_memory_bytes, minimum=1)
+    if gpu_memory_bytes > deployment.MAX_SIZE_BYTES:
+        raise ValueError(f"--gpu-memory: got {gpu_memory_bytes:,} bytes; supported at most "
+                         f"{deployment.MAX_SIZE_BYTES:,} (2**53, 8 PiB)")
     require_int("tp", tp, minimum=1)
     require_int("dcp", dcp, minimum=1)
     if tp % dcp:
@@ -204,6 +261,9 @@ def deployment_report(
                          "TP=1 on every rank, so there is no TP group to split the cache across)")
     if reserve_bytes is not None:
         require_int("--reserve", reserve_bytes, minimum=0)
+        if reserve_bytes > deployment.MAX_SIZE_BYTES:
+            raise ValueError(f"--reserve: got {reserve_bytes:,} bytes; supported at most "
+                             f"{deployment.MAX_SIZE_BYTES:,} (2**53, 8 PiB)")
     attn_tp = 1 if dp_attention else tp
     b = costs.element_bytes(kv_cache_dtype, model_dtype)
     mb = costs.element_bytes("auto", model_dtype)
@@ -218,12 +278,16 @@ def deployment_report(
     held = sum(terms.values())
     usable = usable_bytes(gpu_memory_bytes, gpu_memory_utilization)
     left = usable - weights - workspace - held
-    where = f"{gpu_name or 'the GPU'} ({gpu_memory_bytes / 1e9:,.1f} GB x {gpu_memory_utilization:g})"
     if left <= 0:
-        raise ValueError(f"--tp: got {tp}; {dims.name}'s weights ({weights / 1e9:,.1f} GB per rank, {wdt}), "
-                         f"the prefill workspace ({workspace / 1e9:,.2f} GB) and the reserve "
-                         f"({held / 1e9:,.2f} GB) do not fit {where}; supported a larger --tp, a smaller "
-                         "--weights-dtype, a smaller --reserve or --max-num-batched-tokens, or a larger GPU")
+        def held_at(tokens: int) -> int:  # the modelled reserve at another token budget
+            return sum(reserve.reserve_terms(dims, shape, tp=tp, dcp=dcp, dp_attention=dp_attention, model_bytes=mb,
+                                             max_num_batched_tokens=tokens).values())
+
+        raise ValueError(_does_not_fit(
+            dims.name, tp=tp, gpu=f"{gpu_name or 'the GPU'} ({_gb(gpu_memory_bytes, 1)} GB x "
+                                  f"{gpu_memory_utilization:g})",
+            gpu_memory_bytes=gpu_memory_bytes, usable=usable, weights=weights, wdt=wdt, workspace=workspace,
+            held=held, reserve_bytes=reserve_bytes, tokens=max_num_batched_tokens, held_at=held_at))
     cell = costs.cache_bytes_per_token(dims, b)  # a rank stores 1/dcp of each token: rows, not tokens
     per_rank = left // cell
     dp_groups = tp if dp_attention else 1

@@ -21,7 +21,7 @@ DEFAULT_TP = 8
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from .. import tuning
+    from ..planning import tuning
 
     p = sub.add_parser(
         "tune", help="measure the absorbed/expanded crossover here and write a threshold table",
@@ -86,7 +86,7 @@ def _positive(name: str, v: int | None) -> None:
 def run_tune(args: argparse.Namespace) -> int:
     import torch
 
-    from .. import tuning
+    from ..planning import tuning
 
     check_output_file("--output", args.output)  # before minutes of measuring, not after
     dims = load_model_dims(args.model)
@@ -98,14 +98,14 @@ def run_tune(args: argparse.Namespace) -> int:
     if args.device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     else:
-        from ..validation import require_device
+        from ..core.validation import require_device
 
         device = args.device
         if require_device("--device", device).type == "meta":  # the one device check, then: kernels must run
             raise ValueError(f"--device: got {device!r}; supported 'cpu', 'cuda' or 'cuda:N' (meta runs nothing)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from ..dtypes import parse_model_dtype
+    from ..core.dtypes import parse_model_dtype
 
     dtype = parse_model_dtype(args.dtype, default=torch.float32 if device == "cpu" else torch.bfloat16)
 

@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..backend import AttentionSpec, MLABackend
-from ..dtypes import FP8_CACHE_DTYPES, FP8_E4M3_MAX, dtype_name
-from ..metadata import BatchMetadata
-from ..reasons import Reason, ReasonKind
+from ..backends.contract import AttentionSpec, MLABackend
+from ..backends.reasons import Reason, ReasonKind
+from ..core.dtypes import FP8_CACHE_DTYPES, FP8_E4M3_MAX, dtype_name
+from ..step.metadata import BatchMetadata
 from . import _install
 from .api import WORKSPACE_BYTES
 
@@ -67,9 +67,9 @@ class PlanSlot:
 class FlashInferStep:
     """A FlashInfer backend's state for one step: what its :meth:`~FlashInferBackendBase.prepare` returns.
 
-    Every layer of the step reads it back with ``meta.prepare(backend)``, so the work it keeps is done once
-    per step: the dense block table of each alignment (:meth:`block_table`) and one ``plan()`` per wrapper
-    configuration (:meth:`ensure_planned`).
+    ``plan_step`` makes it once per step and ``forward_mqa`` hands it to every layer's kernel call, so the
+    work it keeps is done once per step: the dense block table of each alignment (:meth:`block_table`) and
+    one ``plan()`` per wrapper configuration (:meth:`ensure_planned`).
 
     Attributes:
         block_tables: alignment -> ``[B, W]`` int32 table from :func:`dense_block_table`.
@@ -220,9 +220,11 @@ class FlashInferBackendBase(MLABackend):
         """A fresh :class:`FlashInferStep` for ``meta``'s step (filled on first use by each layer's call)."""
         return FlashInferStep()
 
-    def step_state(self, meta: BatchMetadata) -> FlashInferStep:
-        """This step's :class:`FlashInferStep` (``meta.prepare(self)``: prepared once per step)."""
-        state = meta.prepare(self)
+    def step_state(self, meta: BatchMetadata, state: object | None = None) -> FlashInferStep:
+        """This step's :class:`FlashInferStep`: ``state`` (what :meth:`prepare` returned when the step was
+        planned, handed to ``forward_mqa_kernel``), or a fresh ``prepare(meta)`` for a launch outside a step."""
+        if state is None:
+            state = self.prepare(meta)
         if not isinstance(state, FlashInferStep):
             raise TypeError(f"{self.name}.prepare: got {type(state).__name__}; supported FlashInferStep")
         return state

@@ -14,7 +14,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from ..reasons import Reason, ReasonKind
+from ..backends.reasons import Reason, ReasonKind
 
 __all__ = [
     "DISTRIBUTION",

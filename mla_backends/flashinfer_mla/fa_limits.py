@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..reasons import Reason, ReasonKind
+from ..backends.reasons import Reason, ReasonKind
 
 __all__ = [
     "FA_MAX_WORK_ITEMS",

@@ -1,7 +1,7 @@
 """``FLASHINFER_MLA`` (fa2/fa3) and ``FLASHINFER_MLA_CUTLASS``: FlashInfer's paged MLA wrapper.
 
 One wrapper per (device, FlashInfer backend) and one 128 MiB workspace per (device, path), created on first
-use. ``plan()`` runs once per step (its token is kept in the step's prepared state, ``meta.prepare(backend)``)
+use. ``plan()`` runs once per step (its token is kept in the step's prepared state, made by ``plan_step``)
 and ``run()`` once per layer.
 The cache is passed as the two strided views ``cache.latent [blocks, page, 512]`` and ``cache.rope [blocks,
 page, 64]`` of the one 576-wide tensor; FlashInfer reads their strides (fa2/fa3) or recognises them as
@@ -16,12 +16,12 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance
-from ..cache import LatentKVCache
-from ..device import device_info_for
-from ..dtypes import dtype_name, kv_cache_torch_dtype
-from ..metadata import BatchMetadata
-from ..reasons import Reason, ReasonKind
+from ..backends.contract import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance
+from ..backends.reasons import Reason, ReasonKind
+from ..core.device import device_info_for
+from ..core.dtypes import dtype_name, kv_cache_torch_dtype
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 from . import api
 from ._common import (
     FlashInferBackendBase,
@@ -193,15 +193,15 @@ class FlashInferMLABackend(FlashInferBackendBase):
                                    spec.device.sm_count)
         return reasons
 
-    def _forward_mqa_impl(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                          meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
-                          out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+    def forward_mqa_kernel(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                           meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                           out: torch.Tensor, lse_out: torch.Tensor | None, state: object | None) -> None:
         """Plan (once per batch) and run the paged wrapper; see :meth:`_launch`."""
-        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out)
+        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out, state=state)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                 *, scale: float, out: torch.Tensor | None, lse_out: torch.Tensor | None,
-                fi_backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                fi_backend: str | None = None, state: object | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Plan (once per batch) and run into ``out`` / ``lse_out`` (fresh buffers when None; returned);
         inputs already validated. ``fi_backend`` overrides fa2/fa3."""
         T, H, r = q_latent.shape
@@ -212,7 +212,7 @@ class FlashInferMLABackend(FlashInferBackendBase):
             fp8_scale = cache.scale_value if cache.is_fp8 else None  # the host copy set_scale keeps: no sync
             q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
             starts = meta.query_starts_list
-            planned = self._plan_step(self.step_state(meta), meta, fi_backend=fi_backend, num_heads=H,
+            planned = self._plan_step(self.step_state(meta, state), meta, fi_backend=fi_backend, num_heads=H,
                                       kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim, page_size=cache.block_size,
                                       scale=scale, q_dtype=q_latent.dtype, kv_dtype=cache.data.dtype)
             for requests, slot in planned:  # one plan/run per group: most batches are one group
@@ -287,17 +287,17 @@ class FlashInferCutlassMLABackend(FlashInferBackendBase):
     def backend_reasons(cls, spec: AttentionSpec) -> list[Reason | str]:
         return super().backend_reasons(spec) + cls._kv_matches_query_reason(spec)
 
-    def _forward_mqa_impl(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                          meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
-                          out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+    def forward_mqa_kernel(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                           meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                           out: torch.Tensor, lse_out: torch.Tensor | None, state: object | None) -> None:
         """Pad, plan (once per batch) and run; the kernel reads the cache as one packed tensor."""
         if not cache.data.is_contiguous():
             raise ValueError("cache.data: got a non-contiguous tensor; supported a contiguous "
                              "[blocks, page, 576] tensor")
-        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out)
+        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, state=state)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
-                *, scale: float, out: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+                *, scale: float, out: torch.Tensor | None, state: object | None = None) -> tuple[torch.Tensor, None]:
         """Pad, plan (once per batch) and run into ``out`` (returned, with None); inputs already validated."""
         r = q_latent.shape[2]
         rope = cache.qk_rope_head_dim
@@ -308,10 +308,10 @@ class FlashInferCutlassMLABackend(FlashInferBackendBase):
                                multiplier=scale_ratio(scale, cutlass_fixed_scale(rope)))
             slot = wrapper_slot(cache.device, "cutlass")
             key = (self.name, q_latent.dtype, cache.block_size, r, rope)
-            state = self.step_state(meta)
-            state.ensure_planned(key, slot, lambda: plan_cutlass(
+            step = self.step_state(meta, state)
+            step.ensure_planned(key, slot, lambda: plan_cutlass(
                 slot.wrapper, meta, kv_lora_rank=r, rope_dim=rope, page_size=cache.block_size,
-                dtype=q_latent.dtype, table=state.block_table(meta, align=128 // cache.block_size)))
+                dtype=q_latent.dtype, table=step.block_table(meta, align=128 // cache.block_size)))
             slot.wrapper.run(**api.cutlass_run_kwargs(query, cache.latent, cache.rope, out=full))
 
         return run_padded_heads(q_latent, out, heads, launch), None

@@ -15,19 +15,12 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import AttentionSpec, Capabilities, QueryLenSupport
-from ..cache import LatentKVCache
-from ..metadata import BatchMetadata
-from ..reasons import Reason, ReasonKind
+from ..backends.contract import AttentionSpec, Capabilities, QueryLenSupport
+from ..backends.reasons import Reason, ReasonKind
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 from . import api
-from ._common import (
-    FlashInferBackendBase,
-    deliver_outputs,
-    fp8_query_scale,
-    output_buffers,
-    pack_query,
-    workspace_for,
-)
+from ._common import FlashInferBackendBase, deliver_outputs, fp8_query_scale, output_buffers, pack_query, workspace_for
 
 __all__ = ["FlashInferTrtllmMLABackend"]
 
@@ -67,18 +60,19 @@ class FlashInferTrtllmMLABackend(FlashInferBackendBase):
             reasons.append(Reason(ReasonKind.NUM_HEADS, "num_heads", str(spec.num_heads), cls.HEADS_TEXT))
         return reasons
 
-    def _forward_mqa_impl(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                          meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
-                          out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+    def forward_mqa_kernel(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                           meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                           out: torch.Tensor, lse_out: torch.Tensor | None, state: object | None) -> None:
         """Build the trtllm-gen call and run it into ``out`` / ``lse_out``."""
-        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out)
+        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out, state=state)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                 *, scale: float, out: torch.Tensor | None, lse_out: torch.Tensor | None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Build the call and run it; inputs already validated."""
+                state: object | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Build the call and run it; inputs already validated (``state``: the step's prepared state)."""
         T, H, r = q_latent.shape
         dev = cache.device
+        step = self.step_state(meta, state)
         result, lse = output_buffers(q_latent, out, lse_out)
         if T:
             B = meta.num_requests
@@ -97,7 +91,7 @@ class FlashInferTrtllmMLABackend(FlashInferBackendBase):
             fn = api.load_trtllm_decode()
             fn(**api.trtllm_kwargs(
                 query.view(B, q_len, H, query.shape[-1]), cache.data, workspace_for(dev, "trtllm"),
-                kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim, block_tables=self.step_state(meta).block_table(meta),
+                kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim, block_tables=step.block_table(meta),
                 seq_lens=meta.seq_lens, max_seq_len=meta.max_seq_len, out=result.view(B, q_len, H, r),
                 lse=lse, bmm1_scale=bmm1, bmm2_scale=bmm2))
         return deliver_outputs(result, lse, out, lse_out)

@@ -16,17 +16,11 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import Capabilities, QueryLenSupport
-from ..cache import LatentKVCache
-from ..metadata import BatchMetadata
+from ..backends.contract import Capabilities, QueryLenSupport
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 from . import api
-from ._common import (
-    FlashInferBackendBase,
-    fp8_query_scale,
-    pack_query,
-    run_padded_heads,
-    workspace_for,
-)
+from ._common import FlashInferBackendBase, fp8_query_scale, pack_query, run_padded_heads, workspace_for
 
 __all__ = ["FlashInferXqaMLABackend"]
 
@@ -51,15 +45,17 @@ class FlashInferXqaMLABackend(FlashInferBackendBase):
         extra="flashinfer",
     )
 
-    def _forward_mqa_impl(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                          meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
-                          out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+    def forward_mqa_kernel(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                           meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                           out: torch.Tensor, lse_out: torch.Tensor | None, state: object | None) -> None:
         """Pad, quantise (fp8) and run into ``out``."""
-        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out)
+        self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, state=state)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
-                *, scale: float, out: torch.Tensor | None) -> tuple[torch.Tensor, None]:
-        """Pad, quantise (fp8) and run; inputs already validated."""
+                *, scale: float, out: torch.Tensor | None,
+                state: object | None = None) -> tuple[torch.Tensor, None]:
+        """Pad, quantise (fp8) and run; inputs already validated (``state``: the step's prepared state)."""
+        step = self.step_state(meta, state)
         heads = self.capabilities.max_num_heads  # the kernel's fixed head count; fewer heads are padded
 
         def launch(full: torch.Tensor) -> None:
@@ -79,7 +75,7 @@ class FlashInferXqaMLABackend(FlashInferBackendBase):
             fn(**api.xqa_kwargs(
                 query.view(T, 1, heads, query.shape[-1]), cache.data, workspace_for(dev, "xqa"),
                 kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim,
-                block_tables=self.step_state(meta).block_table(meta, align=max(1, 128 // cache.block_size)),
+                block_tables=step.block_table(meta, align=max(1, 128 // cache.block_size)),
                 seq_lens=meta.seq_lens, max_seq_len=meta.max_seq_len, out=full, bmm1_scale=bmm1,
                 bmm2_scale=bmm2))
 

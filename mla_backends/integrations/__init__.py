@@ -1,7 +1,7 @@
 """Adapters that run other libraries' models on mla-backends.
 
 - :mod:`mla_backends.integrations.transformers`: ``patch_model`` / ``unpatch_model`` put transformers'
-  DeepSeek-V2/V3 attention on :class:`~mla_backends.layer.MLAAttention`, so ``model.generate()`` decodes
+  DeepSeek-V2/V3 attention on :class:`~mla_backends.layer.attention.MLAAttention`, so ``model.generate()`` decodes
   absorbed over a paged latent cache. Imported on demand (it imports transformers).
 - :mod:`mla_backends.integrations.vllm`: a vLLM plugin (``vllm.general_plugins`` entry point, inert unless
   ``MLA_BACKENDS_VLLM=1``) that runs vLLM's MLA decode on the selected backend. Importing it never imports vLLM.

@@ -18,13 +18,13 @@ from typing import ClassVar
 
 import torch
 
-from ..attention_math import GROUP_ELEMENT_BUDGET, softmax_with_lse
-from ..backend import Capabilities, MLABackend, QueryLenSupport
-from ..cache import LatentKVCache, position_slots
-from ..dtypes import KV_CACHE_DTYPES, accumulate_dtype
-from ..metadata import BatchMetadata
-from ..validation import require_int
-from .plans import RefStep, dense_groups
+from ..backends.contract import Capabilities, MLABackend, QueryLenSupport
+from ..core.attention_math import GROUP_ELEMENT_BUDGET, softmax_with_lse
+from ..core.dtypes import KV_CACHE_DTYPES, accumulate_dtype
+from ..core.validation import require_int
+from ..step.cache import LatentKVCache, position_slots
+from ..step.metadata import BatchMetadata
+from .plans import RefStep
 
 __all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]
 
@@ -98,7 +98,7 @@ class RefTorchBackend(MLABackend):
         cuda_graphs=False,  # those host lists size the work: a captured graph would not follow new lengths
     )
 
-    def _forward_mqa_impl(
+    def forward_mqa_kernel(
         self,
         q_latent: torch.Tensor,
         q_rope: torch.Tensor,
@@ -109,30 +109,33 @@ class RefTorchBackend(MLABackend):
         topk_indices: torch.Tensor | None,
         out: torch.Tensor,
         lse_out: torch.Tensor | None,
+        state: object | None,
     ) -> None:
         """Dense (streamed or padded groups) or sparse attention into ``out`` / ``lse_out`` (see
-        :meth:`MLABackend.forward_mqa`, which validated the inputs)."""
+        :meth:`MLABackend.forward_mqa`, which validated the inputs); ``state`` is this step's
+        :class:`~mla_backends.ref_torch.plans.RefStep` (:meth:`prepare`)."""
         assert lse_out is not None  # returns_lse: forward_mqa always provides it
         cdt = accumulate_dtype(q_latent.dtype)
         q = torch.cat([q_latent, q_rope], dim=-1).to(cdt)  # [T, H, 576]
         if topk_indices is not None:
             self._sparse(q, cache, meta, topk_indices, scale, out, lse_out)
         else:
-            self._dense_dispatch(q, cache, meta, scale, out, lse_out)
+            step = state if isinstance(state, RefStep) else RefStep()  # a subclass's own state: made per call
+            self._dense_dispatch(q, cache, meta, scale, out, lse_out, step)
 
     # ---- dense -----------------------------------------------------------------------------------------
-    def _dense_dispatch(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
-                        out: torch.Tensor, lse_out: torch.Tensor) -> None:
-        """Long sequences (at least :func:`stream_min_rows` for this batch) stream through page chunks
-        (:meth:`_stream`), several consecutive requests of one query length and similar lengths (within
-        ``STREAM_LENGTH_RATIO``) at a time; runs of short sequences take the padded batched path
-        (:meth:`_dense`)."""
+    @staticmethod
+    def dense_parts(meta: BatchMetadata, row_bytes: int) -> list[tuple[bool, int, int]]:
+        """How a dense call over ``meta`` splits: ``(streamed, start, stop)`` runs of processing-order requests
+        holding tokens. Long sequences (at least :func:`stream_min_rows` for this batch, ``row_bytes`` bytes a
+        row in the compute dtype) stream through page chunks, several consecutive requests of one query length
+        and similar lengths (within ``STREAM_LENGTH_RATIO``) at a time; runs of short ones take padded groups."""
         seqs, qlens = meta.seq_lens_list, meta.query_lens_list
-        min_rows = stream_min_rows(meta.num_requests, q.shape[-1] * q.element_size())
+        min_rows = stream_min_rows(meta.num_requests, row_bytes)
         if all(s < min_rows for s in seqs):
-            self._dense(q, cache, meta, scale, out, lse_out)
-            return
+            return [(False, 0, meta.num_requests)]
         starts = meta.query_starts_list
+        parts = []
         b = 0
         while b < meta.num_requests:
             long_run = seqs[b] >= min_rows
@@ -143,13 +146,28 @@ class RefTorchBackend(MLABackend):
                     if qlens[e] != qlens[b] or e - b >= STREAM_MAX_REQUESTS or hi > STREAM_LENGTH_RATIO * lo:
                         break
                 e += 1
+            if starts[e] > starts[b]:
+                parts.append((long_run, b, e))
+            b = e
+        return parts
+
+    def _dense_dispatch(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
+                        out: torch.Tensor, lse_out: torch.Tensor, step: RefStep) -> None:
+        """The runs of :meth:`dense_parts`: streamed ones through :meth:`_stream`, the others through
+        :meth:`_dense` (padded groups from ``step``)."""
+        seqs = meta.seq_lens_list
+        parts = self.dense_parts(meta, q.shape[-1] * q.element_size())
+        if parts == [(False, 0, meta.num_requests)]:
+            self._dense(q, cache, meta, scale, out, lse_out, step, None)
+            return
+        starts = meta.query_starts_list
+        for streamed, b, e in parts:
             t0, t1 = starts[b], starts[e]
-            if t1 > t0 and long_run:
+            if streamed:
                 self._stream(q[t0:t1], cache, meta.block_table[b:e], meta.context_lens_list[b:e], seqs[b:e],
                              scale, out[t0:t1], lse_out[t0:t1])
-            elif t1 > t0:
-                self._dense(q[t0:t1], cache, meta.select_requests(b, e), scale, out[t0:t1], lse_out[t0:t1])
-            b = e
+            else:
+                self._dense(q[t0:t1], cache, meta, scale, out[t0:t1], lse_out[t0:t1], step, (b, e))
 
     @staticmethod
     def _stream(q: torch.Tensor, cache: LatentKVCache, block_rows: torch.Tensor,
@@ -232,29 +250,32 @@ class RefTorchBackend(MLABackend):
         lse_out.copy_((m + torch.log(l_sum)).view(b * n, H).to(lse_out.dtype))
 
     def prepare(self, meta: BatchMetadata) -> RefStep:
-        """A fresh :class:`~mla_backends.ref_torch.plans.RefStep` for ``meta``'s step: the dense groups' page
-        ids and masks, filled by the first layer that needs them and reused by the others."""
-        return RefStep()
-
-    def _step(self, meta: BatchMetadata) -> RefStep:
-        """This step's plans (``meta.prepare(self)``). A subclass whose ``prepare`` returns a state of its own
-        gets fresh plans on every call: the same numbers, made per layer instead of once per step."""
-        state = meta.prepare(self)
-        return state if isinstance(state, RefStep) else RefStep()
+        """This step's :class:`~mla_backends.ref_torch.plans.RefStep` for ``meta``: the padded groups' page ids
+        and masks, made here (once per step, from host data) when a layer configured this instance with its
+        heads and dims (:meth:`configure`); a bare instance makes them on its first call instead."""
+        step = RefStep()
+        spec = self.layer_spec
+        if spec is None or not meta.num_tokens:
+            return step
+        W, H = spec.kv_lora_rank + spec.qk_rope_head_dim, spec.num_heads
+        row_bytes = W * torch.empty((), dtype=accumulate_dtype(spec.dtype)).element_size()
+        parts = self.dense_parts(meta, row_bytes)
+        for streamed, b, e in parts:
+            if not streamed:
+                part = None if parts == [(False, 0, meta.num_requests)] else (b, e)
+                step.groups_for(meta, part, W, H, GROUP_ELEMENT_BUDGET)
+        return step
 
     def _dense(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
-               out: torch.Tensor, lse_out: torch.Tensor) -> None:
+               out: torch.Tensor, lse_out: torch.Tensor, step: RefStep, part: tuple[int, int] | None) -> None:
         """Padded groups (``q [T, H, 576]``, compute dtype): per group one ``index_select`` of its pages into
         ``kv [b, L, 576]``, scores ``(q * scale) @ kv^T`` in one batched matmul ``[b, Q*H, L]``, the hidden
         positions set to a large negative finite score, ``exp(s - max)`` in place, and the output
-        ``exp @ kv[..., :512]`` divided by the row sums. Index and mask tensors come from the step's plan."""
+        ``exp @ kv[..., :512]`` divided by the row sums. Index and mask tensors come from ``step`` (requests
+        ``part`` of ``meta``, or all of them)."""
         T, H, W = q.shape
         r = cache.kv_lora_rank
-        key = (W, H, GROUP_ELEMENT_BUDGET)
-        step = self._step(meta)
-        groups = step.groups.get(key)
-        if groups is None:
-            groups = step.groups[key] = dense_groups(meta, W, H, GROUP_ELEMENT_BUDGET)
+        groups = step.groups_for(meta, part, W, H, GROUP_ELEMENT_BUDGET)
         for grp in groups:
             b, Q, L = grp.stop - grp.start, grp.q_len, grp.rows
             kv = cache.dequantize(torch.index_select(cache.data, 0, grp.page_ids), q.dtype).view(b, L, W)
@@ -283,7 +304,6 @@ class RefTorchBackend(MLABackend):
         r, bs = cache.kv_lora_rank, cache.block_size
         K = topk.shape[1]
         step = max(1, GROUP_ELEMENT_BUDGET // max(1, K * (W + H)))
-        flat = cache.data.view(-1, W)
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
             idx = topk[t0:t1].long()
@@ -291,7 +311,7 @@ class RefTorchBackend(MLABackend):
             pos = idx.clamp_min(0)
             req = meta.token_request[t0:t1, None].expand_as(pos)
             slots = position_slots(meta.block_table, req, pos, bs)
-            kv = cache.dequantize(flat[slots], q.dtype)  # [t, K, W]
+            kv = cache.dequantize(cache.stored_rows(slots), q.dtype)  # [t, K, W]
             scores = torch.matmul(q[t0:t1], kv.transpose(1, 2)).mul_(scale)  # [t, H, K]
             scores.masked_fill_(~valid[:, None, :], float("-inf"))
             o, lse = softmax_with_lse(scores, kv[..., :r])

@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..attention_math import padded_groups
-from ..metadata import BatchMetadata
+from ..core.attention_math import padded_groups
+from ..step.metadata import BatchMetadata
 
 __all__ = ["DenseGroup", "RefStep", "dense_groups", "group_page_ids"]
 
@@ -55,9 +55,22 @@ class DenseGroup(NamedTuple):
 
 @dataclass(eq=False)
 class RefStep:
-    """What ``REF_TORCH`` keeps for one step: its dense groups by ``(row width, heads, element budget)``."""
+    """What ``REF_TORCH`` keeps for one step: its dense groups by ``(requests part, row width, heads, element
+    budget)``. :meth:`RefTorchBackend.prepare <mla_backends.ref_torch.backend.RefTorchBackend.prepare>` makes
+    the groups of a configured layer when the step is planned; a bare backend's first call makes its own."""
 
     groups: dict[Hashable, tuple[DenseGroup, ...]] = field(default_factory=dict)
+
+    def groups_for(self, meta: BatchMetadata, part: tuple[int, int] | None, W: int, H: int,
+                   budget: int) -> tuple[DenseGroup, ...]:
+        """The padded groups of requests ``part`` (``(start, stop)``; None: all) of ``meta`` for rows ``W``
+        wide and ``H`` heads, made on the first request for that key."""
+        key = (part, W, H, budget)
+        groups = self.groups.get(key)
+        if groups is None:
+            sub = meta if part is None else meta.select_requests(*part)
+            groups = self.groups[key] = dense_groups(sub, W, H, budget)
+        return groups
 
 
 def group_page_ids(block_table: torch.Tensor, seq_lens: tuple[int, ...], block_size: int) -> torch.Tensor:
@@ -80,7 +93,7 @@ def hidden_positions(context_lens: tuple[int, ...], q_len: int, rows: int, devic
 
 
 def dense_groups(meta: BatchMetadata, row_width: int, heads: int, budget: int) -> tuple[DenseGroup, ...]:
-    """The padded groups of ``meta``'s requests (:func:`~mla_backends.attention_math.padded_groups` with
+    """The padded groups of ``meta``'s requests (:func:`~mla_backends.core.attention_math.padded_groups` with
     ``budget`` elements), each with its index and mask tensors, from host lists only; groups without tokens
     are left out."""
     seqs, qlens, ctxs = meta.seq_lens_list, meta.query_lens_list, meta.context_lens_list

@@ -13,7 +13,7 @@ Subclass :class:`BackendConformance` in a pytest module (``backend = "MY_BACKEND
 - :mod:`.broken`: deliberately broken backends the suite must catch (its own self-test);
 - :func:`no_host_sync` / :class:`HostSyncError` / :func:`host_sync_allowed` / :class:`GuardThreadError`: the
   host-sync guard
-  (defined in :mod:`mla_backends.host_sync`), for engines' own tests of their hot path.
+  (defined in :mod:`mla_backends.core.host_sync`), for engines' own tests of their hot path.
 
 Importing this package (or ``reference``, ``cases``, ``checks``) does not import pytest;
 ``BackendConformance`` loads on first access.

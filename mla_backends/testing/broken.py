@@ -1,6 +1,6 @@
 """Deliberately broken backends: the suite's self-test. Each one must be reported by the conformance suite.
 
-Every class wraps :class:`~mla_backends.ref_torch.RefTorchBackend` (its kernel method ``_forward_mqa_impl``;
+Every class wraps :class:`~mla_backends.ref_torch.RefTorchBackend` (its kernel method ``forward_mqa_kernel``;
 ``forward_mqa`` stays the base class's) and breaks exactly one thing a real kernel can get wrong. None is
 registered: pass the class itself (``backend = NextPageBackend``) or its import path
 (``mla-backends conformance mla_backends.testing.broken:NextPageBackend``).
@@ -33,10 +33,10 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import AttentionSpec
-from ..cache import LatentKVCache
-from ..metadata import BatchMetadata
+from ..backends.contract import AttentionSpec
 from ..ref_torch import RefTorchBackend
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 
 __all__ = [
     "NextPageBackend",
@@ -60,10 +60,11 @@ class NextPageBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_NEXT_PAGE"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta: BatchMetadata, **kw) -> None:  # type: ignore[override]
+    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta: BatchMetadata, **kw) -> None:  # type: ignore[override]
         shifted = torch.roll(meta.block_table, shifts=-1, dims=1)
         shifted = torch.where(shifted >= 0, shifted, torch.zeros_like(shifted))  # -1 entries read block 0
-        super()._forward_mqa_impl(q_latent, q_rope, cache, dataclasses.replace(meta, block_table=shifted), **kw)
+        kw["state"] = None  # the step's prepared page ids describe the real table: walk the shifted one afresh
+        super().forward_mqa_kernel(q_latent, q_rope, cache, dataclasses.replace(meta, block_table=shifted), **kw)
 
 
 class LatentScaleBackend(RefTorchBackend):
@@ -71,9 +72,9 @@ class LatentScaleBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_LATENT_SCALE"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float,  # type: ignore[override]
+    def forward_mqa_kernel(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float,  # type: ignore[override]
                           **kw) -> None:
-        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=cache.kv_lora_rank**-0.5, **kw)
+        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=cache.kv_lora_rank**-0.5, **kw)
 
 
 class AbsorbedWidthScaleBackend(RefTorchBackend):
@@ -81,10 +82,10 @@ class AbsorbedWidthScaleBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_ABSORBED_WIDTH_SCALE"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float,  # type: ignore[override]
+    def forward_mqa_kernel(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float,  # type: ignore[override]
                           **kw) -> None:
         width = cache.kv_lora_rank + cache.qk_rope_head_dim
-        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=width**-0.5, **kw)
+        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=width**-0.5, **kw)
 
 
 class NoMscaleBackend(RefTorchBackend):
@@ -92,9 +93,9 @@ class NoMscaleBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_NO_MSCALE"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float,  # type: ignore[override]
+    def forward_mqa_kernel(self, q_latent, q_rope, cache: LatentKVCache, meta, *, scale: float,  # type: ignore[override]
                           **kw) -> None:
-        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=(128 + cache.qk_rope_head_dim) ** -0.5, **kw)
+        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=(128 + cache.qk_rope_head_dim) ** -0.5, **kw)
 
 
 class Log2eScaleBackend(RefTorchBackend):
@@ -102,8 +103,8 @@ class Log2eScaleBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_LOG2E_SCALE"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, *, scale: float, **kw) -> None:  # type: ignore[override]
-        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale * math.log2(math.e), **kw)
+    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, *, scale: float, **kw) -> None:  # type: ignore[override]
+        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale * math.log2(math.e), **kw)
 
 
 class Base2LseBackend(RefTorchBackend):
@@ -111,8 +112,8 @@ class Base2LseBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_BASE2_LSE"
 
-    def _forward_mqa_impl(self, *args, lse_out: torch.Tensor, **kw) -> None:  # type: ignore[override]
-        super()._forward_mqa_impl(*args, lse_out=lse_out, **kw)
+    def forward_mqa_kernel(self, *args, lse_out: torch.Tensor, **kw) -> None:  # type: ignore[override]
+        super().forward_mqa_kernel(*args, lse_out=lse_out, **kw)
         lse_out.div_(math.log(2.0))
 
 
@@ -121,12 +122,12 @@ class IgnoresFp8ScaleBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_IGNORES_FP8_SCALE"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache: LatentKVCache, meta, **kw) -> None:  # type: ignore[override]
+    def forward_mqa_kernel(self, q_latent, q_rope, cache: LatentKVCache, meta, **kw) -> None:  # type: ignore[override]
         if cache.is_fp8:
             unscaled = copy.copy(cache)  # shares the data, not the scale
             unscaled.scale = torch.ones_like(cache.scale)
             cache = unscaled
-        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
+        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, **kw)
 
 
 class WritesCacheBackend(RefTorchBackend):
@@ -134,9 +135,9 @@ class WritesCacheBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_WRITES_CACHE"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache: LatentKVCache, meta: BatchMetadata,  # type: ignore[override]
+    def forward_mqa_kernel(self, q_latent, q_rope, cache: LatentKVCache, meta: BatchMetadata,  # type: ignore[override]
                           **kw) -> None:
-        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
+        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, **kw)
         cache.data.view(-1, cache.row_width)[meta.slot_mapping] = 0
 
 
@@ -146,9 +147,9 @@ class WritesPastOutBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_WRITES_PAST_OUT"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, *, out: torch.Tensor,  # type: ignore[override]
+    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, *, out: torch.Tensor,  # type: ignore[override]
                           **kw) -> None:
-        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, out=out, **kw)
+        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, out=out, **kw)
         T = out.shape[0]
         end = (out.storage_offset() + (T + 1) * out.stride(0)) * out.element_size()
         if end <= out.untyped_storage().nbytes():
@@ -161,8 +162,8 @@ class NondeterministicBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_NONDETERMINISTIC"
 
-    def _forward_mqa_impl(self, *args, out: torch.Tensor, **kw) -> None:  # type: ignore[override]
-        super()._forward_mqa_impl(*args, out=out, **kw)
+    def forward_mqa_kernel(self, *args, out: torch.Tensor, **kw) -> None:  # type: ignore[override]
+        super().forward_mqa_kernel(*args, out=out, **kw)
         eps = torch.finfo(out.dtype).eps
         noise = 1 + 2 * eps * (2 * torch.rand(out.shape, device=out.device) - 1)
         out.copy_((out.double() * noise).to(out.dtype))
@@ -171,14 +172,15 @@ class NondeterministicBackend(RefTorchBackend):
 class PaddedHeadsBackend(RefTorchBackend):
     """Computes into a buffer padded by one head (as a fixed-head-count kernel does) and hands that back in
     place of ``out`` (``out.set_(padded)``) instead of copying the caller's heads: ``out`` comes back
-    ``[T, H + 1, r]``. :meth:`~mla_backends.backend.MLABackend.forward_mqa` must refuse it, naming the backend."""
+    ``[T, H + 1, r]``. :meth:`~mla_backends.backends.contract.MLABackend.forward_mqa` must refuse it, naming the
+    backend."""
 
     name: ClassVar[str] = "BROKEN_PADDED_HEADS"
 
-    def _forward_mqa_impl(self, *args, out: torch.Tensor, **kw) -> None:  # type: ignore[override]
+    def forward_mqa_kernel(self, *args, out: torch.Tensor, **kw) -> None:  # type: ignore[override]
         T, H, r = out.shape
         padded = out.new_zeros(T, H + 1, r)
-        super()._forward_mqa_impl(*args, out=padded[:, :H], **kw)
+        super().forward_mqa_kernel(*args, out=padded[:, :H], **kw)
         out.set_(padded)
 
 
@@ -202,10 +204,10 @@ class HostSyncBackend(RefTorchBackend):
 
     name: ClassVar[str] = "BROKEN_HOST_SYNC"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta: BatchMetadata, **kw) -> None:  # type: ignore[override]
+    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta: BatchMetadata, **kw) -> None:  # type: ignore[override]
         if meta.seq_lens.max().item() < 0:  # never true: the read itself is the bug
             raise AssertionError("unreachable")
-        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
+        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, **kw)
 
 
 BROKEN_BACKENDS = (

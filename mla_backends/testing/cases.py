@@ -1,5 +1,6 @@
 """Conformance case types (:class:`Case`, the probes, :class:`Matrix`) and the declaration helpers; the cases
-themselves are generated from a backend's declared :class:`~mla_backends.backend.Capabilities` in :mod:`.matrix`.
+themselves are generated from a backend's declared
+:class:`~mla_backends.backends.capabilities.Capabilities` in :mod:`.matrix`.
 
 A backend is tested on everything it claims and only that. Each declared value of each axis (query dtype,
 cache dtype, page size, head count, ``(kv_lora_rank, qk_rope_head_dim)`` pair, query-length support,
@@ -22,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backend import AttentionSpec, MLABackend
-from ..device import CPU_DEVICE, DeviceInfo, simulated_device
-from ..dtypes import dtype_name
-from ..reasons import Reason, ReasonKind, without_kinds
+from ..backends.contract import AttentionSpec, MLABackend
+from ..backends.reasons import Reason, ReasonKind, without_kinds
+from ..core.device import CPU_DEVICE, DeviceInfo, simulated_device
+from ..core.dtypes import dtype_name
 
 __all__ = [
     "Case",

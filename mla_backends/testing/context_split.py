@@ -2,12 +2,12 @@
 
 Under DCP the ranks of a group hold interleaved shares of every sequence (position ``p`` on rank ``p % D``),
 each rank runs ``forward_mqa`` over its own rows only, and the partial results are merged by their LSEs
-(:func:`~mla_backends.attention_math.lse_merge_weights`). That is right only if the backend's output and LSE
+(:func:`~mla_backends.core.attention_math.lse_merge_weights`). That is right only if the backend's output and LSE
 over any subset of a sequence's rows are exact for that subset. :func:`check_context_split` splits a
 decode case's cache the way DCP does over ``ranks`` virtual ranks (copying the stored rows bit for bit into one
 cache per rank, with a block table of its own), runs the backend on each share, merges, and compares with the
 float64 reference over the whole sequence. A rank that holds no row of a request (a sequence shorter than the
-group: length 1 with two ranks) contributes LSE ``-inf`` and output 0, as :mod:`mla_backends.dcp` does; the
+group: length 1 with two ranks) contributes LSE ``-inf`` and output 0, as :mod:`mla_backends.layer.dcp` does; the
 suite's guard cases include such a request.
 """
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from ..attention_math import lse_merge_weights
-from ..backend import MLABackend
-from ..cache import LatentKVCache, position_slots
-from ..metadata import BatchMetadata, dcp_local_len
+from ..backends.contract import MLABackend
+from ..core.attention_math import lse_merge_weights
+from ..step.cache import LatentKVCache, position_slots
+from ..step.metadata import BatchMetadata, dcp_local_len
 from .cases import Case
 from .checks import assert_close, lse_tolerance, make_backend, tolerance_for
 from .inputs import Prepared, expected, prepare

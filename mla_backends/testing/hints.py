@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..backend import Tolerance
+from ..backends.contract import Tolerance
 from .inputs import Prepared, expected
 
 __all__ = ["scale_hint", "lse_base_hint", "SUITE_MSCALE_SQUARED", "QK_NOPE_HEAD_DIM"]
@@ -44,7 +44,7 @@ _NAMED_FACTORS = {math.log2(math.e): "log2(e)", 1 / math.log2(math.e): "ln(2)",
 
 
 def _suite_mscale_squared() -> float:
-    from ..dims import MLADims
+    from ..core.dims import MLADims
 
     return MLADims.deepseek_v3().mscale ** 2
 

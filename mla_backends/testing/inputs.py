@@ -1,7 +1,7 @@
 """The inputs of one conformance case on one device, and the values the backend must reproduce.
 
 :func:`prepare` builds everything from the case alone: random queries, random latent rows written into a
-fresh :class:`~mla_backends.cache.LatentKVCache` through a scattered block table whose unused trailing
+fresh :class:`~mla_backends.step.cache.LatentKVCache` through a scattered block table whose unused trailing
 entries are ``-1`` (even requests) or valid-looking ids of other pages (odd requests), and whose unused pages
 and page tails hold finite junk. :func:`expected` computes the reference with
 :mod:`mla_backends.testing.reference`, fed with the rows exactly as stored (dequantised in float64 with the
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backend import MLABackend
-from ..cache import LatentKVCache
-from ..dims import MLADims
-from ..metadata import BatchMetadata
+from ..backends.contract import MLABackend
+from ..core.dims import MLADims
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 from .cases import Case
 from .reference import reference_mqa
 

@@ -1,5 +1,5 @@
 """The conformance matrix: which :class:`~mla_backends.testing.cases.Case` values a backend must run, built
-from its declared :class:`~mla_backends.backend.Capabilities` (:func:`build_matrix`; full and ``quick``).
+from its declared :class:`~mla_backends.backends.contract.Capabilities` (:func:`build_matrix`; full and ``quick``).
 
 Every declared dtype, cache dtype, page size, head count and dims pair gets cases, crossed where it matters;
 each case is placed on a (simulated) device whose declaration accepts it, or recorded as *rejected* when no
@@ -15,10 +15,10 @@ from dataclasses import replace
 
 import torch
 
-from ..backend import MLABackend, QueryLenSupport
-from ..device import CPU_DEVICE, DeviceInfo, simulated_device
-from ..dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, dtype_name
-from ..reasons import Reason
+from ..backends.contract import MLABackend, QueryLenSupport
+from ..backends.reasons import Reason
+from ..core.device import CPU_DEVICE, DeviceInfo, simulated_device
+from ..core.dtypes import KV_CACHE_DTYPES, MODEL_DTYPES, dtype_name
 from .cases import (
     ANY_DIMS,
     FP8_SCALES,

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from ..backend import MLABackend
+from ..backends.contract import MLABackend
 from . import checks, context_split
 from .cases import Case, DeclaredProbe, Matrix, UnsupportedProbe
 from .matrix import build_matrix
@@ -29,7 +29,7 @@ __all__ = ["BackendConformance", "resolve_backend"]
 def resolve_backend(backend: Any) -> type[MLABackend]:
     """A backend class from a registered name (or vLLM's / SGLang's name for it), a ``"module:Class"``
     import path (registered or not), or the class itself; name resolution is
-    :meth:`mla_backends.registry.Registry.resolve`."""
+    :meth:`mla_backends.plugins.registry.Registry.resolve`."""
     if isinstance(backend, type) and issubclass(backend, MLABackend):
         return backend
     if backend is None:
@@ -37,7 +37,7 @@ def resolve_backend(backend: Any) -> type[MLABackend]:
             "backend: got None; supported a registered backend name, 'module:Class' or an "
             "MLABackend subclass (set `backend = ...` on the class or pass --conformance-backend)"
         )
-    from ..plugins import get_backend
+    from ..plugins.loading import get_backend
 
     return get_backend(backend)
 

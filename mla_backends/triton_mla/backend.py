@@ -13,10 +13,10 @@ from typing import ClassVar
 
 import torch
 
-from ..backend import Capabilities, MLABackend, QueryLenSupport, Tolerance
-from ..cache import LatentKVCache
-from ..device import cuda_device_index
-from ..metadata import BatchMetadata
+from ..backends.contract import Capabilities, MLABackend, QueryLenSupport, Tolerance
+from ..core.device import cuda_device_index
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 from .configs import KERNELS, KernelConfig, choose_config, rows_layout, table_rows
 from .interpreter import interpreter_enabled, launch_guard
 from .launch import build_launches
@@ -184,7 +184,7 @@ class TritonMLABackend(MLABackend):
                                self.min_split_len, cfg.block_n)
 
     # ---- the kernel --------------------------------------------------------------------------------------
-    def _forward_mqa_impl(
+    def forward_mqa_kernel(
         self,
         q_latent: torch.Tensor,
         q_rope: torch.Tensor,
@@ -195,6 +195,7 @@ class TritonMLABackend(MLABackend):
         topk_indices: torch.Tensor | None,
         out: torch.Tensor,
         lse_out: torch.Tensor | None,
+        state: object | None,
     ) -> None:
         """Stage 1 (split-KV partials) and stage 2 (merge) into ``out [T, H, R]`` (q's dtype) and
         ``lse_out [T, H]`` (float32, natural log); inputs validated by :meth:`MLABackend.forward_mqa`."""

@@ -10,8 +10,8 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-from ..capabilities import env_switch_on
-from ..host_sync import host_sync_allowed
+from ..backends.capabilities import env_switch_on
+from ..core.host_sync import host_sync_allowed
 
 __all__ = ["INTERPRET_ENV", "interpreter_enabled", "INTERPRETER_LOCK", "launch_guard"]
 
@@ -32,7 +32,7 @@ def interpreter_enabled() -> bool:
 @contextlib.contextmanager
 def launch_guard(interpreted: bool) -> Iterator[None]:
     """Wrap one kernel launch: interpreted launches hold :data:`INTERPRETER_LOCK` and pause
-    :func:`~mla_backends.host_sync.no_host_sync` (the interpreter copies to the host by design); compiled
+    :func:`~mla_backends.core.host_sync.no_host_sync` (the interpreter copies to the host by design); compiled
     launches pass straight through."""
     if not interpreted:
         yield

@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..cache import LatentKVCache
-from ..dtypes import FP8_E4M3_MAX
-from ..metadata import BatchMetadata
+from ..core.dtypes import FP8_E4M3_MAX
+from ..step.cache import LatentKVCache
+from ..step.metadata import BatchMetadata
 from .configs import INTERPRET_BLOCK_N, KernelConfig, merge_grid, rows_layout, stage1_grid
 from .splits import BLOCK_H, MIN_SPLIT_LEN, SCRATCH, next_pow2
 

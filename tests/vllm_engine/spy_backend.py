@@ -14,10 +14,10 @@ class SpyBackend(RefTorchBackend):
 
     name = "SPY_REF"
 
-    def _forward_mqa_impl(self, q_latent, q_rope, cache, meta, **kw):  # type: ignore[no-untyped-def]
+    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, **kw):  # type: ignore[no-untyped-def]
         path = os.environ.get("MLA_SPY_FILE")
         if path:
             configured = self.layer_spec.num_heads if self.layer_spec is not None else -1
             with open(path, "a") as f:
                 f.write(f"{os.getpid()} {q_latent.shape[1]} {meta.num_requests} {configured}\n")
-        return super()._forward_mqa_impl(q_latent, q_rope, cache, meta, **kw)
+        return super().forward_mqa_kernel(q_latent, q_rope, cache, meta, **kw)

@@ -6,7 +6,7 @@ A step is one forward of the decoder stack. Its pre-hook (:func:`before_forward`
 (:func:`after_forward`, run even when the forward raises) ends the step and leaves the gate.
 
 Why a gate: the call's cache and metadata belong to the call, but the layers share what lives beyond a step's
-inputs: the prefill workspace of the device (:func:`mla_backends.workspace.shared_workspace`, one per device,
+inputs: the prefill workspace of the device (:func:`mla_backends.layer.workspace.shared_workspace`, one per device,
 dtype and stream, whatever the model) and the backends' per-step preparation. So the steps of patched models
 run one at a time in a process (threads take turns, step by step), and a model, its copies and other patched
 models can be called from several threads at once with every call getting its own answer.
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...layer import MLAAttention
+from ...layer.attention import MLAAttention
 from .cache import MLAGenerationCache
 from .options import check_forward_options, check_left_padded, step_mask
 
@@ -31,18 +31,27 @@ CACHE_KWARGS = ("cache", "past_key_values")
 
 
 class PatchState:
-    """What :func:`~mla_backends.integrations.transformers.patch_model` keeps on the model: its layers, the
-    cache settings, the original modules and the hook handles. Nothing per call or per step (that is the
-    call's cache and :data:`STEP_GATE`), so ``copy.deepcopy`` of the model copies it whole."""
+    """What :func:`~mla_backends.integrations.transformers.patch_model` keeps on the model: the model it
+    patched (``model``: a shallow copy of that model shares this state, and is told apart by it), its layers,
+    the cache settings, the original modules and the hook handles, and whether the patch is still on
+    (``active``). Nothing per call or per step (that is the call's cache and :data:`STEP_GATE`), so
+    ``copy.deepcopy`` and pickling of the model copy it whole."""
 
-    def __init__(self, layers: dict[int, MLAAttention], block_size: int, kv_cache_dtype: str,
-                 cache_kw: str) -> None:
+    def __init__(self, model: torch.nn.Module, layers: dict[int, MLAAttention], block_size: int,
+                 kv_cache_dtype: str, cache_kw: str) -> None:
+        self.model = model
+        self.active = True
         self.layers = layers
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
         self.cache_kw = cache_kw
         self.originals: dict[str, torch.nn.Module] = {}
         self.hooks: list[Any] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A deep copy or a pickle of the state leaves ``model`` unset: the model it is copied with claims it
+        (:func:`~mla_backends.integrations.transformers.is_patched` and friends), not a copy of the original."""
+        return {**self.__dict__, "model": None}
 
     def new_cache(self, reserve_tokens: int | None = None) -> MLAGenerationCache:
         return MLAGenerationCache(self.layers, block_size=self.block_size, kv_cache_dtype=self.kv_cache_dtype,
@@ -112,7 +121,7 @@ class PatchedMLAAttention(torch.nn.Module):
         cache = STEP_GATE.cache_for(self._state)
         if cache is None or cache.step is None:
             raise RuntimeError("PatchedMLAAttention: called outside the patched model's forward; call the model")
-        meta, real = cache.step
+        plan, real = cache.step
         B, S, hid = hidden_states.shape
         x = hidden_states.reshape(B * S, hid)
         x = x if real is None else x.index_select(0, real)
@@ -120,7 +129,7 @@ class PatchedMLAAttention(torch.nn.Module):
         if position_ids is not None:
             pos = position_ids.reshape(-1, position_ids.shape[-1])[:, -S:].expand(B, S).reshape(-1)
             positions = (pos if real is None else pos.index_select(0, real.to(pos.device))).to(x.device)
-        y = self.mla(x, positions, cache.caches[self.layer_idx], meta)
+        y = self.mla(x, positions, cache.caches[self.layer_idx], plan)
         if real is None:
             return y.view(B, S, hid), None
         out = hidden_states.new_zeros(B * S, hid)

@@ -1,7 +1,7 @@
 """The latent caches of one patched call: :class:`MLAGenerationCache` (a transformers ``Cache``) and its page pool.
 
 One cache belongs to one ``generate`` call (or one plain forward): it is made when the call starts, holds one
-paged :class:`~mla_backends.cache.LatentKVCache` per layer, and is released when the call returns. Nothing in
+paged :class:`~mla_backends.step.cache.LatentKVCache` per layer, and is released when the call returns. Nothing in
 it is shared with another call, so two calls (threads, or a model and its copy) never see each other's pages.
 """
 
@@ -12,9 +12,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from ...layer import MLAAttention
-from ...metadata import BatchMetadata
-from ...validation import require_int
+from ...core.validation import require_int
+from ...layer.attention import MLAAttention
+from ...step.metadata import BatchMetadata
+from ...step.plan import StepPlan, plan_step
 from .options import UnsupportedGenerationError
 
 __all__ = ["MLAGenerationCache", "DEFAULT_BLOCK_SIZE", "MAX_RESERVE_TOKENS"]
@@ -30,9 +31,9 @@ class MLAGenerationCache(Cache):
     """The latent caches of one patched ``generate`` call (or one plain forward), one per layer.
 
     transformers sees the padded sequence length (:meth:`get_seq_length`); per request it keeps the count of
-    real tokens cached, a page list, and the :class:`BatchMetadata` of the step in flight. Pages are handed
-    out in order from one pool per layer. ``reserve_tokens`` (tokens per request the call can reach, None:
-    unknown) sizes the pool at the first step to ``requests x ceil(reserve_tokens / block_size)`` pages (at
+    real tokens cached, a page list, and the :class:`~mla_backends.step.plan.StepPlan` of the step in flight.
+    Pages are handed out in order from one pool per layer. ``reserve_tokens`` (tokens per request the call can
+    reach, None: unknown) sizes the pool at the first step to ``requests x ceil(reserve_tokens / block_size)`` pages (at
     most the layers' ``max_model_len`` and :data:`MAX_RESERVE_TOKENS` tokens a request), so the pool is
     allocated once; past that (or without a bound) it doubles, copying its rows.
     """
@@ -52,8 +53,8 @@ class MLAGenerationCache(Cache):
         self.pages: list[list[int]] = []
         self.context: list[int] = []
         self.seen = 0  # padded tokens processed (what transformers counts)
-        #: (metadata, real-token indices or None when every token of the step is real)
-        self.step: tuple[BatchMetadata, torch.Tensor | None] | None = None
+        #: (the step's plan, real-token indices or None when every token of the step is real)
+        self.step: tuple[StepPlan, torch.Tensor | None] | None = None
         self.released = False
         self.allocations = 0  # pools allocated (one per layer each time the pool is sized)
         #: prompt tokens per request of the generate call using the cache (set by it; None: not known)
@@ -126,7 +127,7 @@ class MLAGenerationCache(Cache):
         real = None  # every token real (all decode steps, unpadded prefills): no gather / scatter needed
         if sum(q) != new_mask.numel():
             real = new_mask.reshape(-1).nonzero().squeeze(1).to(first.weight_device)
-        self.step = (meta, real)
+        self.step = (plan_step(meta, self.mla_layers.values()), real)  # the step's plan, before the first layer
         self._q = q
 
     def end_step(self, seq_len: int, *, done: bool = True) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -28,9 +29,10 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 
-from ...metadata import BatchMetadata
+from ...step.metadata import BatchMetadata
+from ...step.plan import StepPlan, plan_step
 from .selection import VLLMSelectionError, declarations, request_from_vllm, startup_line
-from .step import decode_batch_metadata, host_seq_lens, trust_block_ids, wrap_cache
+from .step import decode_batch_metadata, host_seq_lens, wrap_cache
 
 __all__ = ["MLABackendsBackend", "MLABackendsMetadataBuilder", "MLABackendsDecodeMetadata", "MLABackendsImpl",
            "MLABackendsCPUImpl"]
@@ -65,9 +67,26 @@ def _current_declarations() -> Any:
 
 @dataclass
 class MLABackendsDecodeMetadata(MLACommonDecodeMetadata):
-    """vLLM's decode metadata plus the step's :class:`BatchMetadata` (one per step, shared by every layer)."""
+    """vLLM's decode metadata plus the step's :class:`BatchMetadata` and its :class:`StepPlan` (one per step,
+    shared by every layer)."""
 
     batch: BatchMetadata | None = None
+    plan: StepPlan | None = None
+
+
+def _configured_backend(vllm_config: Any, *, num_heads: int | None = None) -> tuple[Any, Any, float]:
+    """``(selection, backend instance, softmax scale)`` for ``vllm_config``'s MLA layers: the same choice and
+    configuration in the metadata builder (which plans the step) and in every layer's impl (which runs it),
+    so the plan's prepared state is the impl's (one ``prepare_key``)."""
+    request = request_from_vllm(vllm_config, device=_device(), num_heads=num_heads)
+    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    if dcp == 1 and request.need_lse:
+        request = replace(request, need_lse=False)
+    sel = request.select()  # VLLMSelectionError with the reasons: vLLM start-up fails here
+    backend = sel.backend()
+    scale = request.dims.softmax_scale
+    backend.configure(sel.spec, scale)
+    return sel, backend, scale
 
 
 class MLABackendsMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
@@ -82,10 +101,14 @@ class MLABackendsMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             return AttentionCGSupport.NEVER
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if caps.cuda_graphs else AttentionCGSupport.NEVER
 
+    _mla_backend: Any = None
+
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
         m = super().build(common_prefix_len, common_attn_metadata, fast_build)
         d = m.decode
         if d is not None:
+            if self._mla_backend is None:  # made once, configured as every layer's impl configures its own
+                self._mla_backend = _configured_backend(self.vllm_config)[1]
             common = common_attn_metadata
             upper = common.seq_lens_cpu_upper_bound
             if d.dcp_tot_seq_lens is not None:  # DCP: the decode lengths are this rank's local ones
@@ -93,7 +116,8 @@ class MLABackendsMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             batch = decode_batch_metadata(d.block_table, d.seq_lens, host_seq_lens(d.seq_lens, upper),
                                           self.page_size)
             m.decode = MLABackendsDecodeMetadata(block_table=d.block_table, seq_lens=d.seq_lens,
-                                                 dcp_tot_seq_lens=d.dcp_tot_seq_lens, batch=batch)
+                                                 dcp_tot_seq_lens=d.dcp_tot_seq_lens, batch=batch,
+                                                 plan=plan_step(batch, [self._mla_backend]))
         return m
 
 
@@ -117,13 +141,14 @@ class _DecodeOnMLABackends:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         cfg = get_current_vllm_config()
         dcp = int(getattr(self, "dcp_world_size", 1) or 1)
-        request = request_from_vllm(cfg, device=_device(), num_heads=self.num_heads)  # type: ignore[attr-defined]
-        if dcp == 1 and request.need_lse:
-            request = replace(request, need_lse=False)
-        sel = request.select()  # VLLMSelectionError with the reasons: vLLM start-up fails here
+        sel, backend, scale = _configured_backend(cfg, num_heads=self.num_heads)  # type: ignore[attr-defined]
+        vllm_scale = float(self.scale)  # type: ignore[attr-defined]
+        if not math.isclose(vllm_scale, scale, rel_tol=1e-5):
+            raise VLLMSelectionError(f"mla-backends: vLLM's softmax scale {vllm_scale} differs from the model "
+                                     f"config's {scale} (MLADims.softmax_scale); supported equal scales")
         self.mla_selection = sel
-        self.mla_backend = sel.backend()
-        self.mla_backend.configure(sel.spec, self.scale)  # type: ignore[attr-defined]
+        self.mla_backend = backend
+        self.mla_scale = scale  # the scale the step plan prepared with (vLLM's, to 1e-5)
         self.can_return_lse_for_decode = sel.backend.capabilities.returns_lse
         self.need_to_return_lse_for_decode = dcp > 1 and self.can_return_lse_for_decode
         self.supports_quant_query_input = False  # queries reach forward_mqa in the model dtype, as a pair
@@ -138,9 +163,10 @@ class _DecodeOnMLABackends:
         tensor), the cache ``[num_blocks, block_size, R + rope]``; returns ``(out [B, H, R], lse [B, H] or
         None)`` from the selected backend's ``forward_mqa``."""
         meta = getattr(attn_metadata.decode, "batch", None)
-        if meta is None:
-            raise RuntimeError("mla-backends: the decode metadata carries no BatchMetadata; supported metadata "
-                               "built by MLABackendsMetadataBuilder (the backend's own builder)")
+        plan = getattr(attn_metadata.decode, "plan", None)
+        if meta is None or plan is None:
+            raise RuntimeError("mla-backends: the decode metadata carries no BatchMetadata and plan; supported "
+                               "metadata built by MLABackendsMetadataBuilder (the backend's own builder)")
         r = self.kv_lora_rank  # type: ignore[attr-defined]
         q_latent, q_rope = q if isinstance(q, tuple) else q.split([r, q.shape[-1] - r], dim=-1)
         cache = wrap_cache(kv_c_and_k_pe_cache, kv_lora_rank=r, model_dtype=q_latent.dtype,
@@ -149,8 +175,7 @@ class _DecodeOnMLABackends:
         if meta.block_size != cache.block_size:
             raise RuntimeError(f"mla-backends: metadata block size {meta.block_size}; supported the cache's "
                                f"{cache.block_size} (vLLM kernel block size)")
-        trust_block_ids(meta, cache)
-        out, lse = self.mla_backend.forward_mqa(q_latent, q_rope, cache, meta, scale=self.scale)  # type: ignore[attr-defined]
+        out, lse = self.mla_backend.forward_mqa(q_latent, q_rope, cache, meta, scale=self.mla_scale, plan=plan)
         return out, (lse if self.need_to_return_lse_for_decode else None)
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,

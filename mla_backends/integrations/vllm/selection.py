@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from ...backend import Capabilities
-from ...dims import MLADims
-from ...dtypes import FP8_CACHE_DTYPES
+from ...backends.contract import Capabilities
+from ...core.dims import MLADims
+from ...core.dtypes import FP8_CACHE_DTYPES
 
 __all__ = ["VLLMRequest", "Declarations", "VLLMSelectionError", "vllm_kv_cache_dtype", "request_from_vllm",
            "select_for_vllm", "declarations", "startup_line", "VLLM_KV_NAMES"]
@@ -60,7 +60,7 @@ class VLLMRequest:
         from selector import select_backend
         from selector.select import SelectionError
 
-        from ...registry import UnknownBackendError
+        from ...plugins.registry import UnknownBackendError
 
         try:
             return select_backend(self.dims, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
@@ -105,7 +105,7 @@ def startup_line(member: str, selection: Any) -> str:
 
 @dataclass(frozen=True)
 class Declarations:
-    """A backend's :class:`~mla_backends.backend.Capabilities` as vLLM's attention backend reads them.
+    """A backend's :class:`~mla_backends.backends.contract.Capabilities` as vLLM's attention backend reads them.
 
     ``head_sizes`` empty and ``block_size_multiple`` 1 mean "any"; ``block_sizes`` lists explicit page sizes
     (the preferred one first); ``kv_cache_dtypes`` uses vLLM's names (``auto`` whenever one of the model

@@ -1,6 +1,6 @@
 """An example mla-backends plugin: one backend, registered through the ``register_mla_backends`` hook.
 
-``EXAMPLE_MLA`` reuses the reference backend's kernel method ``_forward_mqa_impl`` under its own name and its
+``EXAMPLE_MLA`` reuses the reference backend's kernel method ``forward_mqa_kernel`` under its own name and its
 own (narrower) declarations, and enters the GPU ladders right before ``REF_TORCH``. Like every backend it
 leaves ``forward_mqa`` (validation, output buffers, result checks) to :class:`~mla_backends.MLABackend`.
 """
@@ -11,11 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from mla_backends.backend import Capabilities, QueryLenSupport
-from mla_backends.cache import LatentKVCache
-from mla_backends.hookspecs import hookimpl
-from mla_backends.metadata import BatchMetadata
-from mla_backends.ref_torch import RefTorchBackend
+from mla_backends import BatchMetadata, Capabilities, LatentKVCache, QueryLenSupport, RefTorchBackend, hookimpl
 
 __all__ = ["ExampleMLABackend", "register_mla_backends"]
 
@@ -38,13 +34,14 @@ class ExampleMLABackend(RefTorchBackend):
         returns_lse=True,
     )
 
-    def _forward_mqa_impl(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
-                          meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
-                          out: torch.Tensor, lse_out: torch.Tensor | None) -> None:
+    def forward_mqa_kernel(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                           meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
+                           out: torch.Tensor, lse_out: torch.Tensor | None, state: object | None) -> None:
         """The kernel: write ``out [tokens, heads, kv_lora_rank]`` and ``lse_out [tokens, heads]`` in place
-        (here the reference math; a real plugin launches its own kernel). Inputs arrive validated."""
-        super()._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
-                                  out=out, lse_out=lse_out)
+        (here the reference math; a real plugin launches its own kernel). Inputs arrive validated; ``state``
+        is what ``prepare(meta)`` returned when the step was planned."""
+        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices,
+                                   out=out, lse_out=lse_out, state=state)
 
 
 @hookimpl

@@ -1,0 +1,172 @@
+"""Validation of ``forward_mqa`` arguments, shared by every backend (run before any kernel launches)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from ..core.device import device_info_for
+from ..core.dtypes import MODEL_DTYPES, lse_dtype
+from ..core.validation import require_no_alias, require_on_device, require_scale, require_tensor
+from ..step.cache import LatentKVCache
+from ..step.checks import require_graph_support, require_whole_sequences
+from ..step.metadata import BatchMetadata
+from ..step.plan import StepPlan
+from .capabilities import AttentionSpec, QueryLenSupport
+from .reasons import Reason, ReasonKind, all_of_kinds, without_kinds
+
+__all__ = ["check_mqa_inputs", "check_declared_support", "declaration_key", "declared_reasons",
+           "planned_declarations"]
+
+
+def check_mqa_inputs(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: LatentKVCache,
+    meta: BatchMetadata,
+    *,
+    scale: float,
+    topk_indices: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    check_values: bool = True,
+    plan: StepPlan | None = None,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the argument when the inputs of ``forward_mqa`` disagree.
+
+    Block ids are checked on the host (``plan.check_cache``: the step's largest live block id, computed when the
+    step was planned, against ``cache.num_blocks``), so dense calls read no device value. The one
+    check that reads device tensors is the sparse top-k window (a sync, sparse calls only);
+    ``check_values=False`` skips it, as ``forward_mqa`` does while a CUDA graph is being captured.
+    """
+    if not isinstance(cache, LatentKVCache):
+        raise TypeError(f"cache: got {type(cache).__name__}; supported LatentKVCache")
+    if not isinstance(meta, BatchMetadata):
+        raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata")
+    require_whole_sequences(meta, "forward_mqa")  # DCP metadata: the layer hands over the rank's local one
+    T = meta.num_tokens
+    require_tensor("q_latent", q_latent, shape=(T, None, cache.kv_lora_rank), dtypes=MODEL_DTYPES)
+    H = q_latent.shape[1]
+    require_tensor("q_rope", q_rope, shape=(T, H, cache.qk_rope_head_dim), dtypes=(q_latent.dtype,))
+    if H < 1:
+        raise ValueError(f"q_latent: got {H} heads; supported >= 1")
+    require_scale("scale", scale, what="a positive finite float (the unabsorbed softmax scale)")
+    if topk_indices is not None:
+        require_tensor("topk_indices", topk_indices, shape=(T, None), dtypes=(torch.int32, torch.int64))
+        if topk_indices.shape[1] < 1:
+            raise ValueError("topk_indices: got width 0; supported >= 1 (pad with -1)")
+    if out is not None:
+        require_tensor("out", out, shape=(T, H, cache.kv_lora_rank), dtypes=(q_latent.dtype,))
+    if lse_out is not None:
+        require_tensor("lse_out", lse_out, shape=(T, H), dtypes=(lse_dtype(q_latent.dtype),))
+    optional = {"topk_indices": topk_indices, "out": out, "lse_out": lse_out}
+    require_on_device(cache.device, q_latent=q_latent, q_rope=q_rope, **{"meta.block_table": meta.block_table},
+                      **{k: v for k, v in optional.items() if v is not None})
+    inputs = {"cache": cache.data, "q_latent": q_latent, "q_rope": q_rope, "topk_indices": topk_indices}
+    if out is not None:
+        require_no_alias("out", out, **inputs)
+    if lse_out is not None:
+        require_no_alias("lse_out", lse_out, out=out, **inputs)
+    if plan is not None:
+        plan.check_cache(cache)  # the step's block-id maximum, from planning (no device read)
+    else:
+        meta.check_cache(cache)
+    if check_values and topk_indices is not None and topk_indices.numel():
+        limit = meta.token_positions[:, None]  # on the cache's device, as topk_indices (checked above)
+        bad = (topk_indices < -1) | (topk_indices > limit)
+        if bool(bad.any()):
+            t = int(bad.any(dim=1).nonzero()[0])
+            raise ValueError(
+                f"topk_indices: token {t} selects position(s) outside [0, {int(limit[t])}] (its causal "
+                f"window); supported -1 (padding) or a visible position"
+            )
+
+
+def declaration_key(backend_cls: type, dtype: torch.dtype, num_heads: int, kv_cache_dtype: str,
+                    block_size: int, kv_lora_rank: int, qk_rope_head_dim: int, device: torch.device, *,
+                    sparse: bool, need_lse: bool, meta: BatchMetadata) -> Hashable:
+    """What :func:`check_declared_support` asks, as one hashable key: the backend, its inputs' dtypes, heads,
+    cache layout and device, sparse or dense, an LSE or not, and the step's query-length facts."""
+    caps = backend_cls.capabilities
+    lens = meta.query_lens_list
+    empty = caps.query_len != QueryLenSupport.VARLEN and meta.num_tokens > 0 and 0 in lens
+    return (backend_cls, caps, dtype, num_heads, kv_cache_dtype, block_size, kv_lora_rank, qk_rope_head_dim,
+            device, bool(sparse), bool(need_lse), meta.max_query_len, meta.is_uniform_query_len,
+            tuple(sorted(set(lens))) if empty else None)
+
+
+def declared_reasons(key: Hashable) -> list[Reason]:
+    """Every reason the backend of ``key`` (:func:`declaration_key`) refuses those inputs, missing packages
+    left out (importing the kernel reports them). Empty: accepted."""
+    (backend_cls, caps, dtype, heads, kv_dtype, block_size, rank, rope, device, sparse, need_lse, max_q,
+     uniform, empty) = key  # type: ignore[misc]
+    spec = AttentionSpec(num_heads=heads, kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=dtype,
+                         kv_cache_dtype=kv_dtype, block_size=block_size, sparse=sparse, max_query_len=max_q,
+                         uniform_query_len=uniform, need_lse=need_lse, device=device_info_for(device))
+    reasons = without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
+    if empty is not None:
+        reasons.append(Reason(ReasonKind.QUERY_LEN, "meta.query_lens", str(list(empty)),
+                              f">= 1 token in every request ({caps.query_len.name.lower()} query lengths)"))
+    return reasons
+
+
+def planned_declarations(backend: object, meta: BatchMetadata, *, sparse: bool = False) -> frozenset[Hashable]:
+    """The declaration keys a step plan records as accepted for ``backend`` on ``meta``: the one its layer's
+    configuration (``backend.layer_spec``: heads, dims, dtypes, page size) describes, when the backend
+    accepts it; empty for an unconfigured backend (its calls are then checked in full)."""
+    spec = getattr(backend, "layer_spec", None)
+    if not isinstance(spec, AttentionSpec) or spec.block_size is None:
+        return frozenset()
+    try:
+        kv = spec.resolved_kv_cache_dtype
+    except (ValueError, TypeError):
+        return frozenset()
+    key = declaration_key(type(backend), spec.dtype, spec.num_heads, kv, spec.block_size, spec.kv_lora_rank,
+                          spec.qk_rope_head_dim, meta.device, sparse=sparse, need_lse=False, meta=meta)
+    try:
+        return frozenset() if declared_reasons(key) else frozenset({key})
+    except TypeError:  # a declaration that cannot be hashed (a plugin's own field type): checked per call
+        return frozenset()
+
+
+def check_declared_support(
+    backend_cls: type,
+    q_latent: torch.Tensor,
+    cache: LatentKVCache,
+    meta: BatchMetadata,
+    *,
+    topk_indices: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    plan: StepPlan | None = None,
+) -> None:
+    """Raise when the declarations of ``backend_cls`` (an ``MLABackend`` subclass) reject these ``forward_mqa``
+    inputs, listing every reason. Run after :func:`check_mqa_inputs`.
+
+    Builds the ``AttentionSpec`` the inputs describe (heads and dtype of ``q_latent [T, H, r]``; the cache's
+    dims, dtype, page size and device; the query lengths of ``meta``; sparse when ``topk_indices`` is given; an
+    LSE wanted when ``lse_out`` is given) and asks ``backend_cls.not_supported_reasons``, the question the
+    selector asks, so no backend re-checks its declarations by hand. A combination the step's ``plan``
+    recorded as accepted when it was planned (:func:`planned_declarations`: every layer of a step asks the same
+    question) is looked up instead (the hot path). Reasons of kind ``PACKAGE`` are left out (importing the
+    kernel reports them). Kernels with fixed query lengths (single-token or uniform) also need at least one
+    token in every request.
+
+    Raises:
+        TypeError: when every reason is about a dtype.
+        ValueError: otherwise. Message: ``"<BACKEND> cannot run these inputs: <reason>; <reason> ..."``.
+    """
+    require_graph_support(backend_cls, meta)  # DecodeGraphMetadata: only backends declaring cuda_graphs
+    key = declaration_key(backend_cls, q_latent.dtype, q_latent.shape[1], cache.kv_cache_dtype, cache.block_size,
+                          cache.kv_lora_rank, cache.qk_rope_head_dim, cache.device,
+                          sparse=topk_indices is not None, need_lse=lse_out is not None, meta=meta)
+    try:
+        if plan is not None and key in plan.accepted:
+            return
+    except TypeError:  # unhashable declarations: asked in full
+        pass
+    reasons = declared_reasons(key)
+    if reasons:
+        dtype_only = all_of_kinds(reasons, ReasonKind.DTYPE, ReasonKind.KV_CACHE_DTYPE)
+        raise (TypeError if dtype_only else ValueError)(
+            f"{backend_cls.name} cannot run these inputs: " + "; ".join(map(str, reasons)))

@@ -1,0 +1,261 @@
+"""What one step works out once, before its first layer: :func:`plan_step` and the frozen :class:`StepPlan`.
+
+A :class:`~mla_backends.step.metadata.BatchMetadata` describes one step (one forward over all layers) and knows
+nothing of backends. :func:`plan_step` is the one place that turns it into everything the step's layers and
+backends read:
+
+- ``runs``: for each layer's dispatch (policy, backend declarations, sparse or not), the processing-order
+  requests cut into :class:`Run` s that take the absorbed or the expanded path;
+- ``batches``: the sub-batch metadata of every run (``(start, stop)``; the whole step is ``(0, B)``);
+- ``local``: under decode context parallelism, each absorbed run's rank-local decode metadata and the
+  processing-order token of each of its rows;
+- ``states``: every backend's per-step state, its :meth:`~mla_backends.backends.contract.MLABackend.prepare` result for
+  every batch it will be handed (FlashInfer's ``plan()``, REF_TORCH's page ids and masks), once per
+  ``backend.prepare_key()`` and batch;
+- ``accepted``: the combinations of inputs each configured backend's declarations accept for its batches
+  (``forward_mqa`` looks its inputs up here instead of asking the declarations again on every layer);
+- ``max_block_id``: the largest live block id of the step, which every cache check compares with.
+
+It runs once per step, eagerly, outside any CUDA-graph capture (for a captured decode step: after
+``DecodeGraphMetadata.update`` and before ``graph.replay()``). The plan is then frozen: ``MLAAttention.forward``,
+``forward_mqa`` and ``forward_mha`` only read it, and a layer handed a plan that was not made for it (another
+step's metadata, another layer's dispatch, another backend) refuses it by name instead of planning in the middle
+of a step. Nothing after planning waits for the device: what needs host data was computed here, from host data.
+
+Participants are duck-typed so that this module stays below the backends and the layer: each has
+``plan_request(meta) -> PlanRequest`` saying what it will run. ``MLAAttention`` asks for its runs; an
+``MLABackend`` instance asks for the whole step as one absorbed batch, which is how an engine that calls
+``forward_mqa`` itself (the vLLM adapter) plans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from .cache import PagedRows, SlotSource
+from .checks import require_whole_sequences
+from .metadata import BatchMetadata
+
+__all__ = ["Run", "PlanRequest", "StepPlan", "StepPlanError", "plan_step", "require_plan", "Preparer"]
+
+
+class Run(NamedTuple):
+    """Consecutive processing-order requests ``start:stop`` that take one path (``absorbed`` or expanded)."""
+
+    absorbed: bool
+    start: int
+    stop: int
+
+
+class StepPlanError(ValueError):
+    """A plan that does not fit the call: made for other metadata, without this layer or backend, or missing."""
+
+
+@runtime_checkable
+class Preparer(Protocol):
+    """What :func:`plan_step` needs of a backend: its per-step ``prepare``, the key states are shared by, and
+    the declaration keys its configuration accepts on a batch (``MLABackend`` has all three)."""
+
+    def prepare(self, meta: BatchMetadata) -> object | None: ...
+
+    def prepare_key(self) -> Hashable: ...
+
+    def planned_declarations(self, meta: BatchMetadata, *, sparse: bool = False) -> frozenset[Hashable]: ...
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What one layer will run this step, as it tells :func:`plan_step`.
+
+    Attributes:
+        runs_key: the key its runs are kept under (layers that dispatch alike share it).
+        runs: the step's processing-order requests cut into runs.
+        backend: the backend instance its absorbed runs go to (prepared for each of them).
+        dcp: ``(rank, size)`` of its decode-context-parallel place, or None.
+        sparse: its absorbed calls pass top-k indices (DeepSeek-V3.2).
+    """
+
+    runs_key: Hashable
+    runs: tuple[Run, ...]
+    backend: Preparer
+    dcp: tuple[int, int] | None = None
+    sparse: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan(SlotSource):
+    """One step's plan (module docstring): made by :func:`plan_step`, read by every layer, never changed.
+
+    Attributes:
+        meta: the step's metadata.
+        runs: dispatch key -> the step's runs under it.
+        batches: ``(start, stop)`` -> the metadata of those processing-order requests (``(0, B)`` is ``meta``).
+        local: ``(start, stop, dcp_rank, dcp_size)`` -> ``(local decode metadata or None, [n] int64 tokens)``.
+        states: ``(backend.prepare_key(), id(batch))`` -> what ``backend.prepare(batch)`` returned.
+        accepted: declaration keys (``mqa_inputs.declaration_key``) the planned backends accept.
+        max_block_id: the largest block id any request of the step reads (``-1``: none), computed once
+            (``meta.max_live_block_id()``); None when no cache check needs it (``build`` checked the ids
+            against ``num_blocks``, or the engine vouched for them: ``block_ids_trusted``).
+    """
+
+    meta: BatchMetadata
+    runs: Mapping[Hashable, tuple[Run, ...]] = field(repr=False)
+    batches: Mapping[tuple[int, int], BatchMetadata] = field(repr=False)
+    local: Mapping[tuple[int, int, int, int], tuple[Any, Any]] = field(repr=False)
+    states: Mapping[tuple[Hashable, int], object] = field(repr=False)
+    accepted: frozenset[Hashable] = field(default=frozenset(), repr=False)
+    max_block_id: int | None = None
+
+    # ---- what the layers read ----------------------------------------------------------------------------
+    def runs_for(self, key: Hashable, who: str = "this layer") -> tuple[Run, ...]:
+        """The runs planned under dispatch ``key``; :class:`StepPlanError` when no participant asked for it."""
+        try:
+            return self.runs[key]
+        except (KeyError, TypeError):
+            raise StepPlanError(
+                f"plan: got a plan made without {who} (no runs for its dispatch); supported the step's plan "
+                "from plan_step(meta, layers) naming every layer of the step") from None
+
+    def batch(self, start: int, stop: int) -> BatchMetadata:
+        """The planned metadata of processing requests ``start:stop``."""
+        try:
+            return self.batches[(start, stop)]
+        except KeyError:
+            raise StepPlanError(f"plan: got no batch for requests {start}:{stop}; supported the runs this plan "
+                                "was made with (plan_step(meta, layers) naming every layer)") from None
+
+    def local_decode(self, start: int, stop: int, dcp_rank: int, dcp_size: int) -> tuple[Any, Any]:
+        """``(local metadata or None, tokens)`` of run ``start:stop`` on DCP rank ``dcp_rank`` of ``dcp_size``."""
+        try:
+            return self.local[(start, stop, dcp_rank, dcp_size)]
+        except KeyError:
+            raise StepPlanError(f"plan: got no DCP-local metadata for requests {start}:{stop} on rank {dcp_rank} "
+                                f"of {dcp_size}; supported a plan made with this layer") from None
+
+    def state(self, backend: Preparer, meta: BatchMetadata) -> object | None:
+        """``backend``'s prepared state for ``meta`` (one of this plan's batches).
+
+        Raises:
+            StepPlanError: ``meta`` is not a batch of this plan (the plan was made for other metadata), or
+                ``backend`` (its ``prepare_key()``) was not planned for it.
+        """
+        key = (backend.prepare_key(), id(meta))
+        if key in self.states:
+            return self.states[key]
+        mine = any(b is meta for b in self.batches.values()) or any(
+            loc is meta for loc, _ in self.local.values())
+        name = getattr(backend, "name", type(backend).__name__)
+        if not mine:
+            raise StepPlanError(
+                "plan: got a plan made for other metadata (the metadata given is not one of its batches); "
+                "supported the plan of this step's metadata (plan_step(meta, ...) for the same meta, once per "
+                "step, before the first layer)")
+        raise StepPlanError(
+            f"plan: got a plan made without backend {name} (configured as {backend.prepare_key()!r}) for this "
+            "batch; supported a plan from plan_step(meta, participants) naming the layer or backend that runs it")
+
+    def check_cache(self, cache: PagedRows) -> None:
+        """Raise ValueError unless ``cache`` has the step's page size and holds every block id of the step
+        (a host comparison with :attr:`max_block_id`; no device read)."""
+        self.meta.check_cache(cache, max_block_id=self.max_block_id)
+
+    def slots_for(self, cache: PagedRows) -> torch.Tensor:
+        """The step's new-token slots ``[T]`` for ``cache.write``, after :meth:`check_cache` (host only)."""
+        self.check_cache(cache)
+        return self.meta.slot_mapping
+
+    def is_for(self, meta: BatchMetadata) -> bool:
+        """Whether this plan was made for ``meta`` (the step's metadata or one of its batches)."""
+        return meta is self.meta or any(b is meta for b in self.batches.values()) or any(
+            loc is meta for loc, _ in self.local.values())
+
+
+def _participant(p: object, meta: BatchMetadata) -> PlanRequest:
+    request = getattr(p, "plan_request", None)
+    if callable(request) and not isinstance(p, type):
+        got = request(meta)
+        if not isinstance(got, PlanRequest):
+            raise TypeError(f"participants: {type(p).__name__}.plan_request returned {type(got).__name__}; "
+                            "supported PlanRequest")
+        return got
+    raise TypeError(f"participants: got {type(p).__name__}; supported MLAAttention layers (plan_request) or "
+                    "MLABackend instances (prepare, prepare_key)")
+
+
+def plan_step(meta: BatchMetadata, participants: Iterable[object]) -> StepPlan:
+    """Plan one step for every layer (or backend) that will run it; see the module docstring.
+
+    Args:
+        meta: the step's :class:`~mla_backends.step.metadata.BatchMetadata`.
+        participants: the step's ``MLAAttention`` layers (each layer's dispatch and backend; layers alike are
+            planned once), or ``MLABackend`` instances an engine hands the whole step to (``forward_mqa``):
+            anything with ``plan_request(meta)``.
+
+    Returns:
+        The frozen :class:`StepPlan`. Every backend's ``prepare`` ran here, once per ``prepare_key()`` and batch.
+
+    Raises:
+        TypeError: ``meta`` is not metadata, or a participant is neither a layer nor a backend.
+        ValueError: a backend or layer refuses the metadata (DCP metadata given to a bare backend, ...).
+    """
+    if not isinstance(meta, BatchMetadata):
+        raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata (BatchMetadata.build)")
+    if isinstance(participants, (str, bytes)) or not isinstance(participants, Iterable):
+        raise TypeError(f"participants: got {type(participants).__name__}; supported an iterable of layers or "
+                        "backends")
+    items = list(participants)
+    requests = [_participant(p, meta) for p in items]
+    starts = meta.query_starts_list
+    B = meta.num_requests
+    runs: dict[Hashable, tuple[Run, ...]] = {}
+    batches: dict[tuple[int, int], BatchMetadata] = {(0, B): meta}
+    local: dict[tuple[int, int, int, int], tuple[Any, Any]] = {}
+    states: dict[tuple[Hashable, int], object] = {}
+    accepted: set[Hashable] = set()
+
+    def batch(b0: int, b1: int) -> BatchMetadata:
+        if (b0, b1) not in batches:
+            batches[(b0, b1)] = meta.select_requests(b0, b1)
+        return batches[(b0, b1)]
+
+    for req in requests:
+        if req.runs_key is not None:
+            runs.setdefault(req.runs_key, req.runs)
+        for absorbed, b0, b1 in req.runs:
+            sub = batch(b0, b1)
+            if not absorbed or starts[b0] == starts[b1]:
+                continue
+            target = sub
+            if req.dcp is not None:
+                rank, size = req.dcp
+                key = (b0, b1, rank, size)
+                if key not in local:
+                    local[key] = sub.local_decode(rank, size)
+                target = local[key][0]
+                if target is None:
+                    continue
+            else:
+                require_whole_sequences(target, "plan_step(meta, backends)")
+            skey = (req.backend.prepare_key(), id(target))
+            if skey not in states:
+                states[skey] = req.backend.prepare(target)
+                accepted |= req.backend.planned_declarations(target, sparse=req.sparse)
+    max_id = meta.max_live_block_id()  # the one device read, for hand-made metadata only
+    return StepPlan(meta=meta, runs=MappingProxyType(runs), batches=MappingProxyType(batches),
+                    local=MappingProxyType(local), states=MappingProxyType(states), accepted=frozenset(accepted),
+                    max_block_id=max_id)
+
+
+def require_plan(plan: object, entry: str) -> StepPlan:
+    """``plan`` when it is a :class:`StepPlan`; a :class:`TypeError` naming ``entry`` otherwise (metadata given
+    where the step's plan belongs, or nothing)."""
+    if isinstance(plan, StepPlan):
+        return plan
+    got = type(plan).__name__
+    raise TypeError(f"plan: got {got} for {entry}; supported the step's StepPlan (plan = plan_step(meta, layers), "
+                    "once per step, before the first layer and outside any CUDA-graph capture)")
