@@ -4,7 +4,7 @@ Without CUDA, Triton kernels can only run under the interpreter, and ``TRITON_IN
 any ``@triton.jit`` module is imported, so it is set here, first. Tests that check the selector's behaviour
 without the interpreter remove it with ``monkeypatch.delenv``.
 
-The test loop (``make test-fast``, ``make test``; README "Install and the two commands"):
+The test loop (``make test-fast``, ``make test``; README, "Running the tests"):
 
 * ``slow``: every test named in ``tests/slow_tests.txt`` (a file, a class or a test, all its parameters
   included) gets the ``slow`` mark here, at collection; ``make test-fast`` runs ``-m "not slow"``.
