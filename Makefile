@@ -18,9 +18,9 @@ VLLM_EDITABLE := $(VLLM_VENV)/.mla-backends-editable
 
 # the test loop (README, "Install and the two commands"): pytest-xdist workers for the main suite (0: one process)
 TEST_WORKERS ?= 2
-# a module's (or a class's) tests on one worker, so a module fixture is built once; tests/conftest.py puts the
-# long tests first (tests/slow_tests.txt), and --no-loadscope-reorder keeps that order
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
+# each test a unit of work, but a file with a costly module fixture on one worker (tests/conftest.py); the
+# conftest puts the long tests first (tests/slow_tests.txt), and --no-loadscope-reorder keeps that order
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 PYTEST_ARGS ?=
 
 .PHONY: run test test-fast test-vllm install lint bench docs clean drop-example-plugin vllm-env

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import SLOW_LIST, TESTS, _key, is_listed, read_slow_list, slow_rank
+from conftest import SHARED_MODULE_FIXTURES, SLOW_LIST, TESTS, _key, is_listed, read_slow_list, slow_rank, work_unit
 
 ROOT = TESTS.parent
 
@@ -76,6 +76,16 @@ def test_slow_rank_is_the_first_entry_holding_the_test():
     assert slow_rank("test_a.py::test_y", slow) == 2
     assert slow_rank("test_b.py::TestK::test_z", slow) == 1
     assert slow_rank("test_c.py::test_x", slow) == 3  # not listed: after every listed test
+
+
+def test_work_units_are_tests_except_files_sharing_a_module_fixture():
+    assert all((TESTS / name).is_file() for name in SHARED_MODULE_FIXTURES), sorted(SHARED_MODULE_FIXTURES)
+    assert work_unit("tests/test_dcp_gloo.py::test_dcp_equals_unsharded[2-2]") == "tests/test_dcp_gloo.py"
+    assert work_unit("tests/test_dcp_gloo.py::test_bad_dcp_arguments_without_processes") == "tests/test_dcp_gloo.py"
+    # the three compile reports are units of their own, so two workers run them side by side
+    assert len({work_unit(f"tests/test_triton_compile.py::{t}") for t in (
+        "test_sm90a_report", "test_portable_archs_report[sm80]", "test_portable_archs_report[sm89]")}) == 3
+    assert work_unit("tests/test_a.py::TestK::test_z[p]@grp") == "grp"
 
 
 @pytest.mark.parametrize("case", [1, 2])
