@@ -16,7 +16,14 @@ VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-env-built
 VLLM_EDITABLE := $(VLLM_VENV)/.mla-backends-editable
 
-.PHONY: run test install lint bench docs clean drop-example-plugin vllm-env
+# the test loop (README, "Install and the two commands"): pytest-xdist workers for the main suite (0: one process)
+TEST_WORKERS ?= 2
+# each test a unit of work, but a file with a costly module fixture on one worker (tests/conftest.py); the
+# conftest puts the long tests first (tests/slow_tests.txt), and --no-loadscope-reorder keeps that order
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+PYTEST_ARGS ?=
+
+.PHONY: run test test-fast test-vllm install lint bench docs clean drop-example-plugin vllm-env
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,9 +53,25 @@ $(VLLM_EDITABLE): $(VLLM_STAMP) pyproject.toml
 
 vllm-env: $(VLLM_EDITABLE)
 
+# the whole suite: the main one on $(TEST_WORKERS) workers and, beside it, tests/vllm_engine in .venv-vllm (its
+# engines leave a core idle at times, and so does the main suite's tail), with a pytest cache folder of its own;
+# its log is printed when both are done, last. Fails unless both runs exit 0, so pytest's exit 5 (nothing
+# collected) fails it too.
 test: $(STAMP) drop-example-plugin $(VLLM_EDITABLE)
-	$(BIN)/python -m pytest -q
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine
+	@log=$$(mktemp) && \
+	{ $(VLLM_VENV)/bin/python -m pytest -q -o cache_dir=.pytest_cache/vllm tests/vllm_engine $(PYTEST_ARGS) > $$log 2>&1 & } && vpid=$$! && \
+	{ $(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS); main=$$?; } ; \
+	wait $$vpid; vllm=$$?; \
+	echo "make test: main suite rc=$$main, tests/vllm_engine rc=$$vllm; the log of tests/vllm_engine (.venv-vllm):"; \
+	cat $$log; rm -f $$log; \
+	test $$main -eq 0 -a $$vllm -eq 0
+
+# the unit tests, minutes faster: the main suite without the tests tests/slow_tests.txt names (no vLLM)
+test-fast: $(STAMP) drop-example-plugin
+	$(BIN)/python -m pytest -q -m "not slow" $(XDIST) $(PYTEST_ARGS)
+
+test-vllm: $(STAMP) $(VLLM_EDITABLE)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check mla_backends selector tests benchmarks
