@@ -125,7 +125,7 @@ def run_kv_cache(args: argparse.Namespace) -> int:
     tp = args.tp
     cache_bytes = None
     if args.cache_memory is not None:
-        from ..deployment import parse_memory
+        from ..planning.deployment import parse_memory
 
         cache_bytes = parse_memory(args.cache_memory, "--cache-memory")  # exact decimal, whole bytes
     if args.gpu is not None or args.gpu_memory is not None:
