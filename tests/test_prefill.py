@@ -294,3 +294,15 @@ def test_plain_attention_in_query_slices_matches_the_reference(causal, n, m):
     ref_o, ref_lse = _naive_attention(*args, 0.3, causal)
     torch.testing.assert_close(o, ref_o, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-12, atol=1e-12)
+
+
+def test_a_workspace_first_filled_under_inference_mode_serves_later_calls_outside_it():
+    """mla-backends tune runs under torch.inference_mode(); the shared workspace it grows must stay usable by a
+    layer called afterwards outside that mode (an inference tensor cannot be written there)."""
+    ws = PrefillWorkspace(8)
+    with torch.inference_mode():
+        lat, kv = ws.buffers(4, 6, torch.float32, torch.device("cpu"))
+    assert not lat.is_inference() and not kv.is_inference()
+    lat2, kv2 = ws.buffers(4, 6, torch.float32, torch.device("cpu"))
+    lat2.zero_()
+    kv2.copy_(torch.ones_like(kv2))

@@ -82,8 +82,11 @@ class PrefillWorkspace:
             have = 0 if kv is None or kv.shape[1] != kv_width or kv.dtype != dtype or kv.device != device \
                 else kv.shape[0]
             n = max(need, have)
-            self.latent = lat = torch.empty(n, row_width, dtype=dtype, device=device)
-            self.kv = kv = torch.empty(n, kv_width, dtype=dtype, device=device)
+            # normal tensors even when first needed under torch.inference_mode() (mla-backends tune): the
+            # workspace is shared, and a later call outside that mode writes into it
+            with torch.inference_mode(False):
+                self.latent = lat = torch.empty(n, row_width, dtype=dtype, device=device)
+                self.kv = kv = torch.empty(n, kv_width, dtype=dtype, device=device)
             self.allocations += 1
         return lat, kv
 
