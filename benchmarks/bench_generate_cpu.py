@@ -8,7 +8,7 @@ every step) and by the same model after ``patch_model`` (absorbed decode over a 
 alternating for ``--rounds`` rounds so that both see the same machine; the best round of each is kept. Decode
 tokens/s is timed between the first and the last decode step (a logits processor stamps every step), so the
 prefill is left out; the attention-only ratio sums the attention modules' forward times over the decode steps.
-Target: >= 20x for the whole decode step.
+Target: >= 30x for the whole decode step.
 
 Beside the ratio it prints what bounds it: the patched decode step split into ``forward_mqa``, the rest of
 the attention modules and the rest of the model; the bytes one patched decode step must read (every weight
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{(step_s - attn_s) * 1e3:.1f})")
     print("  rounds (unpatched, patched tokens/s): "
           + ", ".join(f"({b:.1f}, {p:.1f})" for b, p in res["rounds_tokens_per_s"]))
-    print(f"  decode step ratio: {res['decode_ratio']:.1f}x (target >= 20x); attention only: "
+    print(f"  decode step ratio: {res['decode_ratio']:.1f}x (target >= 30x); attention only: "
           f"{res['attention_ratio']:.1f}x; tokens identical: {same}")
     print(f"  bound: a patched step reads {step_bytes / 1e6:.0f} MB (weights + cached rows), at the measured "
           f"{bandwidth / 1e9:.1f} GB/s copy bandwidth at least {floor_s * 1e3:.1f} ms, so this machine allows at "

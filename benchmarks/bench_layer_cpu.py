@@ -2,10 +2,10 @@
 
 1. One decode step of ``MLAAttention`` (absorbed, REF_TORCH) against transformers' ``DeepseekV3Attention``
    with its own cache, which re-expands the whole latent every step. DeepSeek-V2-Lite attention (16 heads,
-   512/64/128/128, no query latent, hidden 2048), fp32, batch 8, 4096 cached tokens each. Target: >= 40x.
+   512/64/128/128, no query latent, hidden 2048), fp32, batch 8, 4096 cached tokens each. Target: >= 70x.
 2. The reference ``forward_mqa`` for the same batch against this machine's roofline
    ``max(FLOPs / fp32 matmul rate, bytes / copy bandwidth)``, both rates measured in this run (interleaved
-   with the kernel timings, in rounds; the best of each is kept). Target: <= 2.5x.
+   with the kernel timings, in rounds; the best of each is kept). Target: <= 1.4x.
 3. The shared prefill ``forward_mha`` for one request extending a cached prefix (``--prefill-new`` tokens over
    ``--prefill-context``), same dims: torch's fused CPU flash kernel (the default) against the plain matmul
    kernel (``fused=False``), and both against the roofline of their FLOPs. No target; reported.
@@ -62,12 +62,24 @@ def best_rates(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def hot_path_figures(context: int, batch: int, block_size: int, repeat: int) -> dict[str, float]:
     """Best times of ``BatchMetadata.build`` (a decode batch over ``context`` cached tokens) and of one
     ``MLAAttention`` decode step (REF_TORCH, DeepSeek-V2-Lite attention, fp32), in seconds. Uses only public
-    API that older checkouts share, so ``--compare-with`` can time them too."""
-    from mla_backends.core.dims import MLADims
-    from mla_backends.layer.attention import MLAAttention
-    from mla_backends.loading.hf import random_hf_state_dict
-    from mla_backends.step.metadata import BatchMetadata
-    from mla_backends.step.plan import plan_step
+    API that older checkouts share, so ``--compare-with`` can time them too: a 0.3 checkout (flat modules, no
+    step plan: the layer prepared its step lazily, inside the timed call) is timed through its own paths, and
+    the 0.4 step time includes ``plan_step``, so both figures cover the same work."""
+    try:
+        from mla_backends.core.dims import MLADims
+        from mla_backends.layer.attention import MLAAttention
+        from mla_backends.loading.hf import random_hf_state_dict
+        from mla_backends.step.metadata import BatchMetadata
+        from mla_backends.step.plan import plan_step
+    except ImportError:  # a 0.3 checkout
+        from mla_backends.dims import MLADims  # type: ignore[no-redef]
+        from mla_backends.hf_loading import random_hf_state_dict  # type: ignore[no-redef]
+        from mla_backends.metadata import BatchMetadata  # type: ignore[no-redef]
+
+        from mla_backends.layer import MLAAttention  # type: ignore[no-redef]
+
+        def plan_step(meta, layers):  # type: ignore[no-redef]
+            return meta
 
     torch.manual_seed(0)
     dims = MLADims.deepseek_v2_lite()
@@ -235,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         else "memory"
     print(f"reference forward_mqa: {t_mqa * 1e3:.1f} ms; roofline {roof * 1e3:.1f} ms ({bound}-bound: "
           f"{flops / 1e9:.2f} GFLOP, {bytes_moved / 1e6:.1f} MB) -> {t_mqa / roof:.2f}x the roofline "
-          f"(target <= 2.5x)")
+          f"(target <= 1.4x)")
     results.update(forward_mqa_s=t_mqa, roofline_s=roof, roofline_ratio=t_mqa / roof, flops=flops,
                    bytes=bytes_moved, bound=bound)
 
@@ -303,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             t_hf = best_time(hf_step, args.hf_repeat, warmup=0)
         print(f"transformers DeepseekV3Attention decode step (with DynamicCache): {t_hf * 1e3:.1f} ms; "
               f"max relative difference to MLAAttention {diff:.1e}")
-        print(f"speed-up of MLAAttention over transformers: {t_hf / t_layer:.1f}x (target >= 40x)")
+        print(f"speed-up of MLAAttention over transformers: {t_hf / t_layer:.1f}x (target >= 70x)")
         results.update(transformers_decode_s=t_hf, speedup_vs_transformers=t_hf / t_layer,
                        max_rel_diff_vs_transformers=diff)
 

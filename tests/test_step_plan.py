@@ -110,3 +110,35 @@ def test_plan_step_names_bad_participants():
         plan_step(meta, [RefTorchBackend])  # the class, not an instance
     with pytest.raises(TypeError, match="meta: got dict"):
         plan_step({}, [RefTorchBackend()])
+
+
+def test_layers_configured_alike_are_asked_once_and_every_one_runs_on_the_plan(monkeypatch):
+    layers = _layers(4)
+    other = _layers(1, dispatch="per-batch")[0]  # another dispatch: a request of its own
+    meta, caches, x = _step(layers + [other])
+    asked: list[int] = []
+    real = MLAAttention.plan_request
+
+    def spy(self, m):
+        asked.append(self.layer_idx)
+        return real(self, m)
+
+    monkeypatch.setattr(MLAAttention, "plan_request", spy)
+    plan = plan_step(meta, layers + [other])
+    assert asked == [0, 0]  # the first of the four alike, then the per-batch one (also layer_idx 0)
+    assert len({layer.plan_key() for layer in layers}) == 1 and other.plan_key() != layers[0].plan_key()
+    y = x
+    for layer, cache in zip(layers + [other], caches, strict=True):
+        y = layer(y, None, cache, plan)  # every layer finds its runs and its backend's state in the plan
+    assert torch.isfinite(y).all()
+
+
+def test_a_plan_key_that_cannot_be_hashed_is_named():
+    meta, _, _ = _step(_layers(1))
+
+    class Unhashable(RefTorchBackend):
+        def plan_key(self):
+            return [1]
+
+    with pytest.raises(TypeError, match=r"participants: Unhashable.plan_key returned list, which cannot be hashed"):
+        plan_step(meta, [Unhashable()])

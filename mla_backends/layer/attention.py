@@ -24,6 +24,7 @@ One step, for ``T`` tokens in processing order (decodes first):
 from __future__ import annotations
 
 import os
+from collections.abc import Hashable
 from dataclasses import replace
 from typing import Any
 
@@ -338,6 +339,12 @@ class MLAAttention(torch.nn.Module):
     def runs_key(self) -> object:
         """The key this layer's runs are kept under in a step plan (layers that dispatch alike share it)."""
         return runs_key(self.dispatch, self._dispatch_capabilities, sparse=self.dims.is_sparse)
+
+    def plan_key(self) -> Hashable:
+        """Layers with equal keys make equal :meth:`plan_request` s, so :func:`plan_step` asks only one of
+        them: the same dispatch (``runs_key``), a backend prepared alike (``prepare_key``), the same DCP place."""
+        dcp = None if self.dcp is None else (self.dcp.rank, self.dcp.size)
+        return ("MLAAttention", self.runs_key(), self.backend.prepare_key(), dcp, self.dims.is_sparse)
 
     def plan_request(self, meta: BatchMetadata) -> PlanRequest:
         """What this layer runs in the step of ``meta``, for :func:`~mla_backends.step.plan.plan_step`: its

@@ -25,7 +25,9 @@ of a step. Nothing after planning waits for the device: what needs host data was
 Participants are duck-typed so that this module stays below the backends and the layer: each has
 ``plan_request(meta) -> PlanRequest`` saying what it will run. ``MLAAttention`` asks for its runs; an
 ``MLABackend`` instance asks for the whole step as one absorbed batch, which is how an engine that calls
-``forward_mqa`` itself (the vLLM adapter) plans.
+``forward_mqa`` itself (the vLLM adapter) plans. A participant may also have ``plan_key() -> Hashable``: the
+participants of a step with equal keys would make equal requests, so only the first of them is asked (a
+60-layer model whose layers are configured alike costs one request, not 60).
 """
 
 from __future__ import annotations
@@ -187,6 +189,20 @@ def _participant(p: object, meta: BatchMetadata) -> PlanRequest:
                     "MLABackend instances (prepare, prepare_key)")
 
 
+def _plan_key(p: object) -> Hashable | None:
+    """``p.plan_key()`` when ``p`` has one (participants with equal keys make equal requests), else None."""
+    method = getattr(p, "plan_key", None)
+    if not callable(method) or isinstance(p, type):
+        return None
+    key = method()
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(f"participants: {type(p).__name__}.plan_key returned {type(key).__name__}, which cannot "
+                        "be hashed; supported a hashable key (or no plan_key method)") from None
+    return key
+
+
 def plan_step(meta: BatchMetadata, participants: Iterable[object]) -> StepPlan:
     """Plan one step for every layer (or backend) that will run it; see the module docstring.
 
@@ -194,7 +210,8 @@ def plan_step(meta: BatchMetadata, participants: Iterable[object]) -> StepPlan:
         meta: the step's :class:`~mla_backends.step.metadata.BatchMetadata`.
         participants: the step's ``MLAAttention`` layers (each layer's dispatch and backend; layers alike are
             planned once), or ``MLABackend`` instances an engine hands the whole step to (``forward_mqa``):
-            anything with ``plan_request(meta)``.
+            anything with ``plan_request(meta)`` (and optionally ``plan_key()``: of participants with equal
+            keys only the first is asked).
 
     Returns:
         The frozen :class:`StepPlan`. Every backend's ``prepare`` ran here, once per ``prepare_key()`` and batch.
@@ -208,8 +225,15 @@ def plan_step(meta: BatchMetadata, participants: Iterable[object]) -> StepPlan:
     if isinstance(participants, (str, bytes)) or not isinstance(participants, Iterable):
         raise TypeError(f"participants: got {type(participants).__name__}; supported an iterable of layers or "
                         "backends")
-    items = list(participants)
-    requests = [_participant(p, meta) for p in items]
+    requests: list[PlanRequest] = []
+    asked: set[Hashable] = set()
+    for p in participants:
+        key = _plan_key(p)
+        if key is not None:
+            if key in asked:  # a participant alike to one already asked: the same request
+                continue
+            asked.add(key)
+        requests.append(_participant(p, meta))
     starts = meta.query_starts_list
     B = meta.num_requests
     runs: dict[Hashable, tuple[Run, ...]] = {}
