@@ -2,7 +2,8 @@
 
 Shape (issue 29's vLLM benchmark, DeepSeek-V2-Lite): ``--batch`` (8) decode requests, ``--heads`` (16) heads,
 kv_lora_rank 512 + rope 64, ``--dtype`` (float32) queries and cache, page size 16 (vLLM's CPU backend forces
-it), a scattered block table; request ``i`` holds ``context - i`` cached rows, for each ``--contexts`` value.
+it), a scattered block table (``--table contiguous``: each request's pages consecutive); request ``i`` holds
+``context - i`` cached rows, for each ``--contexts`` value.
 Timed per context:
 
 - ``ref``: REF_TORCH as shipped (its own choice of path, ``path`` in the output);
@@ -57,8 +58,9 @@ HEADS, RANK, ROPE, PAGE, BATCH = 16, 512, 64, 16, 8
 WIDTH = RANK + ROPE
 SCALE = (128 + ROPE) ** -0.5
 DEFAULT_CONTEXTS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-#: the benchmark's dtype and shape (``--dtype``, ``--heads``, ``--batch``)
+#: the benchmark's dtype and shape (``--dtype``, ``--heads``, ``--batch``) and block table (``--table``)
 DTYPE = torch.float32
+TABLE = "scattered"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -84,7 +86,8 @@ class Inputs:
         self.contexts = [max(0, context - i) for i in range(batch)]
         pages = -(-(context + 1) // PAGE)
         nb = batch * pages + 1
-        self.table = table = torch.randperm(nb, generator=g)[: batch * pages].view(batch, pages).int()
+        order = torch.arange(nb) if TABLE == "contiguous" else torch.randperm(nb, generator=g)
+        self.table = table = order[: batch * pages].view(batch, pages).int()
         self.cache = pkg.LatentKVCache(nb, PAGE, RANK, ROPE, model_dtype=DTYPE)
         self.cache.data.copy_(torch.randn(self.cache.data.shape, generator=g))
         self.meta = pkg.BatchMetadata.build([1] * batch, self.contexts, table, PAGE, num_blocks=nb)
@@ -345,7 +348,7 @@ def plot(result: dict, png: str, command: str) -> None:
     ax.set_ylim(0, 1.05)
     sh = result["shape"]
     ax.set_title(f"CPU decode, forward_mqa: batch {sh['batch']}, {sh['heads']} heads, {sh['dtype']}, page "
-                 f"{sh['page']}, {result['threads']} thread(s)", fontsize=10)
+                 f"{sh['page']}, {sh.get('table', 'scattered')} table, {result['threads']} thread(s)", fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3)
     fig.text(0.01, 0.01, command, fontsize=6, family="monospace")
@@ -375,13 +378,15 @@ def crossover_sweep(rounds: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global CLOCK, DTYPE, HEADS, BATCH
+    global CLOCK, DTYPE, HEADS, BATCH, TABLE
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS))
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--batch", type=int, default=BATCH)
     p.add_argument("--heads", type=int, default=HEADS)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--table", choices=("scattered", "contiguous"), default="scattered",
+                   help="block table: pages in random order, or each request's pages consecutive in the cache")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--before", metavar="PATH", help="also time the REF_TORCH of the checkout at PATH")
     p.add_argument("--paths", action="store_true", help="also time the forced padded / streamed paths and a "
@@ -404,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.rounds < 1 or min(args.contexts) < 0 or args.batch < 1 or args.heads < 1:
         p.error("--rounds, --batch and --heads must be >= 1 and --contexts >= 0")
-    BATCH, HEADS, DTYPE = args.batch, args.heads, getattr(torch, args.dtype)
+    BATCH, HEADS, DTYPE, TABLE = args.batch, args.heads, getattr(torch, args.dtype), args.table
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = args.clock or ("thread" if torch.get_num_threads() == 1 else "wall")
@@ -419,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     result = {"command": command,
               "shape": {"batch": BATCH, "heads": HEADS, "kv_lora_rank": RANK, "rope": ROPE, "page": PAGE,
-                        "dtype": args.dtype},
+                        "dtype": args.dtype, "table": args.table},
               "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "torch": torch.__version__,
               "rounds": args.rounds, "before": args.before, "clock": clock,
               "timing": "best of rounds, variants interleaved, machine rates measured in the same rounds",

@@ -55,15 +55,14 @@ def stored_rows(cache, block_row, length):
 
 
 def make_step(query_lens, context_lens, *, model_dtype=torch.float32, kv_cache_dtype="auto", scale=1.0,
-              past_last_page=-1, seed=0, contiguous=False):
+              past_last_page=-1, seed=0):
     """A filled cache, a scattered block table (one spare column holding ``past_last_page`` on every row,
-    and every unused entry too) and the step's queries, in processing order (``reorder=False``). With
-    ``contiguous`` every request's pages are consecutive in the cache."""
+    and every unused entry too) and the step's queries, in processing order (``reorder=False``)."""
     g = torch.Generator().manual_seed(seed)
     seqs = [q + c for q, c in zip(query_lens, context_lens, strict=True)]
     pages = [-(-s // BS) for s in seqs]
     nb = sum(pages) + 3
-    perm = torch.arange(nb) if contiguous else torch.randperm(nb, generator=g)
+    perm = torch.randperm(nb, generator=g)
     bt = torch.full((len(seqs), max(pages) + 1), past_last_page, dtype=torch.int32)
     used = 0
     for b, n in enumerate(pages):
@@ -237,64 +236,3 @@ def test_streamed_buffers_are_shared_by_the_layers_of_a_step(monkeypatch):
         ref_o, ref_l = naive(q[b: b + 1].double(), stored_rows(cache, meta.block_table[b], c + 1), c)
         torch.testing.assert_close(first[b: b + 1].double(), ref_o, rtol=2e-5, atol=2e-5)
         torch.testing.assert_close(lse1[b: b + 1].double(), ref_l, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("layout", ["contiguous", "one_page_swapped", "scattered"])
-@pytest.mark.parametrize("model_dtype, tol", [(torch.float32, 2e-5), (torch.float64, 1e-10)])
-def test_streamed_chunks_of_consecutive_pages_read_the_cache_in_place(layout, model_dtype, tol, monkeypatch):
-    """Streamed chunks whose pages are consecutive for every request are read as views of the cache (no
-    gather); the others are gathered. Contiguous tables, one page swapped (that chunk gathered, the rest
-    viewed) and scattered tables all match the float64 reference, ragged lengths included."""
-    monkeypatch.setattr(ref_backend, "STREAM_MIN_ROWS", 1)
-    monkeypatch.setattr(ref_backend, "STREAM_MIN_BYTES", 0)
-    monkeypatch.setattr(ref_backend, "STREAM_CHUNK_BYTES", 2 * 2 * BS * (r + R) * 8)  # 2 pages a request
-    monkeypatch.setattr(ref_backend, "STREAM_LENGTH_RATIO", 1e9)
-    ctxs = [6 * BS + 3, 5 * BS, 5 * BS - 1, 4 * BS + 1]
-    cache, meta, q = make_step([1] * len(ctxs), ctxs, model_dtype=model_dtype, contiguous=layout != "scattered")
-    if layout == "one_page_swapped":  # request 1's pages 2 and 3 exchanged, in the table and in the cache
-        bt = meta.block_table
-        a, b = int(bt[1, 2]), int(bt[1, 3])
-        cache.data[[a, b]] = cache.data[[b, a]]
-        bt[1, 2], bt[1, 3] = b, a
-    backend = RefTorchBackend()
-    plan = plan_step(meta, [backend])
-    runs = plan.state(backend, meta).page_runs
-    assert sorted(runs) == list(range(len(ctxs)))
-    gathers = []
-    inner = torch.index_select
-
-    def spy(*args, **kw):
-        gathers.append(1)
-        return inner(*args, **kw)
-
-    monkeypatch.setattr(torch, "index_select", spy)
-    ql, qr = q[..., :r].contiguous(), q[..., r:].contiguous()
-    out, lse = backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
-    monkeypatch.setattr(torch, "index_select", inner)
-    per = ref_backend.stream_chunk_pages(len(ctxs), (r + R) * torch.empty((), dtype=model_dtype).element_size(), BS)
-    pages = [-(-(c + 1) // BS) for c in ctxs]
-    table = meta.block_table.tolist()
-
-    def viewed(c):  # every request's pages c*per .. c*per+per-1 exist and are consecutive
-        return all((c + 1) * per <= n and all(row[j + 1] == row[j] + 1 for j in range(c * per, (c + 1) * per - 1))
-                   for row, n in zip(table, pages, strict=True))
-
-    chunks = -(-max(pages) // per)
-    expect = sum(not viewed(c) for c in range(chunks))  # chunks gathered
-    assert len(gathers) == expect
-    if layout != "scattered":
-        assert expect < chunks  # some chunks really are views
-    for b, c in enumerate(ctxs):
-        ref_o, ref_l = naive(q[b: b + 1].double(), stored_rows(cache, meta.block_table[b], c + 1), c)
-        torch.testing.assert_close(out[b: b + 1].double(), ref_o, rtol=tol, atol=tol)
-        torch.testing.assert_close(lse[b: b + 1].double(), ref_l, rtol=max(tol, 1e-6), atol=max(tol, 1e-6))
-
-
-def test_page_runs_mark_consecutive_pages():
-    table = torch.tensor([[4, 5, 6, 9, 10, 2], [7, 3, 4, 5, 0, 0]], dtype=torch.int32)
-    runs = plans.page_runs(table, (6 * BS, 4 * BS - 3), [0, 1], BS)
-    assert runs[0] == ([4, 5, 6, 9, 10, 2], [2, 2, 2, 4, 4, 5])
-    assert runs[1] == ([7, 3, 4, 5], [0, 3, 3, 3])
-    assert plans.chunk_starts(runs, range(2), [6, 4], 1, 2) == (5, 3)
-    assert plans.chunk_starts(runs, range(2), [6, 4], 2, 2) is None  # request 0: 6 then 9
-    assert plans.chunk_starts(runs, range(2), [6, 4], 3, 2) is None  # past request 1's last page

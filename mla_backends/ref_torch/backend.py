@@ -24,7 +24,7 @@ from ..core.dtypes import KV_CACHE_DTYPES, accumulate_dtype
 from ..core.validation import require_int
 from ..step.cache import LatentKVCache, position_slots
 from ..step.metadata import BatchMetadata
-from .plans import HIDDEN_SCORE, RefStep, chunk_starts, page_runs
+from .plans import HIDDEN_SCORE, RefStep
 
 __all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]
 
@@ -35,7 +35,9 @@ __all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]
 #: --crossover, float32, 576-wide rows; benchmarks/results/ref-decode-cpu.json) on the loaded 2-core machine
 #: (32 MiB L3, 1 thread): from 8 to 24 MiB the two forms are within about 20 % (padded ahead at 32 requests,
 #: streamed ahead at 8, mixed at 2), and from 32 MiB on the padded form is 2-3x slower. Issue 29's
-#: quiet-machine figures at 8 requests x 1,064 rows (19.6 MB): padded 2.8 ms, streamed 3.2 ms
+#: quiet-machine figures at 8 requests x 1,064 rows (19.6 MB): padded 2.8 ms, streamed 3.2 ms. Issue 35
+#: (loaded machine, 1 thread, --paths): at 8 requests x 1,024 rows (18.9 MiB) padded 16.1 ms, streamed 11.0 ms;
+#: at 512 rows (9.4 MiB) within 3 %; hence 12 MiB (683 rows at 8 requests)
 STREAM_MIN_BYTES = 12 << 20
 #: ... and never shorter than this many rows: shorter streamed chunks cost more in kernel calls than they save
 STREAM_MIN_ROWS = 256
@@ -57,9 +59,6 @@ STREAM_LENGTH_RATIO = 2.0
 #: score given to hidden positions in the streamed path: finite, so that a chunk with nothing visible for a
 #: row gives finite partials (weighted by exp(-1e30 - max) = 0 when merged) instead of NaN
 _HIDDEN_SCORE = HIDDEN_SCORE
-
-
-USE_BIAS = True
 
 
 def stream_chunk_pages(num_requests: int, row_bytes: int, block_size: int) -> int:
@@ -168,14 +167,14 @@ class RefTorchBackend(MLABackend):
             t0, t1 = starts[b], starts[e]
             if streamed:
                 self._stream(q[t0:t1], cache, meta.block_table[b:e], meta.context_lens_list[b:e], seqs[b:e],
-                             scale, out[t0:t1], lse_out[t0:t1], step, (b, e))
+                             scale, out[t0:t1], lse_out[t0:t1], step)
             else:
                 self._dense(q[t0:t1], cache, meta, scale, out[t0:t1], lse_out[t0:t1], step, (b, e))
 
     @staticmethod
     def _stream(q: torch.Tensor, cache: LatentKVCache, block_rows: torch.Tensor,
                 context_lens: tuple[int, ...], seq_lens: tuple[int, ...], scale: float, out: torch.Tensor,
-                lse_out: torch.Tensor, step: RefStep | None = None, run: tuple[int, int] | None = None) -> None:
+                lse_out: torch.Tensor, step: RefStep | None = None) -> None:
         """Requests with one query length ``n`` (``q [b * n, H, 576]``, compute dtype), split-K over pages.
 
         The pages are gathered a few per request at a time (:func:`stream_chunk_pages`) into one buffer that
@@ -184,9 +183,7 @@ class RefTorchBackend(MLABackend):
         ``STREAM_FOLD_CHUNKS`` chunks the partials are folded into the running result with one batched
         matmul, so the per-chunk work is a handful of kernels and memory stays bounded for any length.
         Requests with fewer pages re-read their last page, hidden. Each cached row leaves memory once. The
-        buffers come from ``step`` (made by the step's first layer, reused by the others). A chunk where every
-        request reads consecutive pages (``step.contiguous_chunks[part]``, found by :meth:`prepare` on the
-        host) is not gathered: its matmuls read views of the cache, one request at a time.
+        buffers come from ``step`` (made by the step's first layer, reused by the others).
         """
         step = RefStep() if step is None else step
         b = len(seq_lens)
@@ -224,25 +221,16 @@ class RefTorchBackend(MLABackend):
         # per-slot views made once: the loop below is a handful of kernel calls per chunk, nothing else
         slot_max, slot_sum, slot_part = c_max.unbind(0), c_sum.unbind(0), part.unbind(0)
         slot_max_col = [t.unsqueeze(-1) for t in slot_max]
-        views = direct and run is not None and bool(step.page_runs) and cache.data.is_contiguous()
-        flat = cache.data.view(-1, W) if views else cache.data
-        q_rows, s_rows = qf.unbind(0), s.unbind(0)
         for c, page_ids in enumerate(chunk_ids.view(n_chunks, b * per).unbind(0)):
             g = c % G
-            starts = chunk_starts(step.page_runs, range(*run), pages, c * per, per) if views else None
-            if starts is not None:  # consecutive pages: the cache's own rows, no gather
-                kv_rows = [flat[p0 * bs: p0 * bs + rows] for p0 in starts]
-                for q_i, s_i, kv_i in zip(q_rows, s_rows, kv_rows, strict=True):
-                    torch.mm(q_i, kv_i.t(), out=s_i)
-            else:
-                torch.index_select(cache.data, 0, page_ids, out=raw)
-                if exact_fp8:  # the scale applied in float32 first, as LatentKVCache.dequantize does
-                    kv.view_as(raw).copy_(cache.dequantize(raw, cdt))
-                elif not direct:  # one conversion kernel into the compute-dtype buffer, then the fp8 scale
-                    kv.view_as(raw).copy_(raw)
-                    if cache.is_fp8:
-                        kv.mul_(cache.scale)
-                torch.bmm(qf, kv_t, out=s)
+            torch.index_select(cache.data, 0, page_ids, out=raw)
+            if exact_fp8:  # the scale applied in float32 first, as LatentKVCache.dequantize does
+                kv.view_as(raw).copy_(cache.dequantize(raw, cdt))
+            elif not direct:  # one conversion kernel into the compute-dtype buffer, then the fp8 scale
+                kv.view_as(raw).copy_(raw)
+                if cache.is_fp8:
+                    kv.mul_(cache.scale)
+            torch.bmm(qf, kv_t, out=s)
             pos0 = c * rows
             if pos0 + rows - 1 > edge:
                 hidden = torch.arange(pos0, pos0 + rows, device=dev)[None, None, :] > limit[:, :, None]
@@ -250,11 +238,7 @@ class RefTorchBackend(MLABackend):
             torch.amax(s, dim=-1, out=slot_max[g])
             s.sub_(slot_max_col[g]).exp_()
             torch.sum(s, dim=-1, out=slot_sum[g])
-            if starts is not None:
-                for s_i, kv_i, o_i in zip(s_rows, kv_rows, slot_part[g].unbind(0), strict=True):
-                    torch.mm(s_i, kv_i[:, :r], out=o_i)
-            else:
-                torch.bmm(s, kv_latent, out=slot_part[g])
+            torch.bmm(s, kv_latent, out=slot_part[g])
             if g == G - 1 or c == n_chunks - 1:  # fold the partials: weights exp(chunk max - new max)
                 k = g + 1
                 m_new = torch.maximum(m, c_max[:k].amax(dim=0))
@@ -274,15 +258,8 @@ class RefTorchBackend(MLABackend):
         and masks, made here (once per step, from host data) when a layer configured this instance with its
         heads and dims (:meth:`configure`); a bare instance makes them on its first call instead."""
         step = RefStep()
-        if not meta.num_tokens:
-            return step
-        if meta.block_table.device.type == "cpu":  # host lists of the pages of what may stream (no device here)
-            seqs = meta.seq_lens_list
-            long = [i for i, n in enumerate(seqs) if n >= STREAM_MIN_ROWS]
-            if long:
-                step.page_runs = page_runs(meta.block_table, seqs, long, meta.block_size)
         spec = self.layer_spec
-        if spec is None:
+        if spec is None or not meta.num_tokens:
             return step
         W, H = spec.kv_lora_rank + spec.qk_rope_head_dim, spec.num_heads
         row_bytes = W * torch.empty((), dtype=accumulate_dtype(spec.dtype)).element_size()
@@ -316,7 +293,7 @@ class RefTorchBackend(MLABackend):
                 kv = cache.dequantize(torch.index_select(cache.data, 0, grp.page_ids), cdt).view(b, L, W)
             tok0 = grp.first_token
             s = step.buffer(("s", key), (b, Q * H, L), cdt, dev)
-            if grp.bias is not None and USE_BIAS:  # one token per request: mask and scale inside the matmul
+            if grp.bias is not None:  # one token per request: mask and scale inside the matmul
                 qg = q[tok0: tok0 + b].reshape(b, H, W)
                 torch.baddbmm(step.converted(("bias", key), grp.bias, cdt), qg, kv.transpose(1, 2), alpha=scale,
                               out=s)

@@ -29,7 +29,7 @@ import torch
 from ..core.attention_math import padded_groups
 from ..step.metadata import BatchMetadata
 
-__all__ = ["HIDDEN_SCORE", "DenseGroup", "RefStep", "chunk_starts", "dense_groups", "group_page_ids", "page_runs"]
+__all__ = ["HIDDEN_SCORE", "DenseGroup", "RefStep", "dense_groups", "group_page_ids"]
 
 
 class DenseGroup(NamedTuple):
@@ -74,9 +74,6 @@ class RefStep:
     the groups of a configured layer when the step is planned; a bare backend's first call makes its own."""
 
     groups: dict[Hashable, tuple[DenseGroup, ...]] = field(default_factory=dict)
-    #: request -> its page ids and consecutive-run ends as host lists (:func:`page_runs`), for the requests long
-    #: enough to stream, made by prepare from a CPU block table: chunks of consecutive pages are not gathered
-    page_runs: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
     buffers: dict[Hashable, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def buffer(self, name: Hashable, shape: tuple[int, ...], dtype: torch.dtype,
@@ -125,36 +122,6 @@ def group_page_ids(block_table: torch.Tensor, seq_lens: tuple[int, ...], block_s
     live = (torch.arange(pages)[None, :] < used[:, None]).to(block_table.device)
     ids = torch.where(live, block_table[:, :pages].long(), 0)
     return ids.reshape(-1)
-
-
-def page_runs(block_table: torch.Tensor, seq_lens: tuple[int, ...], requests: list[int],
-              block_size: int) -> dict[int, tuple[list[int], list[int]]]:
-    """Host lists of ``requests``' pages (rows of ``block_table``, a CPU table, read here once per step): per
-    request, its page ids and, for every page, the index of the last page of the consecutive run it starts
-    (``ids[j] == ids[i] + (j - i)`` for every ``j`` up to it)."""
-    out: dict[int, tuple[list[int], list[int]]] = {}
-    for i in requests:
-        n = -(-seq_lens[i] // block_size)
-        ids = block_table[i, :n].long()
-        idx = torch.arange(n)
-        brk = torch.where(ids[1:] == ids[:-1] + 1, n - 1, idx[:-1]) if n > 1 else idx[:0]
-        # the first break at or after each page (a reversed running minimum), the last page for none
-        ends = torch.cat([brk.flip(0).cummin(0).values.flip(0), torch.tensor([n - 1])]) if n > 1 else idx
-        out[i] = (ids.tolist(), ends.tolist())
-    return out
-
-
-def chunk_starts(runs: dict[int, tuple[list[int], list[int]]], requests: range, pages: list[int], lo: int,
-                 per: int) -> tuple[int, ...] | None:
-    """The first page of pages ``lo .. lo + per - 1`` of each of ``requests`` when each request reads them as
-    ``per`` consecutive pages of the cache (its chunk is a view), else None."""
-    starts = []
-    for i, n in zip(requests, pages, strict=True):
-        got = runs.get(i)
-        if got is None or lo + per > n or got[1][lo] < lo + per - 1:
-            return None
-        starts.append(got[0][lo])
-    return tuple(starts)
 
 
 def hidden_positions(context_lens: tuple[int, ...], q_len: int, rows: int, device: torch.device) -> torch.Tensor:
