@@ -349,7 +349,7 @@ def plot(result: dict, png: str, command: str) -> None:
     sh = result["shape"]
     ax.set_title(f"CPU decode, forward_mqa: batch {sh['batch']}, {sh['heads']} heads, {sh['dtype']}, page "
                  f"{sh['page']}, {sh.get('table', 'scattered')} table, {result['threads']} thread(s)", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
     fig.text(0.01, 0.01, command, fontsize=6, family="monospace")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
