@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="wall clock, or the CPU time of the calling thread (only with --threads 1: torch then runs "
                         "every op on it; time spent preempted by other processes is not counted). Default: thread "
                         "with --threads 1, else wall")
-    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "ref-decode-cpu.json"))
+    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "ref-decode-cpu-roofline.json"))
     p.add_argument("--png", default=None, help="write the picture here (needs matplotlib)")
     p.add_argument("--plot", metavar="JSON", help="only draw --png from this JSON (no timing)")
     args = p.parse_args(argv)
