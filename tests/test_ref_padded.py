@@ -236,3 +236,16 @@ def test_streamed_buffers_are_shared_by_the_layers_of_a_step(monkeypatch):
         ref_o, ref_l = naive(q[b: b + 1].double(), stored_rows(cache, meta.block_table[b], c + 1), c)
         torch.testing.assert_close(first[b: b + 1].double(), ref_o, rtol=2e-5, atol=2e-5)
         torch.testing.assert_close(lse1[b: b + 1].double(), ref_l, rtol=1e-5, atol=1e-5)
+
+
+def test_step_buffers_are_one_per_name_grown_to_the_largest_request():
+    """However many groups or runs ask, a step keeps one buffer per name (and dtype): a larger request grows it,
+    a smaller one gets a view of its start; shapes are what was asked."""
+    step = plans.RefStep()
+    a = step.buffer("x", (2, 3), torch.float32, torch.device("cpu"))
+    b = step.buffer("x", (4, 5), torch.float32, torch.device("cpu"))
+    c = step.buffer("x", (3,), torch.float32, torch.device("cpu"))
+    assert a.shape == (2, 3) and b.shape == (4, 5) and c.shape == (3,)
+    assert len(step.buffers) == 1 and c.data_ptr() == b.data_ptr()
+    step.buffer("x", (3,), torch.float64, torch.device("cpu"))
+    assert len(step.buffers) == 2

@@ -286,13 +286,13 @@ class RefTorchBackend(MLABackend):
             b, Q, L = grp.stop - grp.start, grp.q_len, grp.rows
             key = (part, gi)
             if direct:  # gathered straight into the step's buffer, no conversion
-                kv = step.buffer(("kv", key), (grp.page_ids.numel(), *cache.data.shape[1:]), cdt, dev)
+                kv = step.buffer("dense_kv", (grp.page_ids.numel(), *cache.data.shape[1:]), cdt, dev)
                 torch.index_select(cache.data, 0, grp.page_ids, out=kv)
                 kv = kv.view(b, L, W)
             else:
                 kv = cache.dequantize(torch.index_select(cache.data, 0, grp.page_ids), cdt).view(b, L, W)
             tok0 = grp.first_token
-            s = step.buffer(("s", key), (b, Q * H, L), cdt, dev)
+            s = step.buffer("dense_s", (b, Q * H, L), cdt, dev)
             if grp.bias is not None:  # one token per request: mask and scale inside the matmul
                 qg = q[tok0: tok0 + b].reshape(b, H, W)
                 torch.baddbmm(step.converted(("bias", key), grp.bias, cdt), qg, kv.transpose(1, 2), alpha=scale,

@@ -78,16 +78,20 @@ class RefStep:
 
     def buffer(self, name: Hashable, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
-        """An uninitialised working buffer of this step, ``shape`` / ``dtype`` / ``device``, the same tensor for
-        every call that asks for it with the same ``name`` and layout (the layers of a step run one at a time,
-        and no buffer outlives the call that fills it). A normal tensor even when first made under
-        ``torch.inference_mode()``, so that a later call outside that mode can write into it."""
-        key = (name, tuple(shape), dtype, device)
+        """An uninitialised working buffer of this step, ``shape`` / ``dtype`` / ``device``: a view of the one
+        tensor kept under ``name`` (and dtype, device), grown to the largest size asked for, so that the layers of
+        a step (which run one at a time; no buffer outlives the call that fills it) reuse it and the step holds
+        at most one buffer per name, however many groups or streamed runs ask. A normal tensor even when first
+        made under ``torch.inference_mode()``, so that a later call outside that mode can write into it."""
+        key = (name, dtype, device)
+        need = 1
+        for n in shape:
+            need *= n
         buf = self.buffers.get(key)
-        if buf is None:
+        if buf is None or buf.numel() < need:
             with torch.inference_mode(False):
-                buf = self.buffers[key] = torch.empty(shape, dtype=dtype, device=device)
-        return buf
+                buf = self.buffers[key] = torch.empty(max(need, 1), dtype=dtype, device=device)
+        return buf[:need].view(shape)
 
     def converted(self, name: Hashable, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``tensor`` in ``dtype``, converted once per step (``name`` names it)."""
