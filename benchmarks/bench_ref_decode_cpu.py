@@ -1,15 +1,28 @@
-"""REF_TORCH's CPU decode, one ``forward_mqa`` (one layer call), against a plain gather + batched matmul.
+"""REF_TORCH's CPU decode, one ``forward_mqa`` (one layer call), against this machine's roofline and its peers.
 
-Shape (issue 29's vLLM benchmark, DeepSeek-V2-Lite): 8 decode requests, 16 heads, kv_lora_rank 512 + rope 64,
-float32, page size 16 (vLLM's CPU backend forces it), a scattered block table; request ``i`` holds
-``context - i`` cached rows, for each ``--contexts`` value (default 16 .. 1100). Timed per context:
+Shape (issue 29's vLLM benchmark, DeepSeek-V2-Lite): ``--batch`` (8) decode requests, ``--heads`` (16) heads,
+kv_lora_rank 512 + rope 64, ``--dtype`` (float32) queries and cache, page size 16 (vLLM's CPU backend forces
+it), a scattered block table (``--table contiguous``: each request's pages consecutive); request ``i`` holds
+``context - i`` cached rows, for each ``--contexts`` value.
+Timed per context:
 
 - ``ref``: REF_TORCH as shipped (its own choice of path, ``path`` in the output);
-- ``padded`` / ``streamed``: REF_TORCH forced onto one path (its thresholds patched for the call);
-- ``baseline``: a plain ``index_select`` of the batch's pages, ``bmm``, masked softmax, ``bmm``, written here
-  (no LSE, no validation);
+- ``roofline``: ``max(bytes / copy bandwidth, FLOPs / matmul rate)`` of the call
+  (:func:`mla_backends.planning.roofline.decode_roofline`: every visible cache row read once, queries read,
+  outputs and the LSE written; scores over 576 columns and the weighted sum over 512), both rates measured in
+  this run, in the same rounds as the kernels (a 1024^3 matmul and a 128 MiB copy in the benchmark's dtype,
+  the best of each kept), and ``ref_over_roofline``;
+- ``cpu_mla`` (when ``vllm`` imports: run this under ``.venv-vllm``'s python): vLLM's C++ ``CPU_MLA`` decode op
+  ``torch.ops._C.mla_decode_kvcache`` on the same cache, table and lengths (its query concatenated per call, as
+  ``CPUMLAImpl`` does), and ``cpu_mla_over_roofline``;
+- ``transformers`` (``--transformers``, contexts up to ``--hf-max-context``): one decode step of transformers'
+  ``DeepseekV3Attention`` (eager, its own ``DynamicCache``), which re-expands the whole latent through
+  ``kv_b_proj`` every step. It is the whole attention layer (projections included: transformers has no
+  separate attention core), set against the same roofline, so its ratio also counts work the others do not;
+- ``padded`` / ``streamed`` (``--paths``): REF_TORCH forced onto one path (its thresholds patched for the call);
+- ``baseline`` (``--paths``): a plain ``index_select`` of the batch's pages, ``bmm``, masked softmax, ``bmm``;
 - ``before`` (with ``--before PATH``): the REF_TORCH of another checkout (e.g. the code before a change:
-  ``git worktree add /tmp/before <commit>``), loaded in this process under another package name.
+  ``git archive <commit> | tar -x -C /tmp/before``), loaded in this process under another package name.
 
 Each call gets preallocated outputs and a step planned once (``plan_step``), as every layer of a step
 after the first. The machine may be shared: every round times each variant once, in turn, and each keeps its
@@ -19,8 +32,12 @@ processes does not inflate; with more threads it is the wall clock. ``--crossove
 the padded against the streamed path at 2, 8 and 32 requests, at lengths where the batch's rows take 8 to 48
 MiB, which is where ``STREAM_MIN_BYTES`` comes from.
 
-Usage: ``python benchmarks/bench_ref_decode_cpu.py [--rounds 15] [--threads N] [--before PATH] [--crossover]
-[--json benchmarks/results/ref-decode-cpu.json]``
+The JSON goes to ``--json``; the picture (fraction of the roofline, ``roofline / time``, against the context
+length for each variant timed) to ``--png`` when matplotlib imports, else ``--plot JSON --png PNG`` draws it
+later from the JSON (``.venv-vllm`` has no matplotlib: run the benchmark there, the picture under ``.venv``).
+
+Usage: ``python benchmarks/bench_ref_decode_cpu.py [--rounds 7] [--threads 1] [--batch 8] [--heads 16]
+[--dtype float32] [--contexts ...] [--transformers] [--paths] [--before PATH] [--crossover] [--json J] [--png P]``
 """
 
 from __future__ import annotations
@@ -40,7 +57,10 @@ import torch
 HEADS, RANK, ROPE, PAGE, BATCH = 16, 512, 64, 16, 8
 WIDTH = RANK + ROPE
 SCALE = (128 + ROPE) ** -0.5
-DEFAULT_CONTEXTS = (16, 64, 128, 256, 512, 768, 1000, 1023, 1064, 1100)
+DEFAULT_CONTEXTS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+#: the benchmark's dtype and shape (``--dtype``, ``--heads``, ``--batch``) and block table (``--table``)
+DTYPE = torch.float32
+TABLE = "scattered"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -66,14 +86,15 @@ class Inputs:
         self.contexts = [max(0, context - i) for i in range(batch)]
         pages = -(-(context + 1) // PAGE)
         nb = batch * pages + 1
-        table = torch.randperm(nb, generator=g)[: batch * pages].view(batch, pages).int()
-        self.cache = pkg.LatentKVCache(nb, PAGE, RANK, ROPE, model_dtype=torch.float32)
+        order = torch.arange(nb) if TABLE == "contiguous" else torch.randperm(nb, generator=g)
+        self.table = table = order[: batch * pages].view(batch, pages).int()
+        self.cache = pkg.LatentKVCache(nb, PAGE, RANK, ROPE, model_dtype=DTYPE)
         self.cache.data.copy_(torch.randn(self.cache.data.shape, generator=g))
         self.meta = pkg.BatchMetadata.build([1] * batch, self.contexts, table, PAGE, num_blocks=nb)
         self.pkg = pkg
-        self.q_latent = torch.randn(batch, HEADS, RANK, generator=g)
-        self.q_rope = torch.randn(batch, HEADS, ROPE, generator=g)
-        self.out = torch.empty(batch, HEADS, RANK)
+        self.q_latent = torch.randn(batch, HEADS, RANK, generator=g).to(DTYPE)
+        self.q_rope = torch.randn(batch, HEADS, ROPE, generator=g).to(DTYPE)
+        self.out = torch.empty(batch, HEADS, RANK, dtype=DTYPE)
         self.lse = torch.empty(batch, HEADS)
 
     def call(self, backend: object) -> Callable[[], object]:
@@ -106,6 +127,104 @@ def baseline(inp: Inputs) -> Callable[[], torch.Tensor]:
     return run
 
 
+def cpu_mla(inp: Inputs) -> Callable[[], torch.Tensor] | None:
+    """vLLM's C++ CPU MLA decode op on ``inp``'s cache, table and lengths, called as ``CPUMLAImpl`` calls it
+    (the query concatenated, the output zeroed), or None when ``vllm._custom_ops`` does not import."""
+    try:
+        ops = importlib.import_module("vllm._custom_ops")
+    except Exception:  # noqa: BLE001 - any failure to import means: no peer here
+        return None
+    table = inp.table.to(torch.int32)
+    seq_lens = torch.tensor([c + 1 for c in inp.contexts], dtype=torch.int32)
+    data = inp.cache.data
+
+    def run() -> torch.Tensor:
+        q = torch.cat((inp.q_latent, inp.q_rope), dim=-1).contiguous()
+        o = torch.zeros(q.shape[0], q.shape[1], RANK, dtype=q.dtype)
+        ops.mla_decode_kvcache_cpu(o, q, data, float(SCALE), table, seq_lens)
+        return o
+
+    return run
+
+
+def transformers_step(context: int, batch: int) -> Callable[[], torch.Tensor] | None:
+    """One decode step of transformers' ``DeepseekV3Attention`` (eager; DeepSeek-V2-Lite attention with
+    ``HEADS`` heads) over ``context`` cached tokens per request held in its own ``DynamicCache``, or None when
+    transformers does not import. Each call appends one token (as decode does)."""
+    try:
+        from transformers import DynamicCache
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3Attention,
+            DeepseekV3RotaryEmbedding,
+        )
+    except Exception:  # noqa: BLE001
+        return None
+    import dataclasses
+
+    from mla_backends.core.dims import MLADims
+    from mla_backends.loading.hf import random_hf_state_dict
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_layer_cpu import hf_config
+
+    dims = dataclasses.replace(MLADims.deepseek_v2_lite(), num_heads=HEADS)
+    cfg = hf_config(dims)
+    torch.manual_seed(0)
+    attn = DeepseekV3Attention(cfg, layer_idx=0).eval().to(DTYPE)
+    attn.load_state_dict({k: v.to(DTYPE) for k, v in random_hf_state_dict(dims, dtype=torch.float32).items()
+                          if k in attn.state_dict()}, strict=False)
+    rot = DeepseekV3RotaryEmbedding(cfg)
+    hf_cache = DynamicCache(config=cfg)
+    x = (torch.randn(batch, 1, dims.hidden_size) * 0.5).to(DTYPE)
+    with torch.inference_mode():  # the cached context: one prefill-sized update of random rows
+        hf_cache.update(torch.randn(batch, 1, context, RANK).to(DTYPE), torch.randn(batch, 1, context, ROPE).to(DTYPE),
+                        0)
+    steps = [0]
+
+    def run() -> torch.Tensor:
+        with torch.inference_mode():
+            p = torch.full((batch, 1), context + steps[0])
+            steps[0] += 1
+            cos, sin = rot(x, p)
+            return attn(x, (cos.to(DTYPE), sin.to(DTYPE)), None, cache=hf_cache)[0]
+
+    return run
+
+
+def machine_rates() -> dict[str, float]:
+    """This machine's rates in the benchmark's dtype, one timing each with ``CLOCK``: matmul FLOP/s (1024^3)
+    and copy bandwidth (bytes read + written per second, 128 MiB in float32)."""
+    n = 1024
+    a, b = torch.randn(n, n).to(DTYPE), torch.randn(n, n).to(DTYPE)
+    c = torch.empty(n, n, dtype=DTYPE)
+    torch.matmul(a, b, out=c)
+    t0 = CLOCK()
+    torch.matmul(a, b, out=c)
+    t_mm = CLOCK() - t0
+    src = torch.randn(32 << 20).to(DTYPE)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = CLOCK()
+    dst.copy_(src)
+    t_cp = CLOCK() - t0
+    return {"matmul_flops_per_s": 2 * n**3 / t_mm, "copy_bytes_per_s": 2 * src.numel() * src.element_size() / t_cp}
+
+
+def roofline_s(inp: Inputs, rates: dict[str, float]) -> tuple[float, str]:
+    """The call's roofline in seconds (``decode_roofline`` with ``rates``) and which bound it is."""
+    import dataclasses
+
+    from mla_backends.core.dims import MLADims
+    from mla_backends.planning.roofline import decode_roofline
+
+    dims = dataclasses.replace(MLADims.deepseek_v2_lite(), num_heads=HEADS)
+    size = torch.empty((), dtype=DTYPE).element_size()
+    roof = decode_roofline(dims, [c + 1 for c in inp.contexts], cache_bytes=size, q_bytes=size, out_bytes=size,
+                           lse=True, peak_bytes_per_s=rates["copy_bytes_per_s"],
+                           peak_flops_per_s=rates["matmul_flops_per_s"])
+    return roof.roofline_us * 1e-6, roof.bound
+
+
 def forced(module: ModuleType, call: Callable[[], object], path: str) -> Callable[[], object]:
     """``call`` with REF_TORCH's thresholds patched so that every request takes ``path``."""
     patch = ({"STREAM_MIN_ROWS": 1 << 40} if path == "padded" else {"STREAM_MIN_ROWS": 1, "STREAM_MIN_BYTES": 0})
@@ -127,12 +246,17 @@ def forced(module: ModuleType, call: Callable[[], object], path: str) -> Callabl
 CLOCK: Callable[[], float] = time.perf_counter
 
 
-def best_of(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Best seconds of each function, timed in turn every round, after one warm-up call each."""
+def best_of(fns: dict[str, Callable[[], object]], rounds: int,
+            rates: dict[str, float] | None = None) -> dict[str, float]:
+    """Best seconds of each function, timed in turn every round, after one warm-up call each; with ``rates``
+    (updated in place) the machine's rates are measured in every round too, the best of each kept."""
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
+        if rates is not None:
+            for k, v in machine_rates().items():
+                rates[k] = max(rates.get(k, 0.0), v)
         for name, fn in fns.items():
             t0 = CLOCK()
             fn()
@@ -140,31 +264,97 @@ def best_of(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, floa
     return best
 
 
-def decode_sweep(contexts: list[int], rounds: int, before: ModuleType | None) -> list[dict]:
+def decode_sweep(contexts: list[int], rounds: int, before: ModuleType | None, *, paths: bool = False,
+                 hf: bool = False, hf_max_context: int = 2048) -> list[dict]:
     import mla_backends
     from mla_backends.ref_torch import backend as ref
 
+    tol = 1e-4 if DTYPE == torch.float32 else 2e-2
     rows = []
     for ctx in contexts:
         inp = Inputs(mla_backends, ctx, BATCH)
         call = inp.call(ref.RefTorchBackend())
-        fns = {"ref": call, "padded": forced(ref, call, "padded"), "streamed": forced(ref, call, "streamed"),
-               "baseline": baseline(inp)}
+        fns: dict[str, Callable[[], object]] = {"ref": call}
         out, lse = call()
-        torch.testing.assert_close(out, fns["baseline"](), rtol=1e-4, atol=1e-4)  # the same attention
+        out = out.clone()
+        peer = cpu_mla(inp)
+        if peer is not None:
+            fns["cpu_mla"] = peer
+            torch.testing.assert_close(peer(), out, rtol=tol, atol=tol)  # the same attention
+        if paths:
+            fns.update(padded=forced(ref, call, "padded"), streamed=forced(ref, call, "streamed"),
+                       baseline=baseline(inp))
+            torch.testing.assert_close(out, fns["baseline"]().to(out.dtype), rtol=tol, atol=tol)
         if before is not None:
             old = Inputs(before, ctx, BATCH)
             fns["before"] = old.call(importlib.import_module(before.__name__ + ".ref_torch.backend").RefTorchBackend())
-        t = best_of(fns, rounds)
+        hf_fn = transformers_step(ctx, BATCH) if hf and ctx <= hf_max_context else None
+        if hf_fn is not None:
+            fns["transformers"] = hf_fn
+        rates: dict[str, float] = {}
+        t = best_of(fns, rounds, rates)
+        roof, bound = roofline_s(inp, rates)
         min_rows = ref.stream_min_rows(BATCH, WIDTH * 4)
         row = {"context": ctx, "path": "streamed" if ctx + 1 >= min_rows else "padded",
                **{f"{k}_ms": round(v * 1e3, 3) for k, v in t.items()},
-               "ref_over_baseline": round(t["ref"] / t["baseline"], 3)}
+               "roofline_ms": round(roof * 1e3, 3), "bound": bound,
+               "matmul_gflops": round(rates["matmul_flops_per_s"] / 1e9, 1),
+               "copy_gbps": round(rates["copy_bytes_per_s"] / 1e9, 1),
+               **{f"{k}_over_roofline": round(v / roof, 3) for k, v in t.items() if k in ("ref", "cpu_mla",
+                                                                                          "transformers", "before")}}
         if "before" in t:
             row["ref_over_before"] = round(t["ref"] / t["before"], 3)
+        if "cpu_mla" in t:
+            row["ref_over_cpu_mla"] = round(t["ref"] / t["cpu_mla"], 3)
         rows.append(row)
         print("  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return rows
+
+
+def fixed_cost_ms(rows: list[dict], key: str = "ref_ms", below: int = 256) -> float | None:
+    """The per-call fixed cost of ``key``: the intercept at zero context of a least-squares line through the
+    timings of the contexts under ``below`` (None with fewer than two)."""
+    pts = [(r["context"], r[key]) for r in rows if r["context"] < below and key in r]
+    if len(pts) < 2:
+        return None
+    n = len(pts)
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
+    return round(my - slope * mx, 4)
+
+
+LABELS = {"ref": "REF_TORCH (mla-backends)", "cpu_mla": "vLLM CPU_MLA (C++ op)",
+          "transformers": "transformers DeepseekV3Attention (whole layer, eager)", "before": "REF_TORCH before"}
+
+
+def plot(result: dict, png: str, command: str) -> None:
+    """Fraction of the roofline (roofline / time) against the context length, one line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["decode"]
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for key, label in LABELS.items():
+        pts = [(r["context"], r["roofline_ms"] / r[f"{key}_ms"]) for r in rows if f"{key}_ms" in r]
+        if pts:
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+    ax.axhline(1 / 1.4, color="grey", ls="--", lw=1, label="target: 1 / 1.4 of the roofline")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (cached tokens per request)")
+    ax.set_ylabel("fraction of roofline (roofline / time)")
+    ax.set_ylim(0, 1.05)
+    sh = result["shape"]
+    ax.set_title(f"CPU decode, forward_mqa: batch {sh['batch']}, {sh['heads']} heads, {sh['dtype']}, page "
+                 f"{sh['page']}, {sh.get('table', 'scattered')} table, {result['threads']} thread(s)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    fig.text(0.01, 0.01, command, fontsize=6, family="monospace")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
 
 
 def crossover_sweep(rounds: int) -> list[dict]:
@@ -188,38 +378,63 @@ def crossover_sweep(rounds: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global CLOCK, DTYPE, HEADS, BATCH, TABLE
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS))
-    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--batch", type=int, default=BATCH)
+    p.add_argument("--heads", type=int, default=HEADS)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--table", choices=("scattered", "contiguous"), default="scattered",
+                   help="block table: pages in random order, or each request's pages consecutive in the cache")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     p.add_argument("--before", metavar="PATH", help="also time the REF_TORCH of the checkout at PATH")
+    p.add_argument("--paths", action="store_true", help="also time the forced padded / streamed paths and a "
+                   "plain baseline")
+    p.add_argument("--transformers", action="store_true", help="also time transformers' DeepseekV3Attention")
+    p.add_argument("--hf-max-context", type=int, default=2048, help="longest context transformers is timed at")
     p.add_argument("--crossover", action="store_true", help="also time padded against streamed at 2/8/32 requests")
     p.add_argument("--clock", choices=("wall", "thread"), default=None,
                    help="wall clock, or the CPU time of the calling thread (only with --threads 1: torch then runs "
                         "every op on it; time spent preempted by other processes is not counted). Default: thread "
                         "with --threads 1, else wall")
-    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "ref-decode-cpu.json"))
+    p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "ref-decode-cpu-roofline.json"))
+    p.add_argument("--png", default=None, help="write the picture here (needs matplotlib)")
+    p.add_argument("--plot", metavar="JSON", help="only draw --png from this JSON (no timing)")
     args = p.parse_args(argv)
-    if args.rounds < 1 or min(args.contexts) < 0:
-        p.error("--rounds must be >= 1 and --contexts >= 0")
+    if args.plot:
+        with open(args.plot) as f:
+            result = json.load(f)
+        plot(result, args.png or os.path.join(ROOT, "docs", "ref-decode-cpu.png"), result.get("command", ""))
+        return 0
+    if args.rounds < 1 or min(args.contexts) < 0 or args.batch < 1 or args.heads < 1:
+        p.error("--rounds, --batch and --heads must be >= 1 and --contexts >= 0")
+    BATCH, HEADS, DTYPE, TABLE = args.batch, args.heads, getattr(torch, args.dtype), args.table
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = args.clock or ("thread" if torch.get_num_threads() == 1 else "wall")
     if clock == "thread" and torch.get_num_threads() != 1:
         p.error("--clock thread needs --threads 1 (other threads' work would not be counted)")
-    global CLOCK
     CLOCK = time.thread_time if clock == "thread" else time.perf_counter
     before = load_package(os.path.abspath(args.before)) if args.before else None
+    command = "python " + " ".join(["benchmarks/bench_ref_decode_cpu.py", *sys.argv[1:]]) if argv is None else ""
     print(f"threads {torch.get_num_threads()}, cpus {os.cpu_count()}, load {os.getloadavg()}, best of {args.rounds}, "
           f"{clock} clock",
           flush=True)
     load0 = os.getloadavg()
-    result = {"shape": {"batch": BATCH, "heads": HEADS, "kv_lora_rank": RANK, "rope": ROPE, "page": PAGE,
-                        "dtype": "float32"},
+    result = {"command": command,
+              "shape": {"batch": BATCH, "heads": HEADS, "kv_lora_rank": RANK, "rope": ROPE, "page": PAGE,
+                        "dtype": args.dtype, "table": args.table},
               "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "torch": torch.__version__,
               "rounds": args.rounds, "before": args.before, "clock": clock,
-              "timing": "best of rounds, variants interleaved",
-              "decode": decode_sweep(args.contexts, args.rounds, before)}
+              "timing": "best of rounds, variants interleaved, machine rates measured in the same rounds",
+              "decode": decode_sweep(args.contexts, args.rounds, before, paths=args.paths, hf=args.transformers,
+                                     hf_max_context=args.hf_max_context)}
+    result["ref_fixed_cost_ms"] = fixed_cost_ms(result["decode"])
+    if args.before:
+        result["before_fixed_cost_ms"] = fixed_cost_ms(result["decode"], "before_ms")
+    print(f"fixed cost per call (intercept below 256 tokens): ref {result['ref_fixed_cost_ms']} ms"
+          + (f", before {result['before_fixed_cost_ms']} ms" if args.before else ""))
     if args.crossover:
         result["crossover"] = crossover_sweep(args.rounds)
     result["load_average"] = {"start": load0, "end": os.getloadavg()}
@@ -228,6 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(result, f, indent=1)
         f.write("\n")
     print(f"wrote {args.json}")
+    if args.png:
+        try:
+            plot(result, args.png, command)
+        except ImportError:
+            print(f"no matplotlib here: draw it with python benchmarks/bench_ref_decode_cpu.py --plot {args.json} "
+                  f"--png {args.png}")
     return 0
 
 

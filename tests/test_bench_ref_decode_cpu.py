@@ -24,12 +24,20 @@ def test_one_point_writes_every_variant(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ref.RefTorchBackend, "_stream", staticmethod(spy))
     out = tmp_path / "r.json"
-    assert bench.main(["--contexts", "20", "--rounds", "1", "--threads", "1", "--before", ROOT,
-                       "--json", str(out)]) == 0
+    png = tmp_path / "r.png"
+    assert bench.main(["--contexts", "20", "--rounds", "1", "--threads", "1", "--before", ROOT, "--paths",
+                       "--json", str(out), "--png", str(png)]) == 0
     row = json.loads(out.read_text())["decode"][0]
     assert row["context"] == 20 and row["path"] == "padded"
-    assert all(row[f"{k}_ms"] > 0 for k in ("ref", "padded", "streamed", "baseline", "before"))
+    assert all(row[f"{k}_ms"] > 0 for k in ("ref", "padded", "streamed", "baseline", "before", "roofline"))
+    assert row["ref_over_roofline"] == pytest.approx(row["ref_ms"] / row["roofline_ms"], rel=0.05)
+    assert row["bound"] in ("compute", "memory")
     assert paths and len(paths) == 1 + 1  # the streamed variant only: its warm-up call and its timed round
     assert json.loads(out.read_text())["clock"] == "thread"
     with pytest.raises(SystemExit):
         bench.main(["--before", str(tmp_path), "--json", str(out)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert png.stat().st_size > 0  # the picture, drawn from the same figures

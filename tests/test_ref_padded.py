@@ -156,3 +156,96 @@ def test_prepared_step_makes_no_host_sync():
     with no_host_sync():
         backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)  # the first layer fills its groups
         backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)  # later layers reuse them
+
+
+def test_decode_groups_carry_the_mask_as_a_bias():
+    """One token per request: the group's mask is also an additive float32 bias (0 visible, HIDDEN_SCORE
+    hidden) that the score matmul adds; groups of longer or mixed queries keep the bool mask only."""
+    _, meta, _ = make_step([1] * 3, [0, BS, 2 * BS + 3])
+    (grp,) = plans.dense_groups(meta, r + R, H, ref_backend.GROUP_ELEMENT_BUDGET)
+    assert grp.bias is not None and grp.bias.dtype == torch.float32
+    assert torch.equal(grp.bias == plans.HIDDEN_SCORE, grp.hidden[:, 0])  # [b, 1, L] both
+    assert grp.bias[0, 0, :1].tolist() == [0.0] and grp.bias[2, 0, : 2 * BS + 4].eq(0).all()
+    _, meta2, _ = make_step([1, 2], [3, BS])
+    assert all(g.bias is None for g in plans.dense_groups(meta2, r + R, H, ref_backend.GROUP_ELEMENT_BUDGET))
+
+
+@pytest.mark.parametrize("model_dtype, kv_cache_dtype, scale, tol", [
+    (torch.float32, "auto", 1.0, 2e-5),
+    (torch.bfloat16, "auto", 1.0, 1e-2),
+    (torch.float32, "fp8_e4m3", 0.37, 2e-5),
+])
+def test_step_buffers_are_shared_by_the_layers_of_a_step(model_dtype, kv_cache_dtype, scale, tol):
+    """The gathered rows and scores live in the step's buffers: the first layer's call makes them (under
+    inference_mode: still normal tensors), every later call reuses them (outside inference_mode too), and
+    the results are the same numbers, right against the float64 reference."""
+    cache, meta, q = make_step([1] * len(RAGGED), RAGGED, model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype,
+                               scale=scale)
+    ql, qr = q[..., :r].contiguous(), q[..., r:].contiguous()
+    layers = [RefTorchBackend(), RefTorchBackend()]
+    with torch.inference_mode():
+        plan = plan_step(meta, layers)
+        first, lse1 = layers[0].forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
+    state = plan.state(layers[0], meta)
+    made = dict(state.buffers)
+    assert made and not any(t.is_inference() for t in made.values())
+    second, lse2 = layers[1].forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
+    assert state.buffers.keys() == made.keys() and all(state.buffers[k] is v for k, v in made.items())
+    assert torch.equal(first, second) and torch.equal(lse1, lse2)
+    out = torch.full_like(first, float("nan"))
+    layers[0].forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan, out=out)
+    assert torch.equal(out, first)  # written in place, every row
+    t = 0
+    for b, c in enumerate(meta.context_lens_list):
+        ref_o, ref_l = naive(q[t: t + 1].double(), stored_rows(cache, meta.block_table[b], c + 1), c)
+        torch.testing.assert_close(first[t: t + 1].double(), ref_o, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse1[t: t + 1].double(), ref_l, rtol=max(tol, 1e-6), atol=max(tol, 1e-6))
+        t += 1
+
+
+def test_strided_out_is_filled_through_a_copy():
+    """An ``out`` that is not contiguous (a column slice of a wider buffer) cannot take the matmul's result in
+    place: it is filled through a copy, and the columns around it are left alone."""
+    cache, meta, q = make_step([1] * 4, [2, BS - 1, BS, BS + 1])
+    ql, qr = q[..., :r].contiguous(), q[..., r:].contiguous()
+    wide = torch.zeros(4, H, r + 5)
+    out, _ = RefTorchBackend().forward_mqa(ql, qr, cache, meta, scale=SCALE, out=wide[..., 5:])
+    expect, _ = RefTorchBackend().forward_mqa(ql, qr, cache, meta, scale=SCALE)
+    assert torch.equal(wide[..., 5:], expect) and wide[..., :5].eq(0).all()
+
+
+def test_streamed_buffers_are_shared_by_the_layers_of_a_step(monkeypatch):
+    """The streamed path's chunk buffers and partials also come from the step: two layers sharing a plan
+    compute the same numbers (the running max / sum / accumulator are reset for each call), right against the
+    float64 reference, ragged lengths (1, a page - 1, a page, a page + 1, several pages) and an fp8 scale."""
+    monkeypatch.setattr(ref_backend, "STREAM_MIN_ROWS", 1)
+    monkeypatch.setattr(ref_backend, "STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(ref_backend, "STREAM_CHUNK_BYTES", 2 * BS * (r + R) * 4)  # several chunks per request
+    monkeypatch.setattr(ref_backend, "STREAM_LENGTH_RATIO", 1e9)  # one streamed run
+    ctxs = [0, BS - 2, BS - 1, BS, 5 * BS + 3]
+    cache, meta, q = make_step([1] * len(ctxs), ctxs, kv_cache_dtype="fp8_e4m3", scale=0.37)
+    ql, qr = q[..., :r].contiguous(), q[..., r:].contiguous()
+    layers = [RefTorchBackend(), RefTorchBackend()]
+    plan = plan_step(meta, layers)
+    assert layers[0].dense_parts(meta, (r + R) * 4) == [(True, 0, len(ctxs))]
+    first, lse1 = layers[0].forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
+    assert any(k[0] == "stream_acc" for k in plan.state(layers[0], meta).buffers)
+    second, lse2 = layers[1].forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
+    assert torch.equal(first, second) and torch.equal(lse1, lse2)
+    for b, c in enumerate(ctxs):
+        ref_o, ref_l = naive(q[b: b + 1].double(), stored_rows(cache, meta.block_table[b], c + 1), c)
+        torch.testing.assert_close(first[b: b + 1].double(), ref_o, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(lse1[b: b + 1].double(), ref_l, rtol=1e-5, atol=1e-5)
+
+
+def test_step_buffers_are_one_per_name_grown_to_the_largest_request():
+    """However many groups or runs ask, a step keeps one buffer per name (and dtype): a larger request grows it,
+    a smaller one gets a view of its start; shapes are what was asked."""
+    step = plans.RefStep()
+    a = step.buffer("x", (2, 3), torch.float32, torch.device("cpu"))
+    b = step.buffer("x", (4, 5), torch.float32, torch.device("cpu"))
+    c = step.buffer("x", (3,), torch.float32, torch.device("cpu"))
+    assert a.shape == (2, 3) and b.shape == (4, 5) and c.shape == (3,)
+    assert len(step.buffers) == 1 and c.data_ptr() == b.data_ptr()
+    step.buffer("x", (3,), torch.float64, torch.device("cpu"))
+    assert len(step.buffers) == 2

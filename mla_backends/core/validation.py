@@ -128,6 +128,8 @@ def require_device(name: str, device: object) -> torch.device:
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """``[start, end)`` bytes of memory ``t`` can touch (its first to last element, strides included)."""
     start = t.data_ptr()
+    if t.is_contiguous():  # the common case, without a Python loop over the dims
+        return start, start + t.numel() * t.element_size()
     extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
     return start, start + (extent + 1) * t.element_size()
 

@@ -24,7 +24,7 @@ from ..core.dtypes import KV_CACHE_DTYPES, accumulate_dtype
 from ..core.validation import require_int
 from ..step.cache import LatentKVCache, position_slots
 from ..step.metadata import BatchMetadata
-from .plans import RefStep
+from .plans import HIDDEN_SCORE, RefStep
 
 __all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]
 
@@ -35,8 +35,10 @@ __all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]
 #: --crossover, float32, 576-wide rows; benchmarks/results/ref-decode-cpu.json) on the loaded 2-core machine
 #: (32 MiB L3, 1 thread): from 8 to 24 MiB the two forms are within about 20 % (padded ahead at 32 requests,
 #: streamed ahead at 8, mixed at 2), and from 32 MiB on the padded form is 2-3x slower. Issue 29's
-#: quiet-machine figures at 8 requests x 1,064 rows (19.6 MB): padded 2.8 ms, streamed 3.2 ms
-STREAM_MIN_BYTES = 20 << 20
+#: quiet-machine figures at 8 requests x 1,064 rows (19.6 MB): padded 2.8 ms, streamed 3.2 ms. Issue 35
+#: (loaded machine, 1 thread, --paths): at 8 requests x 1,024 rows (18.9 MiB) padded 16.1 ms, streamed 11.0 ms;
+#: at 512 rows (9.4 MiB) within 3 %; hence 12 MiB (683 rows at 8 requests)
+STREAM_MIN_BYTES = 12 << 20
 #: ... and never shorter than this many rows: shorter streamed chunks cost more in kernel calls than they save
 STREAM_MIN_ROWS = 256
 #: bytes of gathered rows per streamed chunk, all requests of a group together. Small enough that the chunk
@@ -56,7 +58,7 @@ STREAM_MAX_REQUESTS = 32
 STREAM_LENGTH_RATIO = 2.0
 #: score given to hidden positions in the streamed path: finite, so that a chunk with nothing visible for a
 #: row gives finite partials (weighted by exp(-1e30 - max) = 0 when merged) instead of NaN
-_HIDDEN_SCORE = -1e30
+_HIDDEN_SCORE = HIDDEN_SCORE
 
 
 def stream_chunk_pages(num_requests: int, row_bytes: int, block_size: int) -> int:
@@ -165,14 +167,14 @@ class RefTorchBackend(MLABackend):
             t0, t1 = starts[b], starts[e]
             if streamed:
                 self._stream(q[t0:t1], cache, meta.block_table[b:e], meta.context_lens_list[b:e], seqs[b:e],
-                             scale, out[t0:t1], lse_out[t0:t1])
+                             scale, out[t0:t1], lse_out[t0:t1], step)
             else:
                 self._dense(q[t0:t1], cache, meta, scale, out[t0:t1], lse_out[t0:t1], step, (b, e))
 
     @staticmethod
     def _stream(q: torch.Tensor, cache: LatentKVCache, block_rows: torch.Tensor,
                 context_lens: tuple[int, ...], seq_lens: tuple[int, ...], scale: float, out: torch.Tensor,
-                lse_out: torch.Tensor) -> None:
+                lse_out: torch.Tensor, step: RefStep | None = None) -> None:
         """Requests with one query length ``n`` (``q [b * n, H, 576]``, compute dtype), split-K over pages.
 
         The pages are gathered a few per request at a time (:func:`stream_chunk_pages`) into one buffer that
@@ -180,8 +182,10 @@ class RefTorchBackend(MLABackend):
         its own row maximum: ``max [b, n*H]``, ``sum [b, n*H]`` and ``P @ latent [b, n*H, 512]``. Every
         ``STREAM_FOLD_CHUNKS`` chunks the partials are folded into the running result with one batched
         matmul, so the per-chunk work is a handful of kernels and memory stays bounded for any length.
-        Requests with fewer pages re-read their last page, hidden. Each cached row leaves memory once.
+        Requests with fewer pages re-read their last page, hidden. Each cached row leaves memory once. The
+        buffers come from ``step`` (made by the step's first layer, reused by the others).
         """
+        step = RefStep() if step is None else step
         b = len(seq_lens)
         n = q.shape[0] // b
         _, H, W = q.shape
@@ -199,17 +203,17 @@ class RefTorchBackend(MLABackend):
         rows = per * bs
         direct = cache.data.dtype == cdt and not cache.is_fp8
         exact_fp8 = cache.is_fp8 and cdt != torch.float32
-        raw = torch.empty(b * per, bs, W, dtype=cache.data.dtype, device=dev)
-        kv = (raw if direct else torch.empty(b * per, bs, W, dtype=cdt, device=dev)).view(b, rows, W)
+        raw = step.buffer("stream_raw", (b * per, bs, W), cache.data.dtype, dev)
+        kv = (raw if direct else step.buffer("stream_kv", (b * per, bs, W), cdt, dev)).view(b, rows, W)
         kv_t, kv_latent = kv.transpose(1, 2), kv[..., :r]
-        s = torch.empty(b, nH, rows, dtype=cdt, device=dev)
+        s = step.buffer("stream_s", (b, nH, rows), cdt, dev)
         G = max(1, min(STREAM_FOLD_CHUNKS, n_chunks, STREAM_PARTIAL_ELEMENTS // (b * nH * r)))
-        part = torch.empty(G, b, nH, r, dtype=cdt, device=dev)
-        c_max = torch.empty(G, b, nH, dtype=cdt, device=dev)
-        c_sum = torch.empty(G, b, nH, dtype=cdt, device=dev)
-        m = torch.full((b, nH), _HIDDEN_SCORE, dtype=cdt, device=dev)
-        l_sum = torch.zeros(b, nH, dtype=cdt, device=dev)
-        acc = torch.zeros(b, nH, r, dtype=cdt, device=dev)
+        part = step.buffer("stream_part", (G, b, nH, r), cdt, dev)
+        c_max = step.buffer("stream_max", (G, b, nH), cdt, dev)
+        c_sum = step.buffer("stream_sum", (G, b, nH), cdt, dev)
+        m = step.buffer("stream_m", (b, nH), cdt, dev).fill_(_HIDDEN_SCORE)
+        l_sum = step.buffer("stream_l", (b, nH), cdt, dev).zero_()
+        acc = step.buffer("stream_acc", (b, nH, r), cdt, dev).zero_()
         # last visible position of every (request, token): context + token index
         ctx = torch.tensor(context_lens, device=dev)
         limit = ctx[:, None] + torch.arange(n, device=dev)[None, :]  # [b, n]
@@ -269,31 +273,53 @@ class RefTorchBackend(MLABackend):
     def _dense(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
                out: torch.Tensor, lse_out: torch.Tensor, step: RefStep, part: tuple[int, int] | None) -> None:
         """Padded groups (``q [T, H, 576]``, compute dtype): per group one ``index_select`` of its pages into
-        ``kv [b, L, 576]``, scores ``(q * scale) @ kv^T`` in one batched matmul ``[b, Q*H, L]``, the hidden
-        positions set to a large negative finite score, ``exp(s - max)`` in place, and the output
-        ``exp @ kv[..., :512]`` divided by the row sums. Index and mask tensors come from ``step`` (requests
-        ``part`` of ``meta``, or all of them)."""
+        ``kv [b, L, 576]`` (a buffer of the step), scores ``scale * q @ kv^T`` in one batched matmul
+        ``[b, Q*H, L]`` (for one token per request the matmul also adds the mask bias, ``baddbmm``; else the
+        hidden positions are set to a large negative finite score), ``exp(s - max)`` in place, and the output
+        ``exp @ kv[..., :512]`` divided by the row sums, written straight into ``out`` when its layout allows.
+        Index and mask tensors come from ``step`` (requests ``part`` of ``meta``, or all of them)."""
         T, H, W = q.shape
-        r = cache.kv_lora_rank
+        r, dev, cdt = cache.kv_lora_rank, q.device, q.dtype
         groups = step.groups_for(meta, part, W, H, GROUP_ELEMENT_BUDGET)
-        for grp in groups:
+        direct = cache.data.dtype == cdt and not cache.is_fp8
+        for gi, grp in enumerate(groups):
             b, Q, L = grp.stop - grp.start, grp.q_len, grp.rows
-            kv = cache.dequantize(torch.index_select(cache.data, 0, grp.page_ids), q.dtype).view(b, L, W)
+            key = (part, gi)
+            if direct:  # gathered straight into the step's buffer, no conversion
+                kv = step.buffer("dense_kv", (grp.page_ids.numel(), *cache.data.shape[1:]), cdt, dev)
+                torch.index_select(cache.data, 0, grp.page_ids, out=kv)
+                kv = kv.view(b, L, W)
+            else:
+                kv = cache.dequantize(torch.index_select(cache.data, 0, grp.page_ids), cdt).view(b, L, W)
             tok0 = grp.first_token
-            if grp.token_rows is None:  # uniform query length: a plain view, no padding
-                qg = q[tok0: tok0 + b * Q].reshape(b, Q * H, W) * scale
+            s = step.buffer("dense_s", (b, Q * H, L), cdt, dev)
+            if grp.bias is not None:  # one token per request: mask and scale inside the matmul
+                qg = q[tok0: tok0 + b].reshape(b, H, W)
+                torch.baddbmm(step.converted(("bias", key), grp.bias, cdt), qg, kv.transpose(1, 2), alpha=scale,
+                              out=s)
             else:
-                qg = q.index_select(0, grp.token_rows).reshape(b, Q * H, W).mul_(scale)
-            s = torch.bmm(qg, kv.transpose(1, 2))  # [b, Q*H, L]
-            s.view(b, Q, H, L).masked_fill_(grp.hidden, _HIDDEN_SCORE)
-            m = s.amax(dim=-1, keepdim=True)  # a real score: every row sees position 0
+                if grp.token_rows is None:  # uniform query length: a plain view, no padding
+                    qg = q[tok0: tok0 + b * Q].reshape(b, Q * H, W) * scale
+                else:
+                    qg = q.index_select(0, grp.token_rows).reshape(b, Q * H, W).mul_(scale)
+                torch.bmm(qg, kv.transpose(1, 2), out=s)
+                s.view(b, Q, H, L).masked_fill_(grp.hidden, _HIDDEN_SCORE)
+            m = torch.amax(s, dim=-1, keepdim=True)  # a real score: every row sees position 0
             l_sum = s.sub_(m).exp_().sum(dim=-1, keepdim=True)
-            o = torch.bmm(s, kv[..., :r]).div_(l_sum).view(b * Q, H, r)
-            lse = (m + torch.log(l_sum)).view(b * Q, H)
-            if grp.token_rows is None:
-                out[tok0: tok0 + b * Q] = o.to(out.dtype)
-                lse_out[tok0: tok0 + b * Q] = lse.to(lse_out.dtype)
+            uniform = grp.token_rows is None
+            rows_out = out[tok0: tok0 + b * Q] if uniform else None
+            in_place = rows_out is not None and rows_out.dtype == cdt and rows_out.is_contiguous()
+            if in_place:  # the output rows themselves
+                o = torch.bmm(s, kv[..., :r], out=rows_out.view(b, Q * H, r)).div_(l_sum)
             else:
+                o = torch.bmm(s, kv[..., :r]).div_(l_sum)
+            lse = l_sum.log_().add_(m).view(b * Q, H)
+            if uniform:
+                if not in_place:
+                    out[tok0: tok0 + b * Q] = o.view(b * Q, H, r)
+                lse_out[tok0: tok0 + b * Q] = lse
+            else:
+                o = o.view(b * Q, H, r)
                 out.index_copy_(0, grp.dest, o.index_select(0, grp.keep).to(out.dtype))
                 lse_out.index_copy_(0, grp.dest, lse.index_select(0, grp.keep).to(lse_out.dtype))
 
