@@ -95,7 +95,8 @@ class MLABackendsAttnBackend(AttentionBackend):
         self.num_heads = request.dims.num_heads
         self._caches: dict[int, Any] = {}
         self.forward_metadata: SGLangBatch | None = None
-        line = startup_line(sel, model=str(getattr(model_runner.server_args, "model_path", "?")), num_heads=self.num_heads)
+        model = str(getattr(model_runner.server_args, "model_path", "?"))
+        line = startup_line(sel, model=model, num_heads=self.num_heads)
         if line not in _LOGGED:
             _LOGGED.add(line)
             logger.info(line)

@@ -3,8 +3,9 @@
 Why it exists: SGLang 0.5.23 imports ``sgl_kernel`` at start-up even on its CPU engine, and no CPU build of that
 package (``sgl-kernel`` / ``sglang-kernel``) is published: the index's builds are CUDA-only (sm90/sm100). For the
 dense tiny DeepSeek models the tests run (no AMX, no quantisation), the CPU engine imports the names below (and the
-submodules ``scalar_type`` and ``allreduce``) and calls none of them. This package provides exactly those names, each one raising :class:`StandInKernelError` if
-it is ever called, so a test can never pass on a kernel that did nothing.
+submodules ``scalar_type`` and ``allreduce``) and calls none of them. This package provides exactly those names,
+each one raising :class:`StandInKernelError` if it is ever called, so a test can never pass on a kernel that did
+nothing.
 
 It is a fixture under tests/sglang_engine, installed only into ``.venv-sglang`` by ``tools/sglang_env.sh``; it is
 no part of mla-backends and is never shipped to users (on a GPU, SGLang's real kernel package is installed).

@@ -1,6 +1,7 @@
 """Tiny random DeepSeek-V2 (``q_lora_rank`` None) and DeepSeek-V3 (MoE, ``q_lora_rank``) checkpoints for the SGLang
 tests: ``kv_lora_rank`` 512 and rope 64, the rest shrunk; fp32, saved sharded by transformers' ``save_pretrained``
-(no tokenizer: the tests send token ids).
+with a word-level tokenizer of ``t0 .. t210`` (the tests send token ids; SGLang's OpenAI server needs a
+tokenizer to return text next to the ids).
 
 Two fields SGLang 0.5.23's loader needs that transformers leaves out: yarn rope parameters (SGLang's CPU rope
 factory builds only DeepSeek's yarn rope) with factor 1.0, which is the plain rope transformers computes, and
@@ -62,7 +63,20 @@ def build(kind: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     conf["moe_layer_freq"] = 1
     conf.setdefault("scoring_func", "softmax")  # transformers' DeepSeek-V2 routing; SGLang reads the field
     (out / "config.json").write_text(json.dumps(conf, indent=2))
+    save_tokenizer(out, common["vocab_size"])
     return out
+
+
+def save_tokenizer(path: str | Path, vocab_size: int = VOCAB) -> None:
+    """A word-level tokenizer whose token ``i`` is the word ``t<i>`` (pad 0, bos 1, eos 2), saved under ``path``."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t3"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", bos_token="t1",
+                                                eos_token="t2", unk_token="t3")
+    fast.save_pretrained(path)
 
 
 def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

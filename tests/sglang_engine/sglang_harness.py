@@ -1,0 +1,18 @@
+"""Constants shared by tests/sglang_engine (not a conftest, so test modules can import it by name)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+_SPEC = importlib.util.find_spec("sglang")
+#: a real SGLang package (a directory named sglang on the path is only a namespace package: no origin)
+HAVE_SGLANG = _SPEC is not None and _SPEC.origin is not None
+SKIP_REASON = ("SGLang is not installed in this environment: tests/sglang_engine run in .venv-sglang "
+               "(`make sglang-env`; `make test` runs them)")
+#: what every SGLang run in the tests needs: SGLang's CPU engine, no cap on open files it cannot raise
+ENGINE_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+PROMPTS = [[5, 17, 33, 8, 9, 100, 42], [7, 8, 9], list(range(3, 40)), [150, 3, 77, 91, 12, 5, 6, 8, 10, 11, 99]]
+NEW_TOKENS = 10
+#: the Engine / launch_server arguments every test run shares (fp32, no tokenizer: token ids in and out)
+ENGINE_ARGS = dict(device="cpu", skip_tokenizer_init=True, dtype="float32", mem_fraction_static=0.05,
+                   max_total_tokens=2048, disable_cuda_graph=True, log_level="warning")
