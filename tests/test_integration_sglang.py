@@ -80,7 +80,8 @@ def test_supported_versions(version: str) -> None:
 
 @pytest.mark.parametrize("version", ["0.5.22", "0.5.24", "0.6.0", "0.5.230", "0.5.23rc1", "0.5", "unknown"])
 def test_other_versions_name_the_range(version: str) -> None:
-    with pytest.raises(UnsupportedSGLangVersionError, match=r"supported sglang>=0\.5\.23,<0\.5\.24 \(0\.5\.23 tested\)"):
+    with pytest.raises(UnsupportedSGLangVersionError,
+                       match=r"supported sglang>=0\.5\.23,<0\.5\.24 \(0\.5\.23 tested\)"):
         check_sglang_version(version)
 
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from sglang_harness import HAVE_SGLANG, SKIP_REASON
+from sglang_harness import HAVE_SGLANG, SKIP_REASON, clean_pythonpath
 
 HERE = Path(__file__).resolve().parent
 #: bound on one driver run (a loaded 2-core machine: imports alone can take a minute)
@@ -44,6 +44,7 @@ class _Drivers:
         env = {**os.environ}
         for name in ("MLA_BACKENDS_SGLANG", "MLA_BACKEND", "TRITON_INTERPRET", "MLA_BACKENDS_THRESHOLD_TABLE"):
             env.pop(name, None)
+        env["PYTHONPATH"] = clean_pythonpath(env.get("PYTHONPATH"))
         self.workdir = workdir
         self.procs = {}
         for kind in ("v2", "v3"):

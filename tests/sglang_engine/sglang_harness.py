@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 _SPEC = importlib.util.find_spec("sglang")
 #: a real SGLang package (a directory named sglang on the path is only a namespace package: no origin)
@@ -16,3 +17,9 @@ NEW_TOKENS = 10
 #: the Engine / launch_server arguments every test run shares (fp32, no tokenizer: token ids in and out)
 ENGINE_ARGS = dict(device="cpu", skip_tokenizer_init=True, dtype="float32", mem_fraction_static=0.05,
                    max_total_tokens=2048, disable_cuda_graph=True, log_level="warning")
+
+
+def clean_pythonpath(value: str | None) -> str:
+    """``PYTHONPATH`` without the main suite's ``.test-site`` (tests/conftest.py puts it there: its deliberately
+    broken plugin would be loaded, and logged, by every SGLang process)."""
+    return os.pathsep.join(p for p in (value or "").split(os.pathsep) if p and not p.endswith(".test-site"))

@@ -7,8 +7,6 @@ backend fails on MLA prefill, docs/integrations.md), so transformers is the refe
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 KINDS = ["v2", "v3"]
@@ -39,8 +37,7 @@ def test_absorbed_attention_went_through_mla_backends(report: dict) -> None:
     assert {c[1] for c in calls} == {"4"}  # every call saw the model's 4 heads
     assert max(int(c[2]) for c in calls) == 4  # batched decode steps carry the 4 requests together
     assert len(calls) == ABSORBED_CALLS
-    assert re.search(r"runs absorbed MLA on mla-backends \(model \S+/(v2|v3), 4 heads on this rank\)\. "
-                     r"Chosen: SPY_REF", report["log"]) or "Chosen: SPY_REF" in report["log"]
+    assert len({c[0] for c in calls}) == 1  # one scheduler process: the engine's, not the driver's
 
 
 def test_page_size_16(report_v2: dict) -> None:

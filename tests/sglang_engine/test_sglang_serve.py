@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from sglang_harness import ENGINE_ARGS, ENGINE_ENV, HAVE_SGLANG, NEW_TOKENS, PROMPTS, SKIP_REASON
+from sglang_harness import ENGINE_ARGS, ENGINE_ENV, HAVE_SGLANG, NEW_TOKENS, PROMPTS, SKIP_REASON, clean_pythonpath
 
 #: bound on the server start (imports on a loaded 2-core machine take a minute or more)
 START_TIMEOUT_S = 400
@@ -36,6 +36,7 @@ def server(report_v2: dict, workdir: Path):  # type: ignore[no-untyped-def]
     env = {**os.environ, **ENGINE_ENV, "MLA_BACKENDS_SGLANG": "1"}
     for name in ("MLA_BACKEND", "TRITON_INTERPRET", "MLA_SPY_FILE"):
         env.pop(name, None)
+    env["PYTHONPATH"] = clean_pythonpath(env.get("PYTHONPATH"))
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
            "--port", str(port), "--attention-backend", "mla_backends", "--device", "cpu",
            "--dtype", "float32", "--mem-fraction-static", str(ENGINE_ARGS["mem_fraction_static"]),

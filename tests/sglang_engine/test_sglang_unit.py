@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from sglang_harness import HAVE_SGLANG, SKIP_REASON
+from sglang_harness import HAVE_SGLANG, SKIP_REASON, clean_pythonpath
 
 PROBE = r"""
 import json, sys
@@ -34,18 +34,30 @@ print("REPORT" + json.dumps(out))
 """
 
 
-def _probe(switch: str | None, version: str | None = None) -> dict:
+#: the probes: (switch, version) -> their report; all started at once (each is a fresh interpreter importing SGLang)
+CASES = {"off": (None, None), "on": ("1", None), "other_version": ("1", "0.5.22")}
+
+
+@pytest.fixture(scope="module")
+def probes() -> dict[str, dict]:
     if not HAVE_SGLANG:
         pytest.skip(SKIP_REASON)
-    env = {k: v for k, v in os.environ.items() if k not in ("MLA_BACKENDS_SGLANG", "MLA_BACKEND")}
-    if switch is not None:
-        env["MLA_BACKENDS_SGLANG"] = switch
-    env["SGLANG_USE_CPU_ENGINE"] = "1"
-    proc = subprocess.run([sys.executable, "-c", PROBE, *([version] if version else [])], capture_output=True,
-                          text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT"))
-    return json.loads(line.removeprefix("REPORT"))
+    procs = {}
+    for key, (switch, version) in CASES.items():
+        env = {k: v for k, v in os.environ.items() if k not in ("MLA_BACKENDS_SGLANG", "MLA_BACKEND")}
+        env["PYTHONPATH"] = clean_pythonpath(env.get("PYTHONPATH"))
+        if switch is not None:
+            env["MLA_BACKENDS_SGLANG"] = switch
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+        procs[key] = subprocess.Popen([sys.executable, "-c", PROBE, *([version] if version else [])],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out = {}
+    for key, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-4000:]
+        line = next(ln for ln in stdout.splitlines() if ln.startswith("REPORT"))
+        out[key] = json.loads(line.removeprefix("REPORT"))
+    return out
 
 
 def test_entry_point_in_sglang_plugins_group() -> None:
@@ -57,19 +69,18 @@ def test_entry_point_in_sglang_plugins_group() -> None:
     assert eps.get("mla_backends") == "mla_backends.integrations.sglang:register"
 
 
-def test_inert_without_the_switch() -> None:
-    assert _probe(None) == {"choice": False, "registry": False, "handler": None}
-    assert _probe("0") == {"choice": False, "registry": False, "handler": None}
+def test_inert_without_the_switch(probes: dict[str, dict]) -> None:
+    assert probes["off"] == {"choice": False, "registry": False, "handler": None}
 
 
-def test_registered_with_the_switch() -> None:
-    out = _probe("1")
+def test_registered_with_the_switch(probes: dict[str, dict]) -> None:
+    out = probes["on"]
     assert out["choice"] and out["registry"] and out["handler"] == "handle_attention"
     assert "model_runner" not in out.get("create", "") and "AttributeError" in out.get("create", "")  # real factory
 
 
-def test_other_sglang_version_fails_at_start_up_naming_the_range() -> None:
-    out = _probe("1", "0.5.22")
+def test_other_sglang_version_fails_at_start_up_naming_the_range(probes: dict[str, dict]) -> None:
+    out = probes["other_version"]
     assert out["choice"] and out["registry"]  # so --attention-backend mla_backends reaches the factory
     assert out["create"] == ("UnsupportedSGLangVersionError: SGLang version: got 0.5.22; supported "
                              "sglang>=0.5.23,<0.5.24 (0.5.23 tested). Unset MLA_BACKENDS_SGLANG to run SGLang "

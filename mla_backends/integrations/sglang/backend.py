@@ -117,13 +117,12 @@ class MLABackendsAttnBackend(AttentionBackend):
                                    self.page_size)
             self.forward_metadata = SGLangBatch(fid, True, meta, plan_step(meta, [self.mla_backend]))
             return
-        if not mode.is_extend():
-            raise RuntimeError(f"mla-backends: forward mode {mode!r}; supported decode, extend and idle batches "
-                               "(no speculative decoding yet)")
+        if not mode.is_extend_without_speculative():
+            raise RuntimeError(f"mla-backends: forward mode {mode!r}; supported decode, extend (mixed included) and "
+                               "idle batches (no speculative decoding yet)")
         prefix = [int(v) for v in forward_batch.extend_prefix_lens_cpu]
         ext = [int(v) for v in forward_batch.extend_seq_lens_cpu]
-        absorbed = (not mode.is_extend_without_speculative()
-                    or batch_absorbed(self.mla_policy, self.mla_backend.capabilities, ext, prefix))
+        absorbed = batch_absorbed(self.mla_policy, self.mla_backend.capabilities, ext, prefix)
         if absorbed:
             num_pages = self.token_to_kv_pool.get_key_buffer(0).shape[0] // self.page_size
             meta = extend_metadata(req_to_token, forward_batch.req_pool_indices, prefix, ext, self.page_size,
