@@ -33,10 +33,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-#: SGLang's engine arguments for the benchmark (radix cache off: every timed run prefills its prompts afresh)
+#: SGLang's engine arguments for the benchmark (radix cache off: every timed run prefills its prompts afresh;
+#: sleep_on_idle: SGLang's scheduler otherwise polls for requests at full speed, taking a core from the vLLM side
+#: while it is timed)
 SGLANG_ARGS = dict(device="cpu", skip_tokenizer_init=True, dtype="float32", mem_fraction_static=0.2,
                    max_total_tokens=16384, max_running_requests=8, disable_cuda_graph=True, disable_radix_cache=True,
-                   chunked_prefill_size=16384, log_level="warning")
+                   chunked_prefill_size=16384, sleep_on_idle=True, log_level="warning")
 YARN_1 = {"type": "yarn", "rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 

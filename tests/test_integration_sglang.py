@@ -248,3 +248,29 @@ def test_env_reports_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
     assert st["plugin_would_activate"] is False
     if st["installed_version"] is None:
         assert st["reason"] == "SGLang is not installed" and st["version"] is None
+
+
+def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: list[int], scale: float) -> torch.Tensor:
+    """Query ``i`` at position ``pos[i]`` attends keys ``0..pos[i]``, in float64."""
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    allowed = torch.arange(k.shape[0]).unsqueeze(0) <= torch.tensor(pos).unsqueeze(1)
+    s = s.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v.double())
+
+
+def test_expanded_attention_with_and_without_a_cached_prefix() -> None:
+    from mla_backends.integrations.sglang.step import expanded_attention
+
+    g = torch.Generator().manual_seed(5)
+    prefix = [3, 0]  # request 0: 3 cached + 2 new tokens; request 1: 4 new
+    q = torch.randn(6, 2, 80, generator=g)
+    k = torch.randn(3 + 2 + 4, 2, 80, generator=g)
+    v = torch.randn(9, 2, 16, generator=g)
+    out = expanded_attention(q, k, v, (0, 2, 6), (0, 5, 9), prefix, scale=0.1)
+    torch.testing.assert_close(out[:2].double(), _naive(q[:2], k[:5], v[:5], [3, 4], 0.1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[2:].double(), _naive(q[2:], k[5:], v[5:], [0, 1, 2, 3], 0.1), atol=1e-5,
+                               rtol=1e-5)
+    with pytest.raises(ValueError, match="k_starts: request 0 has 5 keys; supported its prefix 0 \\+ 2 new tokens"):
+        expanded_attention(q, k, v, (0, 2, 6), (0, 5, 9), [0, 0], scale=0.1)
+    with pytest.raises(ValueError, match="q/k/v: got 6, 9 and 9 rows; supported 6 queries and 8 keys"):
+        expanded_attention(q, k, v, (0, 2, 6), (0, 4, 8), prefix, scale=0.1)

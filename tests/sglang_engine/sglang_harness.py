@@ -14,9 +14,10 @@ SKIP_REASON = ("SGLang is not installed in this environment: tests/sglang_engine
 ENGINE_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
 PROMPTS = [[5, 17, 33, 8, 9, 100, 42], [7, 8, 9], list(range(3, 40)), [150, 3, 77, 91, 12, 5, 6, 8, 10, 11, 99]]
 NEW_TOKENS = 10
-#: the Engine / launch_server arguments every test run shares (fp32, no tokenizer: token ids in and out)
+#: the Engine / launch_server arguments every test run shares (fp32, no tokenizer: token ids in and out;
+#: sleep_on_idle: an idle SGLang scheduler otherwise polls at full speed, taking a core from everything else)
 ENGINE_ARGS = dict(device="cpu", skip_tokenizer_init=True, dtype="float32", mem_fraction_static=0.05,
-                   max_total_tokens=2048, disable_cuda_graph=True, log_level="warning")
+                   max_total_tokens=2048, disable_cuda_graph=True, sleep_on_idle=True, log_level="warning")
 
 
 def clean_pythonpath(value: str | None) -> str:

@@ -40,7 +40,7 @@ def server(report_v2: dict, workdir: Path):  # type: ignore[no-untyped-def]
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
            "--port", str(port), "--attention-backend", "mla_backends", "--device", "cpu",
            "--dtype", "float32", "--mem-fraction-static", str(ENGINE_ARGS["mem_fraction_static"]),
-           "--max-total-tokens", str(ENGINE_ARGS["max_total_tokens"]), "--disable-cuda-graph",
+           "--max-total-tokens", str(ENGINE_ARGS["max_total_tokens"]), "--disable-cuda-graph", "--sleep-on-idle",
            "--log-level", "info"]
     log = workdir / "serve.log"
     f = open(log, "w")

@@ -19,14 +19,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from ...step.metadata import BatchMetadata
 from ...step.plan import StepPlan, plan_step
 from .selection import SGLangSelectionError, request_from_runner, startup_line
-from .step import batch_absorbed, decode_metadata, extend_metadata, sglang_policy, wrap_pool_buffer
+from .step import (
+    batch_absorbed,
+    decode_metadata,
+    expanded_attention,
+    extend_metadata,
+    sglang_policy,
+    wrap_pool_buffer,
+)
 
 __all__ = ["MLABackendsAttnBackend", "SGLangBatch"]
 
@@ -203,28 +209,17 @@ class MLABackendsAttnBackend(AttentionBackend):
     def _expanded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, fm: SGLangBatch
                   ) -> torch.Tensor:
         heads, dq, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
-        q3 = q.reshape(-1, heads, dq)
         k3 = k.reshape(k.shape[0], -1, dq)
-        v3 = v.reshape(v.shape[0], -1, dv)
         # one-shot MHA passes every token of the sequences when a prefix is cached, only the new ones otherwise
-        k_starts = fm.k_starts if k3.shape[0] == fm.k_starts[-1] else fm.k_starts_new_only
-        if k3.shape[0] != k_starts[-1]:
+        if k3.shape[0] == fm.k_starts[-1]:
+            k_starts, prefix = fm.k_starts, fm.prefix
+        elif k3.shape[0] == fm.k_starts_new_only[-1] and not any(fm.prefix):
+            k_starts, prefix = fm.k_starts_new_only, fm.prefix
+        else:
             raise RuntimeError(f"mla-backends: MHA keys of {k3.shape[0]} tokens; supported {fm.k_starts[-1]} (every "
-                               f"token) or {fm.k_starts_new_only[-1]} (the new ones)")
-        out = q3.new_empty(q3.shape[0], heads, dv)
-        full = k_starts is fm.k_starts
-        for b in range(len(fm.q_starts) - 1):
-            qs, qe = fm.q_starts[b], fm.q_starts[b + 1]
-            ks, ke = k_starts[b], k_starts[b + 1]
-            if qe == qs:
-                continue
-            offset = fm.prefix[b] if full else 0
-            qi = torch.arange(qe - qs, device=q3.device).unsqueeze(1) + offset
-            kj = torch.arange(ke - ks, device=q3.device).unsqueeze(0)
-            mask = kj <= qi
-            o = F.scaled_dot_product_attention(q3[qs:qe].transpose(0, 1), k3[ks:ke].transpose(0, 1),
-                                               v3[ks:ke].transpose(0, 1), attn_mask=mask, scale=layer.scaling)
-            out[qs:qe] = o.transpose(0, 1)
+                               "cached and new token, SGLang's one-shot MHA)")
+        out = expanded_attention(q.reshape(-1, heads, dq), k3, v.reshape(v.shape[0], -1, dv), fm.q_starts,
+                                 k_starts, prefix, scale=float(layer.scaling))
         return out.reshape(out.shape[0], heads * dv)
 
     # ---- what SGLang asks of every backend ----------------------------------------------------------------------

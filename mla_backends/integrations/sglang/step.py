@@ -30,7 +30,7 @@ from ...step.cache import LatentKVCache
 from ...step.metadata import BatchMetadata
 
 __all__ = ["page_table", "decode_metadata", "extend_metadata", "wrap_pool_buffer", "sglang_policy",
-           "batch_absorbed", "ABSORBED", "EXPANDED"]
+           "batch_absorbed", "expanded_attention", "ABSORBED", "EXPANDED"]
 
 #: the two answers of :func:`batch_absorbed`'s caller, the dispatch handler (SGLang's forward methods)
 ABSORBED = "absorbed"
@@ -125,3 +125,39 @@ def batch_absorbed(policy: DispatchPolicy, capabilities: Capabilities, extend_le
         raise ValueError(f"prefix_lens: got {len(c)} entries; supported one per request ({len(q)} extend_lens)")
     wanted = policy.absorbed(q, c, backend_threshold=capabilities.decode_threshold)
     return all(clamp_to_backend(list(wanted), q, capabilities.query_len))
+
+
+def expanded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_starts: Sequence[int],
+                       k_starts: Sequence[int], prefix: Sequence[int], *, scale: float) -> torch.Tensor:
+    """Causal attention of an expanded (MHA) extend batch, request by request, with PyTorch's SDPA.
+
+    ``q [T, H, Dq]`` holds each request's new tokens (rows ``q_starts[b]:q_starts[b+1]``), ``k [Tk, H, Dq]`` and
+    ``v [Tk, H, Dv]`` its keys and values (rows ``k_starts[b]:k_starts[b+1]``): every cached and new token when
+    SGLang's one-shot MHA expanded the cached prefix (then new token ``i`` sits at position ``prefix[b] + i``),
+    or only the new ones (then ``prefix`` must be all 0). The offsets are host ints (computed once per batch);
+    nothing is read from the device. Returns ``[T, H, Dv]``.
+    """
+    require_tensor("q", q, ndim=3)
+    require_tensor("k", k, ndim=3)
+    require_tensor("v", v, ndim=3)
+    if len(q_starts) != len(k_starts) or len(prefix) != len(q_starts) - 1:
+        raise ValueError(f"q_starts/k_starts/prefix: got {len(q_starts)}, {len(k_starts)} and {len(prefix)} "
+                         "entries; supported B + 1, B + 1 and B")
+    if q_starts[-1] != q.shape[0] or k_starts[-1] != k.shape[0] or v.shape[0] != k.shape[0]:
+        raise ValueError(f"q/k/v: got {q.shape[0]}, {k.shape[0]} and {v.shape[0]} rows; supported {q_starts[-1]} "
+                         f"queries and {k_starts[-1]} keys and values")
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    for b in range(len(prefix)):
+        qs, qe, ks, ke = q_starts[b], q_starts[b + 1], k_starts[b], k_starts[b + 1]
+        if qe == qs:
+            continue
+        if ke - ks != prefix[b] + qe - qs:
+            raise ValueError(f"k_starts: request {b} has {ke - ks} keys; supported its prefix {prefix[b]} + "
+                             f"{qe - qs} new tokens")
+        qi = torch.arange(qe - qs, device=q.device).unsqueeze(1) + prefix[b]
+        mask = torch.arange(ke - ks, device=q.device).unsqueeze(0) <= qi
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1), k[ks:ke].transpose(0, 1), v[ks:ke].transpose(0, 1), attn_mask=mask,
+            scale=scale)
+        out[qs:qe] = o.transpose(0, 1)
+    return out
