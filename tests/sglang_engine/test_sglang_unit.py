@@ -95,3 +95,19 @@ def test_stand_in_kernel_package_refuses_calls() -> None:
     assert "no CPU build" in sgl_kernel.__doc__
     with pytest.raises(sgl_kernel.StandInKernelError, match="sgl_kernel.assign_req_to_token_pool_cpu was called"):
         sgl_kernel.assign_req_to_token_pool_cpu()
+
+
+def test_env_reports_sglang_and_the_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not HAVE_SGLANG:
+        pytest.skip(SKIP_REASON)
+    from mla_backends.cli.env_cmd import sglang_status
+
+    monkeypatch.delenv("MLA_BACKENDS_SGLANG", raising=False)
+    off = sglang_status()
+    assert off["version"] == "0.5.23" and off["plugin_would_activate"] is False
+    assert off["reason"] == "MLA_BACKENDS_SGLANG is off (unset); set MLA_BACKENDS_SGLANG=1 to turn the plugin on"
+    monkeypatch.setenv("MLA_BACKENDS_SGLANG", "1")
+    on = sglang_status()
+    assert on["plugin_would_activate"] is True
+    assert on["reason"] == ("MLA_BACKENDS_SGLANG='1', SGLang 0.5.23 (tested); start it with --attention-backend "
+                            "mla_backends")
