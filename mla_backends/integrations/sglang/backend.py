@@ -22,6 +22,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from ...core.validation import require_device
 from ...step.metadata import BatchMetadata
 from ...step.plan import StepPlan, plan_step
 from .selection import SGLangSelectionError, request_from_runner, startup_line
@@ -60,7 +61,7 @@ class SGLangBatch:
 
 
 def _device_name(device: Any) -> str:
-    dev = torch.device(device)
+    dev = require_device("model_runner.device", device)
     if dev.type == "cuda":
         return f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
     return dev.type
