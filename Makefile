@@ -15,6 +15,13 @@ TEST_SITE := .test-site
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-env-built
 VLLM_EDITABLE := $(VLLM_VENV)/.mla-backends-editable
+# SGLang's own venv (tools/sglang_env.sh: sglang 0.5.23, torch 2.13.0 CPU, the sgl_kernel stand-in fixture,
+# mla-backends editable); tests/sglang_engine runs only there
+SGLANG_VENV ?= .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.sglang-env-built
+SGLANG_EDITABLE := $(SGLANG_VENV)/.mla-backends-editable
+SGLANG_STAND_IN := $(wildcard tests/sglang_engine/stand_in/pyproject.toml tests/sglang_engine/stand_in/*/*.py \
+	tests/sglang_engine/stand_in/*/*/*.py tests/sglang_engine/stand_in/*/*/*/*.py)
 
 # the test loop (README, "Install and the two commands"): pytest-xdist workers for the main suite (0: one process)
 TEST_WORKERS ?= 2
@@ -23,7 +30,8 @@ TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast test-vllm install lint bench docs clean drop-example-plugin vllm-env
+.PHONY: run test test-fast test-vllm test-sglang install lint bench docs clean drop-example-plugin vllm-env \
+	sglang-env
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,18 +61,33 @@ $(VLLM_EDITABLE): $(VLLM_STAMP) pyproject.toml
 
 vllm-env: $(VLLM_EDITABLE)
 
-# the whole suite: the main one on $(TEST_WORKERS) workers and, beside it, tests/vllm_engine in .venv-vllm (its
-# engines leave a core idle at times, and so does the main suite's tail), with a pytest cache folder of its own;
-# its log is printed when both are done, last. Fails unless both runs exit 0, so pytest's exit 5 (nothing
-# collected) fails it too.
-test: $(STAMP) drop-example-plugin $(VLLM_EDITABLE)
-	@log=$$(mktemp) && \
-	{ $(VLLM_VENV)/bin/python -m pytest -q -o cache_dir=.pytest_cache/vllm tests/vllm_engine $(PYTEST_ARGS) > $$log 2>&1 & } && vpid=$$! && \
+$(SGLANG_STAMP): tools/sglang_env.sh
+	PYTHON=$(PYTHON) tools/sglang_env.sh $(SGLANG_VENV)
+
+# re-register mla-backends' entry points (the SGLang plugin) when pyproject.toml changes, and reinstall the
+# stand-in when it changes, without a rebuild
+$(SGLANG_EDITABLE): $(SGLANG_STAMP) pyproject.toml $(SGLANG_STAND_IN)
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation tests/sglang_engine/stand_in
+	touch $(SGLANG_EDITABLE)
+
+sglang-env: $(SGLANG_EDITABLE)
+
+# the whole suite: the main one on $(TEST_WORKERS) workers and, beside it, tests/vllm_engine in .venv-vllm and then
+# tests/sglang_engine in .venv-sglang (their engines leave a core idle at times, and so does the main suite's tail),
+# each with a pytest cache folder of its own; their logs are printed when all are done, last. Fails unless all three
+# runs exit 0, so pytest's exit 5 (nothing collected) fails it too.
+test: $(STAMP) drop-example-plugin $(VLLM_EDITABLE) $(SGLANG_EDITABLE)
+	@log=$$(mktemp) && slog=$$(mktemp) && src=$$(mktemp) && \
+	{ { $(VLLM_VENV)/bin/python -m pytest -q -o cache_dir=.pytest_cache/vllm tests/vllm_engine $(PYTEST_ARGS) \
+		> $$log 2>&1; vrc=$$?; $(SGLANG_VENV)/bin/python -m pytest -q -o cache_dir=.pytest_cache/sglang \
+		tests/sglang_engine $(PYTEST_ARGS) > $$slog 2>&1; echo "$$vrc $$?" > $$src; } & } && vpid=$$! && \
 	{ $(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS); main=$$?; } ; \
-	wait $$vpid; vllm=$$?; \
-	echo "make test: main suite rc=$$main, tests/vllm_engine rc=$$vllm; the log of tests/vllm_engine (.venv-vllm):"; \
-	cat $$log; rm -f $$log; \
-	test $$main -eq 0 -a $$vllm -eq 0
+	wait $$vpid; read vllm sglang < $$src; \
+	echo "make test: main suite rc=$$main, tests/vllm_engine rc=$$vllm, tests/sglang_engine rc=$$sglang"; \
+	echo "the log of tests/vllm_engine (.venv-vllm):"; cat $$log; \
+	echo "the log of tests/sglang_engine (.venv-sglang):"; cat $$slog; rm -f $$log $$slog $$src; \
+	test $$main -eq 0 -a $$vllm -eq 0 -a $$sglang -eq 0
 
 # the unit tests, minutes faster: the main suite without the tests tests/slow_tests.txt names (no vLLM)
 test-fast: $(STAMP) drop-example-plugin
@@ -72,6 +95,9 @@ test-fast: $(STAMP) drop-example-plugin
 
 test-vllm: $(STAMP) $(VLLM_EDITABLE)
 	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm_engine $(PYTEST_ARGS)
+
+test-sglang: $(STAMP) $(SGLANG_EDITABLE)
+	$(SGLANG_VENV)/bin/python -m pytest -q -o cache_dir=.pytest_cache/sglang tests/sglang_engine $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check mla_backends selector tests benchmarks
@@ -84,4 +110,4 @@ docs: $(STAMP)
 	$(BIN)/python -m docgen.selection
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(TEST_SITE) build dist *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) $(TEST_SITE) build dist *.egg-info

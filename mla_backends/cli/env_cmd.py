@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["register", "run", "environment_report", "package_version", "supported_range", "transformers_support",
-           "vllm_status", "PACKAGES", "SUPPORT_CHECKS", "ENV_PREFIXES"]
+           "vllm_status", "sglang_status", "PACKAGES", "SUPPORT_CHECKS", "ENV_PREFIXES"]
 
 #: (label, distribution names tried in order, module it provides)
 PACKAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -155,6 +155,41 @@ def vllm_status() -> dict[str, Any]:
             "plugin_would_activate": active, "reason": why}
 
 
+def sglang_status() -> dict[str, Any]:
+    """SGLang's version (package metadata, reported when its module can be found; SGLang is never imported) and
+    whether the mla-backends SGLang plugin would activate in an SGLang started from this environment, with the
+    reason: only when SGLang is installed and its module found, the ``sglang.srt.plugins`` entry point is
+    installed, the switch ``MLA_BACKENDS_SGLANG`` is on and the version is supported."""
+    from ..core.env_switches import describe_switch
+    from ..integrations.sglang import ENV_VAR
+    from ..integrations.sglang.versions import UnsupportedSGLangVersionError, check_sglang_version
+
+    version, dist = package_version(("sglang",))
+    importable = _module_found("sglang")
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    switch = describe_switch(ENV_VAR)
+    shown = "unset" if switch["value"] is None else f"{ENV_VAR}={switch['value']!r}"
+    if version is None:
+        active, why = False, "SGLang is not installed"
+    elif not importable:
+        active, why = False, (f"{dist} {version} is installed (package metadata) but the sglang module cannot be "
+                              "found on this Python's path")
+    elif not any(e.value.startswith("mla_backends.") for e in eps):
+        active, why = False, "the sglang.srt.plugins entry point is not installed (reinstall mla-backends)"
+    elif switch["error"] is not None:
+        active, why = False, f"SGLang's start-up would fail: {switch['error']}"
+    elif not switch["on"]:
+        active, why = False, f"{ENV_VAR} is off ({shown}); set {ENV_VAR}=1 to turn the plugin on"
+    else:
+        try:
+            active, why = True, (f"{shown}, SGLang {version} ({check_sglang_version(version)}); start it with "
+                                 "--attention-backend mla_backends")
+        except UnsupportedSGLangVersionError as exc:
+            active, why = False, str(exc)
+    return {"version": version if importable else None, "installed_version": version, "importable": importable,
+            "switch": switch, "plugin_would_activate": active, "reason": why}
+
+
 def _known_env() -> dict[str, str]:
     """Variable -> what it does, for every variable this package reads (the on/off switches from
     :data:`mla_backends.core.env_switches.SWITCHES`)."""
@@ -225,6 +260,7 @@ def environment_report() -> dict[str, Any]:
         "torch_cuda": {"built_with": torch.version.cuda, "available": torch.cuda.is_available()},
         "gpus": gpus,
         "vllm": vllm_status(),
+        "sglang": sglang_status(),
         "plugins": plugins,
         "plugin_problems": problems,
         "environment": env,
@@ -262,6 +298,9 @@ def _print_text(rep: dict[str, Any]) -> None:
     vl = rep["vllm"]
     print(f"vllm          {vl['version'] or 'not installed'}; plugin "
           f"{'would activate' if vl['plugin_would_activate'] else 'inactive'} ({vl['reason']})")
+    sg = rep["sglang"]
+    print(f"sglang        {sg['version'] or 'not installed'}; plugin "
+          f"{'would activate' if sg['plugin_would_activate'] else 'inactive'} ({sg['reason']})")
     print("GPUs (NVML):" if rep["gpus"] else "GPUs (NVML):  none found (the selector uses the CPU)")
     for g in rep["gpus"]:
         major, minor = g["compute_capability"]

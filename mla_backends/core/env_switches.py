@@ -33,7 +33,7 @@ TRITON_INTERPRET_SWITCH = "TRITON_INTERPRET"
 #: every boolean switch of the project -> what "on" does
 SWITCHES: dict[str, str] = {
     VLLM_SWITCH: "on: the vLLM plugin runs vLLM's MLA decode on mla-backends",
-    SGLANG_SWITCH: "on: reserved for the SGLang integration (parsed and checked; nothing reads it yet)",
+    SGLANG_SWITCH: "on: the SGLang plugin registers --attention-backend mla_backends (absorbed MLA on mla-backends)",
     AUTOLOAD_OFF_SWITCH: "on: skips entry-point plugins (built-ins still load)",
     TRITON_INTERPRET_SWITCH: "on: Triton kernels run interpreted on the CPU (testing only)",
 }
