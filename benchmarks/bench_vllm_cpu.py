@@ -9,8 +9,9 @@ other side (own, ours, own, ours ...), one started without ``MLA_BACKENDS_VLLM``
 it (the plugin; ``MLA_BACKEND`` is left to the caller, default: the selector's choice). Two engines alive at
 once did not measure the kernels: an earlier version of this benchmark kept both alive and gave 0.63x and
 1.58x for the same code two hours apart, the same two decode times (2.754 s and 4.34 s) swapped between the
-sides, so one side was being slowed by the other process, not by its kernel. The greedy tokens of both sides are compared and the
-result printed. The machine is shared: figures move between runs, so compare the two sides of one run.
+sides, so one side was being slowed by the other process, not by its kernel. The greedy tokens of both
+sides are compared and the result printed. The machine is shared: figures move between runs, so compare the
+two sides of one run.
 Target: >= 1.5x.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_cpu.py [--rounds 3] [--json benchmarks/results/vllm-cpu.json]
