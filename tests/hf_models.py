@@ -20,26 +20,14 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_interm
               tie_word_embeddings=False)
 
 
-#: the engine tests' tiny DeepSeek shape (tests/vllm_engine, tests/sglang_engine): 512/64 latent and rope, the
-#: widths the engines' MLA paths take, two layers (the second MoE)
-ENGINE_VOCAB = 211
-ENGINE_COMMON = dict(vocab_size=ENGINE_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                     num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, qk_nope_head_dim=16,
-                     qk_rope_head_dim=64, v_head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
-                     eos_token_id=2, tie_word_embeddings=False, n_routed_experts=4, num_experts_per_tok=2,
-                     n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=2, n_group=1, topk_group=1)
-
-
-def randomise(model: Any, seed: int, std: float = 0.3) -> Any:
-    """Weights normal(0, ``std``) (norms 1 + noise) so logits are far from uniform and near-ties are rare;
-    returns the model in eval mode."""
+def _randomise(model: Any, seed: int) -> Any:
+    """Weights normal(0, 0.3) (norms 1 + noise) so logits are far from uniform and near-ties are rare."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else std * noise)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
     return model.eval()
-
 
 
 def tiny_v3(seed: int = 0, *, num_layers: int = 3, max_positions: int = 256) -> Any:
@@ -52,7 +40,7 @@ def tiny_v3(seed: int = 0, *, num_layers: int = 3, max_positions: int = 256) -> 
         n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
         first_k_dense_replace=1)
     cfg._attn_implementation = "eager"
-    return randomise(transformers.DeepseekV3ForCausalLM(cfg).float(), seed)
+    return _randomise(transformers.DeepseekV3ForCausalLM(cfg).float(), seed)
 
 
 def tiny_v2(seed: int = 0, *, num_layers: int = 2) -> Any:
@@ -62,7 +50,7 @@ def tiny_v2(seed: int = 0, *, num_layers: int = 2) -> Any:
         **COMMON, num_hidden_layers=num_layers, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense_replace=1, topk_method="greedy")
     cfg._attn_implementation = "eager"
-    return randomise(transformers.DeepseekV2ForCausalLM(cfg).float(), seed)
+    return _randomise(transformers.DeepseekV2ForCausalLM(cfg).float(), seed)
 
 
 def left_padded(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
