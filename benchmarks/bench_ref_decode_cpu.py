@@ -246,21 +246,37 @@ def forced(module: ModuleType, call: Callable[[], object], path: str) -> Callabl
 CLOCK: Callable[[], float] = time.perf_counter
 
 
+#: each round, calls of one function are timed until this many seconds are spent, or ...
+MIN_SECONDS = 0.02
+#: ... this many calls made (one at least)
+MAX_CALLS = 20
+
+
 def best_of(fns: dict[str, Callable[[], object]], rounds: int,
             rates: dict[str, float] | None = None) -> dict[str, float]:
-    """Best seconds of each function, timed in turn every round, after one warm-up call each; with ``rates``
-    (updated in place) the machine's rates are measured in every round too, the best of each kept."""
+    """Best seconds of one call of each function. Every round measures the machine's rates first (with
+    ``rates``, updated in place: the best of each kept), then each function in turn, in an order rotated by
+    one every round: one untimed call (its data back in cache after the rates' 128 MiB copy and the
+    other functions), then calls timed one by one until ``MIN_SECONDS`` are spent or ``MAX_CALLS`` made.
+    So no function is always the one that meets a cold cache, and a call of 0.1 ms is timed on more than
+    one clock reading."""
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
-    for _ in range(rounds):
+    names = list(fns)
+    for r in range(rounds):
         if rates is not None:
             for k, v in machine_rates().items():
                 rates[k] = max(rates.get(k, 0.0), v)
-        for name, fn in fns.items():
-            t0 = CLOCK()
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = fns[name]
             fn()
-            best[name] = min(best[name], CLOCK() - t0)
+            spent, calls = 0.0, 0
+            while calls == 0 or (spent < MIN_SECONDS and calls < MAX_CALLS):
+                t0 = CLOCK()
+                fn()
+                dt = CLOCK() - t0
+                best[name], spent, calls = min(best[name], dt), spent + dt, calls + 1
     return best
 
 

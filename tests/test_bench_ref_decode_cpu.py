@@ -23,6 +23,7 @@ def test_one_point_writes_every_variant(tmp_path, monkeypatch):
         return inner(*args)
 
     monkeypatch.setattr(ref.RefTorchBackend, "_stream", staticmethod(spy))
+    monkeypatch.setattr(bench, "MAX_CALLS", 1)  # one timed call a round: the count below is exact
     out = tmp_path / "r.json"
     png = tmp_path / "r.png"
     assert bench.main(["--contexts", "20", "--rounds", "1", "--threads", "1", "--before", ROOT, "--paths",
@@ -32,7 +33,8 @@ def test_one_point_writes_every_variant(tmp_path, monkeypatch):
     assert all(row[f"{k}_ms"] > 0 for k in ("ref", "padded", "streamed", "baseline", "before", "roofline"))
     assert row["ref_over_roofline"] == pytest.approx(row["ref_ms"] / row["roofline_ms"], rel=0.05)
     assert row["bound"] in ("compute", "memory")
-    assert paths and len(paths) == 1 + 1  # the streamed variant only: its warm-up call and its timed round
+    # the streamed variant only: its warm-up call, then the round's untimed call and its one timed call
+    assert paths and len(paths) == 1 + 2
     assert json.loads(out.read_text())["clock"] == "thread"
     with pytest.raises(SystemExit):
         bench.main(["--before", str(tmp_path), "--json", str(out)])

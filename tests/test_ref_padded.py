@@ -158,18 +158,6 @@ def test_prepared_step_makes_no_host_sync():
         backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)  # later layers reuse them
 
 
-def test_decode_groups_carry_the_mask_as_a_bias():
-    """One token per request: the group's mask is also an additive float32 bias (0 visible, HIDDEN_SCORE
-    hidden) that the score matmul adds; groups of longer or mixed queries keep the bool mask only."""
-    _, meta, _ = make_step([1] * 3, [0, BS, 2 * BS + 3])
-    (grp,) = plans.dense_groups(meta, r + R, H, ref_backend.GROUP_ELEMENT_BUDGET)
-    assert grp.bias is not None and grp.bias.dtype == torch.float32
-    assert torch.equal(grp.bias == plans.HIDDEN_SCORE, grp.hidden[:, 0])  # [b, 1, L] both
-    assert grp.bias[0, 0, :1].tolist() == [0.0] and grp.bias[2, 0, : 2 * BS + 4].eq(0).all()
-    _, meta2, _ = make_step([1, 2], [3, BS])
-    assert all(g.bias is None for g in plans.dense_groups(meta2, r + R, H, ref_backend.GROUP_ELEMENT_BUDGET))
-
-
 @pytest.mark.parametrize("model_dtype, kv_cache_dtype, scale, tol", [
     (torch.float32, "auto", 1.0, 2e-5),
     (torch.bfloat16, "auto", 1.0, 1e-2),

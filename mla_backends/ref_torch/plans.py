@@ -10,8 +10,6 @@ step's :class:`RefStep` (what ``RefTorchBackend.prepare`` returns when the step 
   is hidden from its token ``j`` when ``p > context_lens[b] + j`` (causal among the new tokens, and every
   padded position past the sequence);
 - for groups of mixed query lengths, which query token fills each padded row and where the kept rows go;
-- for groups of one query token per request (decode), the mask as an additive float32 bias ``[requests, 1, L]``
-  (0 visible, a large negative finite score hidden), which the score matmul adds for free (``baddbmm``).
 
 The step also holds the working buffers of its calls (gathered rows, scores, partials): made on the first
 layer's call, reused by every later layer of the step (calls of one step run one after another), so no
@@ -29,7 +27,7 @@ import torch
 from ..core.attention_math import padded_groups
 from ..step.metadata import BatchMetadata
 
-__all__ = ["HIDDEN_SCORE", "DenseGroup", "RefStep", "dense_groups", "group_page_ids"]
+__all__ = ["EXP_FLOOR", "HIDDEN_SCORE", "DenseGroup", "RefStep", "dense_groups", "group_page_ids"]
 
 
 class DenseGroup(NamedTuple):
@@ -45,8 +43,6 @@ class DenseGroup(NamedTuple):
             token of every padded row (token 0 for padding rows).
         keep, dest: None, or the padded rows that hold real tokens and the tokens they belong to (``[n]``).
         first_token: the group's first token in the metadata's token axis.
-        bias: for a group of one query token per request, ``[requests, 1, L]`` float32: 0 where visible,
-            ``HIDDEN_SCORE`` where hidden (the ``hidden`` mask as an additive term); else None.
     """
 
     start: int
@@ -59,12 +55,16 @@ class DenseGroup(NamedTuple):
     keep: torch.Tensor | None
     dest: torch.Tensor | None
     first_token: int
-    bias: torch.Tensor | None = None
 
 
 #: score given to hidden positions: finite, so that a row or chunk with nothing visible gives finite partials
 #: (weighted by exp(-1e30 - max) = 0) instead of NaN
 HIDDEN_SCORE = -1e30
+#: shifted scores (``score - max``, at most 0) are clamped here before ``exp``: ``exp(-80)`` = 1.8e-35 is still a
+#: normal float32, so a visible weight it replaces changes no sum, while the denormal results of inputs below
+#: about -87 (and ``HIDDEN_SCORE``'s far-out-of-range ones) cost the CPU's exp 10-30x more per element.
+#: Hidden positions are set to exactly 0 after the ``exp``
+EXP_FLOOR = -80.0
 
 
 @dataclass(eq=False)
@@ -92,17 +92,6 @@ class RefStep:
             with torch.inference_mode(False):
                 buf = self.buffers[key] = torch.empty(max(need, 1), dtype=dtype, device=device)
         return buf[:need].view(shape)
-
-    def converted(self, name: Hashable, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``tensor`` in ``dtype``, converted once per step (``name`` names it)."""
-        if tensor.dtype == dtype:
-            return tensor
-        key = (name, "converted", dtype)
-        got = self.buffers.get(key)
-        if got is None:
-            with torch.inference_mode(False):
-                got = self.buffers[key] = tensor.to(dtype)
-        return got
 
     def groups_for(self, meta: BatchMetadata, part: tuple[int, int] | None, W: int, H: int,
                    budget: int) -> tuple[DenseGroup, ...]:
@@ -155,9 +144,5 @@ def dense_groups(meta: BatchMetadata, row_width: int, heads: int, budget: int) -
             token_rows = torch.tensor([max(t, 0) for t in tok], dtype=torch.int64, device=dev)
             keep = torch.tensor([i for i, t in enumerate(tok) if t >= 0], dtype=torch.int64, device=dev)
             dest = torch.tensor([t for t in tok if t >= 0], dtype=torch.int64, device=dev)
-        bias = None
-        if q_len == 1 and token_rows is None:
-            bias = torch.zeros(hidden.shape[0], 1, rows, dtype=torch.float32, device=dev)
-            bias.masked_fill_(hidden.view(hidden.shape[0], 1, rows), HIDDEN_SCORE)
-        out.append(DenseGroup(g0, g1, q_len, rows, page_ids, hidden, token_rows, keep, dest, starts[g0], bias))
+        out.append(DenseGroup(g0, g1, q_len, rows, page_ids, hidden, token_rows, keep, dest, starts[g0]))
     return tuple(out)
