@@ -43,3 +43,17 @@ def test_one_point_writes_every_variant(tmp_path, monkeypatch):
     except ImportError:
         return
     assert png.stat().st_size > 0  # the picture, drawn from the same figures
+
+
+def test_layout_benchmark_times_every_alternative(tmp_path):
+    """``benchmarks/bench_decode_layouts_cpu.py`` end to end at one call a round: every alternative timed, the
+    pooled max checked equal to ``amax`` on the way."""
+    bench = load_benchmark("bench_decode_layouts_cpu")
+    out = tmp_path / "l.json"
+    assert bench.main(["--rounds", "1", "--calls", "1", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert len(got["layouts"]) == 7 and len(got["reductions"]) == 2
+    for row in got["layouts"]:
+        assert all(row[f"{k}_us"] > 0 for k in ("q_at_kv_t", "kv_at_q_t_view", "kv_at_q_t_copy", "q_t_copy_only"))
+    for row in got["reductions"]:
+        assert all(row[f"{k}_us"] > 0 for k in ("amax_dim1", "pool_max", "exp", "exp_floored"))

@@ -237,3 +237,34 @@ def test_step_buffers_are_one_per_name_grown_to_the_largest_request():
     assert len(step.buffers) == 1 and c.data_ptr() == b.data_ptr()
     step.buffer("x", (3,), torch.float64, torch.device("cpu"))
     assert len(step.buffers) == 2
+
+
+def fill_unused_rows(cache, meta, value):
+    """Every cache row that holds no position of ``meta``'s sequences set to ``value`` (what a stale page or
+    the tail of a last page may hold), the sequences' own rows untouched."""
+    rows = cache.data.view(-1, r + R)
+    keep = torch.zeros(rows.shape[0], dtype=torch.bool)
+    for b, s in enumerate(meta.seq_lens_list):
+        pos = torch.arange(s)
+        keep[meta.block_table[b].long()[pos // BS] * BS + pos % BS] = True
+    rows[~keep] = value
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_hidden_rows_add_exactly_nothing(streamed, monkeypatch):
+    """Hidden positions get a weight of exactly 0, not the tiny ``exp(EXP_FLOOR)`` the clamp before the
+    ``exp`` leaves: rows past every sequence hold 1e38 (their scores overflow), and the output still matches
+    the float64 reference (a weight of 1.8e-35 on those rows would add about 1e3). Queries far from every
+    row but one make visible weights fall below the floor too. Padded and streamed paths, decode and a
+    query of 3 tokens (causal positions hidden)."""
+    if streamed:
+        monkeypatch.setattr(ref_backend, "STREAM_MIN_ROWS", 1)
+        monkeypatch.setattr(ref_backend, "STREAM_MIN_BYTES", 0)
+        monkeypatch.setattr(ref_backend, "STREAM_CHUNK_BYTES", 2 * BS * (r + R) * 4)
+    for qlens, ctxs in (([1] * len(RAGGED), RAGGED), ([3, 3], [BS - 1, 2 * BS + 2])):
+        cache, meta, q = make_step(qlens, ctxs)
+        fill_unused_rows(cache, meta, 1e38)
+        q[0] *= 40.0  # the first token's weights span more than exp(EXP_FLOOR)
+        assert RefTorchBackend().dense_parts(meta, (r + R) * 4)[0][0] is streamed
+        out, _ = check(cache, meta, q, 2e-5, 2e-5)
+        assert torch.isfinite(out).all()

@@ -62,7 +62,8 @@ class DenseGroup(NamedTuple):
 HIDDEN_SCORE = -1e30
 #: shifted scores (``score - max``, at most 0) are clamped here before ``exp``: ``exp(-80)`` = 1.8e-35 is still a
 #: normal float32, so a visible weight it replaces changes no sum, while the denormal results of inputs below
-#: about -87 (and ``HIDDEN_SCORE``'s far-out-of-range ones) cost the CPU's exp 10-30x more per element.
+#: about -87 (and ``HIDDEN_SCORE``'s far-out-of-range ones) cost the CPU's exp far more per element (8-14x
+#: for a tensor half hidden: benchmarks/bench_decode_layouts_cpu.py).
 #: Hidden positions are set to exactly 0 after the ``exp``
 EXP_FLOOR = -80.0
 
