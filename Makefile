@@ -31,7 +31,7 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup -
 PYTEST_ARGS ?=
 
 .PHONY: run test test-fast test-vllm test-sglang install lint bench docs clean drop-example-plugin vllm-env \
-	sglang-env
+	sglang-env envs
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -77,7 +77,12 @@ sglang-env: $(SGLANG_EDITABLE)
 # tests/sglang_engine in .venv-sglang (their engines leave a core idle at times, and so does the main suite's tail),
 # each with a pytest cache folder of its own; their logs are printed when all are done, last. Fails unless all three
 # runs exit 0, so pytest's exit 5 (nothing collected) fails it too.
-test: $(STAMP) drop-example-plugin $(VLLM_EDITABLE) $(SGLANG_EDITABLE)
+# the three environments side by side (their builds are mostly downloads and unpacking, so on a fresh machine
+# they overlap well); output grouped per environment
+envs:
+	@$(MAKE) --no-print-directory -j3 --output-sync=target $(STAMP) $(VLLM_EDITABLE) $(SGLANG_EDITABLE)
+
+test: envs drop-example-plugin
 	@log=$$(mktemp) && slog=$$(mktemp) && src=$$(mktemp) && \
 	{ { $(VLLM_VENV)/bin/python -m pytest -q -o cache_dir=.pytest_cache/vllm tests/vllm_engine $(PYTEST_ARGS) \
 		> $$log 2>&1; vrc=$$?; $(SGLANG_VENV)/bin/python -m pytest -q -o cache_dir=.pytest_cache/sglang \
