@@ -8,6 +8,8 @@
   transposed view (what :func:`mla_backends.ref_torch.backend.position_max` does).
 - **exp floor.** ``exp`` of shifted scores with hidden positions at ``HIDDEN_SCORE`` (or visible ones far below
   the maximum) against the same after ``clamp_min(EXP_FLOOR)``: denormal and far-out-of-range inputs are slow.
+- **bf16 math.** torch's CPU matmul on bf16 copies of the same tensors against fp32, a 1024^3 product and a
+  decode score product: whether computing a bf16 cache in bf16 (``avx512_bf16``, AMX) would pay here.
 
 Every figure is the best of ``--rounds`` rounds of ``--calls`` calls, alternatives timed in turn, ratios within
 one run. Usage: ``python benchmarks/bench_decode_layouts_cpu.py [--threads 1] [--json out.json]``
@@ -85,6 +87,24 @@ def reductions(b: int, n: int, L: int, rounds: int, calls: int) -> dict:
             "floor_speedup": round(t["exp"] / t["exp_floored"], 2)}
 
 
+def bf16_math(rounds: int, calls: int) -> list[dict]:
+    """fp32 against bf16 ``torch.mm`` / ``torch.bmm`` time and rate, on the same values."""
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for label, a, b in (("1024^3", torch.randn(1024, 1024, generator=g), torch.randn(1024, 1024, generator=g)),
+                        ("8 x [512 x 576] @ [576 x 16]", torch.randn(8, 512, WIDTH, generator=g),
+                         torch.randn(8, 16, WIDTH, generator=g).transpose(1, 2))):
+        op = torch.mm if a.dim() == 2 else torch.bmm
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        t = best_us({"fp32": lambda op=op, a=a, b=b: op(a, b), "bf16": lambda op=op, a=a16, b=b16: op(a, b)},
+                    rounds, max(1, calls // 4))
+        flops = 2 * a.shape[-2] * a.shape[-1] * b.shape[-1] * (a.shape[0] if a.dim() == 3 else 1)
+        rows.append({"shape": label, **{f"{k}_us": round(v, 1) for k, v in t.items()},
+                     **{f"{k}_gflops": round(flops / v / 1e3, 1) for k, v in t.items()},
+                     "bf16_speedup": round(t["fp32"] / t["bf16"], 2)})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
@@ -97,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, ROOT)
     shapes = [(8, 16, 32), (8, 16, 128), (8, 16, 512), (2, 16, 2048), (1, 16, 5000), (32, 16, 128), (8, 128, 256)]
     rows = {"threads": torch.get_num_threads(), "cpus": os.cpu_count(), "load": os.getloadavg(),
-            "layouts": [], "reductions": []}
+            "layouts": [], "reductions": [], "bf16": []}
     print(f"threads {rows['threads']}, cpus {rows['cpus']}, load {rows['load']}")
     for b, n, L in shapes:
         row = layouts(b, n, L, args.rounds, args.calls)
@@ -107,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         row = reductions(b, n, L, args.rounds, args.calls)
         rows["reductions"].append(row)
         print("reduce  " + "  ".join(f"{k} {v}" for k, v in row.items()))
+    for row in bf16_math(args.rounds, args.calls):
+        rows["bf16"].append(row)
+        print("bf16    " + "  ".join(f"{k} {v}" for k, v in row.items()))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -52,8 +52,9 @@ def test_layout_benchmark_times_every_alternative(tmp_path):
     out = tmp_path / "l.json"
     assert bench.main(["--rounds", "1", "--calls", "1", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
-    assert len(got["layouts"]) == 7 and len(got["reductions"]) == 2
+    assert len(got["layouts"]) == 7 and len(got["reductions"]) == 2 and len(got["bf16"]) == 2
     for row in got["layouts"]:
         assert all(row[f"{k}_us"] > 0 for k in ("q_at_kv_t", "kv_at_q_t_view", "kv_at_q_t_copy", "q_t_copy_only"))
     for row in got["reductions"]:
         assert all(row[f"{k}_us"] > 0 for k in ("amax_dim1", "pool_max", "exp", "exp_floored"))
+    assert all(row["fp32_us"] > 0 and row["bf16_us"] > 0 for row in got["bf16"])
