@@ -82,7 +82,7 @@ def stream_min_rows(num_requests: int, row_bytes: int) -> int:
 def scaled_transposed_queries(q: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
     """``out [b, 576, N] = scale * q [b, N, 576]`` transposed (N: query tokens x heads of a request), one
     kernel. The scores are then ``kv [b, L, 576] @ out``, ``[b, L, N]``: with the cached rows as the left
-    operand, CPU BLAS runs this 1.2-1.75x faster than ``q @ kv^T`` at ``N`` = 16
+    operand, CPU BLAS runs this 1.24-1.75x faster than ``q @ kv^T`` at ``N`` = 16
     (``benchmarks/bench_decode_layouts_cpu.py``; benchmarks/results/ref-decode-cpu-layout.json)."""
     return torch.mul(q.transpose(1, 2), scale, out=out)
 
@@ -102,7 +102,7 @@ def exp_shifted(s_t: torch.Tensor, m: torch.Tensor, hidden: torch.Tensor | None)
 def position_max(s_t: torch.Tensor) -> torch.Tensor:
     """``[b, N]`` largest score over the positions of ``s_t [b, L, N]`` (scores, positions before query
     rows). A max pool over the transposed view: ``amax(dim=1)`` is a strided reduction that PyTorch's CPU kernel
-    runs 3-7x slower at ``N`` = 16 (same benchmark)."""
+    runs 2.4-7x slower at ``N`` = 16 (same benchmark)."""
     return torch.nn.functional.adaptive_max_pool1d(s_t.transpose(1, 2), 1).squeeze(-1)
 
 
