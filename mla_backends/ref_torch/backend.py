@@ -3,8 +3,9 @@
 Dense path, two forms, chosen by the size of the batch's rows (:func:`stream_min_rows`). While the padded rows
 of all requests (``requests x sequence x 576`` in the compute dtype) stay under ``STREAM_MIN_BYTES``, the
 requests are processed in padded groups: the pages named by the block table are gathered once, with one
-``index_select``, into ``[requests, positions, 576]``; scores are one batched matmul against it, the causal
-and length mask is applied, and the output is the softmax-weighted sum of the leading ``kv_lora_rank``
+``index_select``, into ``[requests, positions, 576]``; scores are one batched matmul against it (positions
+first, ``[requests, positions, query rows]``, the layout CPU BLAS runs fastest), the causal and length mask is
+applied, and the output is the softmax-weighted sum of the leading ``kv_lora_rank``
 columns of the same rows (the latent serves as K and V). The index and mask tensors are made once per step
 (:mod:`mla_backends.ref_torch.plans`). Longer requests are streamed, split-K: a few pages of every request of
 a run are gathered into one cache-sized buffer, scored with one batched matmul, and turned into a partial
@@ -305,11 +306,12 @@ class RefTorchBackend(MLABackend):
     def _dense(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
                out: torch.Tensor, lse_out: torch.Tensor, step: RefStep, part: tuple[int, int] | None) -> None:
         """Padded groups (``q [T, H, 576]``, compute dtype): per group one ``index_select`` of its pages into
-        ``kv [b, L, 576]`` (a buffer of the step), scores ``kv @ (scale * q)^T`` in one batched matmul
-        ``[b, L, Q*H]`` (:func:`scaled_transposed_queries`; for one token per request the matmul also adds the
-        mask bias, ``baddbmm``; else the hidden positions are set to a large negative finite score),
-        ``exp(s - max)`` in place, and the output ``exp^T @ kv[..., :512]`` divided by the sums, written
-        straight into ``out`` when its layout allows.
+        ``kv [b, L, 576]`` (a buffer of the step), scores ``scale * kv @ q^T`` in one batched matmul
+        ``[b, L, Q*H]`` (positions first; the queries a transposed view, the scale the matmul's ``alpha``),
+        hidden positions set to a large negative finite score, the max over the positions
+        (:func:`position_max`), ``exp(s - max)`` in place with hidden positions exactly 0
+        (:func:`exp_shifted`), and the output ``exp^T @ kv[..., :512]`` divided by the sums, written straight
+        into ``out`` when its layout allows.
         Index and mask tensors come from ``step`` (requests ``part`` of ``meta``, or all of them)."""
         T, H, W = q.shape
         r, dev, cdt = cache.kv_lora_rank, q.device, q.dtype
