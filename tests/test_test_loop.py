@@ -98,8 +98,9 @@ def test_marked_slow_by_the_list(request, case):
 
 def test_the_makefile_fails_on_a_run_that_collects_nothing():
     """``make test`` runs its three pytest runs (main suite, tests/vllm_engine, tests/sglang_engine, building
-    the three environments side by side when missing: ``make envs``) and fails unless all exit 0: pytest's exit 5 (no test collected)
-    fails it like any failure, and the fast target is a plain pytest call (make fails on any non-zero)."""
+    the three environments side by side when missing: ``make envs``) and fails unless all exit 0: pytest's
+    exit 5 (no test collected) fails it like any failure, and the fast target is a plain pytest call (make
+    fails on any non-zero)."""
     text = (ROOT / "Makefile").read_text()
     recipe = text.split("\ntest:", 1)[1].split("\n\n", 1)[0]
     assert re.search(r"test \$\$main -eq 0 -a \$\$vllm -eq 0 -a \$\$sglang -eq 0", recipe), recipe
