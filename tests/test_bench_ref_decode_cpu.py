@@ -58,3 +58,15 @@ def test_layout_benchmark_times_every_alternative(tmp_path):
     for row in got["reductions"]:
         assert all(row[f"{k}_us"] > 0 for k in ("amax_dim1", "pool_max", "exp", "exp_floored"))
     assert all(row["fp32_us"] > 0 and row["bf16_us"] > 0 for row in got["bf16"])
+
+
+def test_compile_benchmark_compares_the_same_attention(tmp_path):
+    """``benchmarks/bench_compile_cpu.py`` end to end at one short context: the eager and compiled functions
+    and the backend all timed, and the compiled output equal to REF_TORCH's (the comparison is of one
+    computation)."""
+    bench = load_benchmark("bench_compile_cpu")
+    out = tmp_path / "c.json"
+    assert bench.main(["--contexts", "20", "--calls", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["context"] == 20 and row["max_diff"] < 1e-4
+    assert all(row[k] > 0 for k in ("first_compiled_call_s", "ref_torch_ms", "eager_ms", "compiled_ms"))
