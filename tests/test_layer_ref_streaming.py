@@ -211,3 +211,35 @@ def test_padded_groups_match_reference(monkeypatch):
             torch.testing.assert_close(out[t: t + n], ref_o, rtol=1e-10, atol=1e-10)
             torch.testing.assert_close(lse[t: t + n].double(), ref_l, rtol=1e-6, atol=1e-6)
         t += n
+
+
+def _fake_cache_dir(root, entries):
+    for i, (level, kind, size) in enumerate(entries):
+        d = root / f"index{i}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    return str(root)
+
+
+def test_cpu_l2_bytes_reads_the_level_2_cache(tmp_path):
+    """The L2 size from a sysfs-shaped folder: level-1 and instruction caches skipped, K/M suffixes read,
+    None when the folder or its sizes cannot be read."""
+    root = _fake_cache_dir(tmp_path / "a", [(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
+                                            (3, "Unified", "266240K")])
+    assert ref_backend.cpu_l2_bytes(root) == 2 << 20
+    assert ref_backend.cpu_l2_bytes(_fake_cache_dir(tmp_path / "b", [(2, "Unified", "1M")])) == 1 << 20
+    assert ref_backend.cpu_l2_bytes(_fake_cache_dir(tmp_path / "c", [(2, "Instruction", "1M")])) is None
+    assert ref_backend.cpu_l2_bytes(_fake_cache_dir(tmp_path / "d", [(2, "Unified", "big")])) is None
+    assert ref_backend.cpu_l2_bytes(str(tmp_path / "missing")) is None
+
+
+def test_chunk_bytes_follow_the_l2():
+    """Large chunks only where each core has at least LARGE_L2_BYTES of L2; unknown or smaller: the small ones."""
+    small, large = ref_backend.SMALL_L2_CHUNK_BYTES, ref_backend.LARGE_L2_CHUNK_BYTES
+    assert small < large
+    assert ref_backend.default_chunk_bytes(None) == small
+    assert ref_backend.default_chunk_bytes(1 << 20) == small
+    assert ref_backend.default_chunk_bytes(ref_backend.LARGE_L2_BYTES) == large
+    assert ref_backend.STREAM_CHUNK_BYTES == ref_backend.default_chunk_bytes(ref_backend.cpu_l2_bytes())

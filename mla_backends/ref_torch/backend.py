@@ -15,6 +15,7 @@ the top-k rows of every token are gathered and attended the same way."""
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 import torch
@@ -42,10 +43,54 @@ __all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]
 STREAM_MIN_BYTES = 12 << 20
 #: ... and never shorter than this many rows: shorter streamed chunks cost more in kernel calls than they save
 STREAM_MIN_ROWS = 256
-#: bytes of gathered rows per streamed chunk, all requests of a group together. Small enough that the chunk
-#: is still in cache (two 1 MiB L2s, an 8 MiB L3 on the CI machine) when both matmuls read it. At 8 requests
-#: x 128 rows x 576 fp32 this is ~20 % faster than 1024-row chunks (benchmarks/bench_layer_cpu.py).
-STREAM_CHUNK_BYTES = 5 << 19
+#: bytes of gathered rows per streamed chunk, all requests of a group together, on CPUs with less than
+#: ``LARGE_L2_BYTES`` of L2 a core. Small enough that the chunk is still in cache (two 1 MiB L2s, an 8 MiB L3 on
+#: the AMD machine) when both matmuls read it. There, at 8 requests x 128 rows x 576 fp32 this is ~20 %
+#: faster than 1024-row chunks (benchmarks/bench_layer_cpu.py).
+SMALL_L2_CHUNK_BYTES = 5 << 19
+#: ... and with at least this much L2 a core ...
+LARGE_L2_BYTES = 2 << 20
+#: ... this many. On the Intel machine (2 MiB L2s, AVX-512), 8 MiB chunks took 0.78-0.94x the time of 2.5 MiB
+#: ones from 2,048 tokens on (8 requests, pages of 16 and 64, 1 and 2 threads; equal at 1,024), and 20-40 MiB
+#: were slower again (docs/performance.md)
+LARGE_L2_CHUNK_BYTES = 8 << 20
+
+
+def cpu_l2_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
+    """Bytes of level-2 data (or unified) cache of the first CPU core, from Linux's sysfs under ``root``;
+    None where it cannot be read (another OS, a container hiding it)."""
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return None
+    for entry in entries:
+        path = os.path.join(root, entry)
+        try:
+            with open(os.path.join(path, "level")) as fh:
+                level = fh.read().strip()
+            with open(os.path.join(path, "type")) as fh:
+                kind = fh.read().strip()
+            with open(os.path.join(path, "size")) as fh:
+                size = fh.read().strip()
+        except OSError:
+            continue
+        if level != "2" or kind not in ("Data", "Unified"):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        except (ValueError, IndexError):
+            return None
+    return None
+
+
+def default_chunk_bytes(l2_bytes: int | None) -> int:
+    """``STREAM_CHUNK_BYTES`` for a CPU with ``l2_bytes`` of L2 a core (None: unknown, the small-L2 value)."""
+    return LARGE_L2_CHUNK_BYTES if l2_bytes is not None and l2_bytes >= LARGE_L2_BYTES else SMALL_L2_CHUNK_BYTES
+
+
+#: bytes of gathered rows per streamed chunk on this machine, read once at import (:func:`default_chunk_bytes`)
+STREAM_CHUNK_BYTES = default_chunk_bytes(cpu_l2_bytes())
 #: most rows per request in one streamed chunk
 STREAM_MAX_CHUNK_ROWS = 1024
 #: chunk partials kept before they are folded into the running result (bounds memory for any length)
