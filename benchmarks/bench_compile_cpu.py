@@ -43,18 +43,6 @@ def padded_decode(data: torch.Tensor, page_ids: torch.Tensor, q_latent: torch.Te
     return out, (total.log() + m).squeeze(1)
 
 
-def best_ms(fn: Callable[[], object], calls: int) -> float:
-    """Best of ``calls`` timed calls, after two untimed ones, in milliseconds."""
-    fn()
-    fn()
-    best = float("inf")
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
@@ -65,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     import bench_ref_decode_cpu as bench
+    from bench_layer_cpu import best_time
+
+    def best_ms(fn: Callable[[], object]) -> float:  # two untimed calls, then the best of --calls
+        return best_time(fn, args.calls, warmup=2) * 1e3
 
     import mla_backends
     from mla_backends.ref_torch.backend import RefTorchBackend
@@ -86,9 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         ref()
         diff = float((out - inp.out).abs().max())
         row = {"context": ctx, "first_compiled_call_s": round(first_s, 2),
-               "ref_torch_ms": round(best_ms(ref, args.calls), 3),
-               "eager_ms": round(best_ms(lambda a=args_: padded_decode(*a), args.calls), 3),
-               "compiled_ms": round(best_ms(lambda a=args_: compiled(*a), args.calls), 3), "max_diff": diff}
+               "ref_torch_ms": round(best_ms(ref), 3),
+               "eager_ms": round(best_ms(lambda a=args_: padded_decode(*a)), 3),
+               "compiled_ms": round(best_ms(lambda a=args_: compiled(*a)), 3), "max_diff": diff}
         row["compiled_over_eager"] = round(row["compiled_ms"] / row["eager_ms"], 3)
         rows.append(row)
         print("  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
