@@ -51,7 +51,7 @@ drop-example-plugin: $(STAMP)
 run: $(STAMP) drop-example-plugin
 	$(BIN)/mla-backends demo
 
-$(VLLM_STAMP): tools/vllm_env.sh
+$(VLLM_STAMP): tools/vllm_env.sh tools/engine_env.sh tools/requires_without.py
 	PYTHON=$(PYTHON) tools/vllm_env.sh $(VLLM_VENV)
 
 # re-register mla-backends' entry points (the vLLM plugin) when pyproject.toml changes, without a rebuild
@@ -61,7 +61,7 @@ $(VLLM_EDITABLE): $(VLLM_STAMP) pyproject.toml
 
 vllm-env: $(VLLM_EDITABLE)
 
-$(SGLANG_STAMP): tools/sglang_env.sh
+$(SGLANG_STAMP): tools/sglang_env.sh tools/engine_env.sh tools/requires_without.py
 	PYTHON=$(PYTHON) tools/sglang_env.sh $(SGLANG_VENV)
 
 # re-register mla-backends' entry points (the SGLang plugin) when pyproject.toml changes, and reinstall the

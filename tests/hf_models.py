@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 
+from mla_backends.testing import randomise_parameters
+
 VOCAB = 97
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1}
@@ -18,16 +20,6 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_interm
               num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
               max_position_embeddings=256, pad_token_id=0, bos_token_id=None, eos_token_id=None,
               tie_word_embeddings=False)
-
-
-def _randomise(model: Any, seed: int) -> Any:
-    """Weights normal(0, 0.3) (norms 1 + noise) so logits are far from uniform and near-ties are rare."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.3 * noise)
-    return model.eval()
 
 
 def tiny_v3(seed: int = 0, *, num_layers: int = 3, max_positions: int = 256) -> Any:
@@ -40,7 +32,7 @@ def tiny_v3(seed: int = 0, *, num_layers: int = 3, max_positions: int = 256) -> 
         n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
         first_k_dense_replace=1)
     cfg._attn_implementation = "eager"
-    return _randomise(transformers.DeepseekV3ForCausalLM(cfg).float(), seed)
+    return randomise_parameters(transformers.DeepseekV3ForCausalLM(cfg).float(), seed=seed, std=0.3)
 
 
 def tiny_v2(seed: int = 0, *, num_layers: int = 2) -> Any:
@@ -50,7 +42,7 @@ def tiny_v2(seed: int = 0, *, num_layers: int = 2) -> Any:
         **COMMON, num_hidden_layers=num_layers, q_lora_rank=None, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, first_k_dense_replace=1, topk_method="greedy")
     cfg._attn_implementation = "eager"
-    return _randomise(transformers.DeepseekV2ForCausalLM(cfg).float(), seed)
+    return randomise_parameters(transformers.DeepseekV2ForCausalLM(cfg).float(), seed=seed, std=0.3)
 
 
 def left_padded(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

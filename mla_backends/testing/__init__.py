@@ -26,7 +26,7 @@ import warnings
 from typing import Any
 
 __all__ = ["BackendConformance", "resolve_backend", "build_matrix", "reference_mqa", "no_host_sync",
-           "HostSyncError", "host_sync_allowed", "GuardThreadError", "random_hf_state_dict"]
+           "HostSyncError", "host_sync_allowed", "GuardThreadError", "random_hf_state_dict", "randomise_parameters"]
 
 _LAZY = {
     "no_host_sync": "..core.host_sync",
@@ -38,6 +38,7 @@ _LAZY = {
     "build_matrix": ".matrix",
     "reference_mqa": ".reference",
     "random_hf_state_dict": "..loading.hf",
+    "randomise_parameters": "..loading.hf",
 }
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from mla_backends.testing import randomise_parameters
+
 VOCAB = 211
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
               num_key_value_heads=4, kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16,
@@ -26,16 +28,6 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_interm
 #: yarn with factor 1: the same frequencies and softmax scale as no scaling, in the form SGLang's CPU rope takes
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": 512,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-
-
-def _randomise(model: Any, seed: int) -> Any:
-    """Weights normal(0, 0.2) (norms 1 + noise): logits far from uniform, so greedy ties are rare."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype)
-            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
-    return model.eval()
 
 
 def build(kind: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
@@ -54,7 +46,7 @@ def build(kind: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
         model = transformers.DeepseekV2ForCausalLM(cfg)
     else:
         raise ValueError(f"kind: got {kind!r}; supported 'v3', 'v2'")
-    model = _randomise(model.float(), seed)
+    model = randomise_parameters(model.float(), seed=seed, std=0.2)
     out = Path(path)
     model.save_pretrained(out, max_shard_size="300KB", safe_serialization=True)
     conf = json.loads((out / "config.json").read_text())

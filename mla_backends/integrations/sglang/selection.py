@@ -14,6 +14,7 @@ import torch
 
 from ...core.dims import MLADims
 from ...core.validation import require_int
+from ..engine_selection import chosen_line, engine_kv_cache_dtype, select_or_raise, startup_who
 
 __all__ = ["SGLangRequest", "SGLangSelectionError", "sglang_kv_cache_dtype", "request_from_runner",
            "startup_line", "SGLANG_KV_NAMES"]
@@ -30,14 +31,8 @@ class SGLangSelectionError(RuntimeError):
 
 def sglang_kv_cache_dtype(name: object) -> str:
     """mla-backends' cache dtype name for SGLang's ``server_args.kv_cache_dtype`` ``name``."""
-    if not isinstance(name, str):
-        raise TypeError(f"kv_cache_dtype: got {type(name).__name__}; supported an SGLang cache dtype name "
-                        f"({', '.join(SGLANG_KV_NAMES)})")
-    key = SGLANG_KV_NAMES.get(name.strip().lower())
-    if key is None:
-        raise SGLangSelectionError(f"kv cache dtype: got SGLang's {name!r}; supported {', '.join(SGLANG_KV_NAMES)} "
-                                   "(mla-backends' latent cache formats)")
-    return key
+    return engine_kv_cache_dtype(name, SGLANG_KV_NAMES, engine="SGLang", error=SGLangSelectionError,
+                                 accepted=f"an SGLang cache dtype name ({', '.join(SGLANG_KV_NAMES)})")
 
 
 @dataclass(frozen=True)
@@ -54,17 +49,9 @@ class SGLangRequest:
     def select(self) -> Any:
         """``select_backend()`` for single-token decode of this request; :class:`SGLangSelectionError` with its
         reasons on refusal (``MLA_BACKEND`` forces a backend: a name, an alias or ``module:Class``)."""
-        from selector import select_backend
-        from selector.select import SelectionError
-
-        from ...plugins.registry import UnknownBackendError
-
-        try:
-            return select_backend(self.dims, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-                                  block_size=self.page_size, device=self.device)
-        except (SelectionError, UnknownBackendError, ValueError, TypeError) as exc:
-            raise SGLangSelectionError(f"mla-backends cannot run this SGLang MLA model ({self.describe()}): "
-                                       f"{exc}") from exc
+        return select_or_raise(SGLangSelectionError, f"SGLang MLA model ({self.describe()})", dims=self.dims,
+                               dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, block_size=self.page_size,
+                               device=self.device)
 
     def describe(self) -> str:
         return (f"{self.dims.num_heads} heads on this rank, kv_lora_rank {self.dims.kv_lora_rank}, rope "
@@ -90,9 +77,5 @@ def request_from_runner(hf_config: Any, *, tp_size: int, dtype: torch.dtype, kv_
 
 def startup_line(selection: Any, *, model: str | None = None, num_heads: int | None = None) -> str:
     """The one start-up log line: the model, this rank's heads and the selection's ``Chosen:`` line."""
-    chosen = next((ln.strip() for ln in selection.explain().splitlines() if ln.strip().startswith("Chosen:")),
-                  f"Chosen: {selection.name}")
-    parts = ([f"model {model}"] if model is not None else []) + (
-        [f"{num_heads} heads on this rank"] if num_heads is not None else [])
-    who = f" ({', '.join(parts)})" if parts else ""
-    return f"mla-backends: SGLang attention backend mla_backends runs absorbed MLA on mla-backends{who}. {chosen}"
+    return (f"mla-backends: SGLang attention backend mla_backends runs absorbed MLA on mla-backends"
+            f"{startup_who(model, num_heads)}. {chosen_line(selection)}")

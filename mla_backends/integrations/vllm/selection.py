@@ -15,6 +15,7 @@ import torch
 from ...backends.contract import Capabilities
 from ...core.dims import MLADims
 from ...core.dtypes import FP8_CACHE_DTYPES
+from ..engine_selection import chosen_line, engine_kv_cache_dtype, select_or_raise, startup_who
 
 __all__ = ["VLLMRequest", "Declarations", "VLLMSelectionError", "vllm_kv_cache_dtype", "request_from_vllm",
            "select_for_vllm", "declarations", "startup_line", "VLLM_KV_NAMES", "VLLMPath", "vllm_path",
@@ -35,13 +36,8 @@ class VLLMSelectionError(RuntimeError):
 
 def vllm_kv_cache_dtype(name: object) -> str:
     """mla-backends' cache dtype name for vLLM's ``cache_config.cache_dtype`` ``name``."""
-    if not isinstance(name, str):
-        raise TypeError(f"kv_cache_dtype: got {type(name).__name__}; supported a vLLM cache dtype name")
-    key = _FROM_VLLM.get(name.strip().lower())
-    if key is None:
-        raise VLLMSelectionError(f"kv cache dtype: got vLLM's {name!r}; supported {', '.join(_FROM_VLLM)} "
-                                 "(mla-backends' paged latent cache formats)")
-    return key
+    return engine_kv_cache_dtype(name, _FROM_VLLM, engine="vLLM", error=VLLMSelectionError,
+                                 accepted="a vLLM cache dtype name")
 
 
 @dataclass(frozen=True)
@@ -58,17 +54,9 @@ class VLLMRequest:
 
     def select(self) -> Any:
         """``select_backend()`` for this request; :class:`VLLMSelectionError` with its reasons on refusal."""
-        from selector import select_backend
-        from selector.select import SelectionError
-
-        from ...plugins.registry import UnknownBackendError
-
-        try:
-            return select_backend(self.dims, dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype,
-                                  block_size=self.block_size, device=self.device, need_lse=self.need_lse)
-        except (SelectionError, UnknownBackendError, ValueError, TypeError) as exc:
-            raise VLLMSelectionError(f"mla-backends cannot run this vLLM MLA model ({self.describe()}): "
-                                     f"{exc}") from exc
+        return select_or_raise(VLLMSelectionError, f"vLLM MLA model ({self.describe()})", dims=self.dims,
+                               dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, block_size=self.block_size,
+                               device=self.device, need_lse=self.need_lse)
 
     def describe(self) -> str:
         bs = "vLLM's choice" if self.block_size is None else str(self.block_size)
@@ -100,14 +88,8 @@ def select_for_vllm(vllm_config: Any, *, device: str, num_heads: int | None = No
 def startup_line(member: str, selection: Any, *, model: str | None = None, num_heads: int | None = None) -> str:
     """The one start-up log line: the model, this rank's query heads, the vLLM member taken and the selection's
     ``Chosen:`` line (two models in one process, or two head counts, each get their own line)."""
-    chosen = next((ln.strip() for ln in selection.explain().splitlines() if ln.strip().startswith("Chosen:")),
-                  f"Chosen: {selection.name}")
-    who = ""
-    if model is not None or num_heads is not None:
-        parts = ([f"model {model}"] if model is not None else []) + (
-            [f"{num_heads} heads on this rank"] if num_heads is not None else [])
-        who = f" ({', '.join(parts)})"
-    return f"mla-backends: vLLM attention backend {member} runs MLA decode on mla-backends{who}. {chosen}"
+    return (f"mla-backends: vLLM attention backend {member} runs MLA decode on mla-backends"
+            f"{startup_who(model, num_heads)}. {chosen_line(selection)}")
 
 
 @dataclass(frozen=True)
