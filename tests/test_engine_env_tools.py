@@ -53,3 +53,31 @@ def test_randomise_parameters_follows_the_state_dict_rule():
         randomise_parameters({})
     with pytest.raises(ValueError, match="std: got 0"):
         randomise_parameters(model(), std=0)
+
+
+def test_hf_greedy_tokens_are_transformers_generate(tmp_path):
+    """The engines' reference tokens: exactly ``max_new_tokens`` per prompt, the same as calling transformers'
+    ``generate()`` by hand, one prompt at a time; bad prompts and counts named."""
+    import pytest
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from mla_backends.testing import randomise_parameters
+    from mla_backends.testing.engines import hf_greedy_tokens
+
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)
+    model = randomise_parameters(transformers.LlamaForCausalLM(cfg), seed=1, std=0.3)
+    model.save_pretrained(tmp_path)
+    prompts = [[5, 7, 9], [11]]
+    got = hf_greedy_tokens(tmp_path, prompts, 4)
+    assert [len(g) for g in got] == [4, 4]
+    for p, g in zip(prompts, got, strict=True):
+        ids = torch.tensor([p])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4,
+                              do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert g == want
+    with pytest.raises(TypeError, match="prompts: got"):
+        hf_greedy_tokens(tmp_path, [[]], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        hf_greedy_tokens(tmp_path, prompts, 0)

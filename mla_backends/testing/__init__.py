@@ -11,6 +11,8 @@ Subclass :class:`BackendConformance` in a pytest module (``backend = "MY_BACKEND
 - :mod:`.suite`: :class:`BackendConformance`, the pytest test class (needs pytest);
 - :mod:`.plugin`: the opt-in pytest plugin (``-p mla_backends.testing.plugin``), never auto-loaded;
 - :mod:`.broken`: deliberately broken backends the suite must catch (its own self-test);
+- :mod:`.engines`: reference tokens for engines' integration tests (transformers' greedy ``generate()``);
+  :func:`randomise_parameters` makes the tiny random models they load;
 - :func:`no_host_sync` / :class:`HostSyncError` / :func:`host_sync_allowed` / :class:`GuardThreadError`: the
   host-sync guard
   (defined in :mod:`mla_backends.core.host_sync`), for engines' own tests of their hot path.

@@ -108,13 +108,14 @@ def child(kind: str, work: str, phase: str) -> None:
 
 
 def main(kind: str, work: str) -> None:
-    import sglang_models as models
     from sglang_harness import NEW_TOKENS, PROMPTS
+
+    from mla_backends.testing.engines import hf_greedy_tokens
 
     os.environ.pop("MLA_BACKEND", None)
     wd, ckpt, spy = _setup(kind, work)
     report: dict = {"kind": kind, "shards": len(list(ckpt.glob("*.safetensors")))}
-    report["hf"] = models.hf_greedy(ckpt, PROMPTS, NEW_TOKENS)
+    report["hf"] = hf_greedy_tokens(ckpt, PROMPTS, NEW_TOKENS)
 
     print("=== phase plugin", flush=True)
     report["plugin"] = _phase(str(ckpt), spy)

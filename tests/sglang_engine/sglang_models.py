@@ -15,8 +15,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mla_backends.testing import randomise_parameters
 
 VOCAB = 211
@@ -69,18 +67,3 @@ def save_tokenizer(path: str | Path, vocab_size: int = VOCAB) -> None:
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", bos_token="t1",
                                                 eos_token="t2", unk_token="t3")
     fast.save_pretrained(path)
-
-
-def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own ``generate()`` in fp32, greedy, one prompt at a time: the new token ids."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs

@@ -83,6 +83,8 @@ def _reset_selection() -> None:
 def main(kind: str, work: str) -> None:
     import models
 
+    from mla_backends.testing.engines import hf_greedy_tokens
+
     os.environ.update(ENV)
     os.environ.pop("MLA_BACKENDS_VLLM", None)
     os.environ.pop("MLA_BACKEND", None)
@@ -92,7 +94,7 @@ def main(kind: str, work: str) -> None:
     if not (ckpt / "config.json").exists():
         models.build(kind, ckpt)
     report: dict = {"kind": kind, "shards": len(list(ckpt.glob("*.safetensors")))}
-    report["hf"] = models.hf_greedy(ckpt, PROMPTS, NEW_TOKENS)
+    report["hf"] = hf_greedy_tokens(ckpt, PROMPTS, NEW_TOKENS)
     spy = wd / f"spy-{kind}.txt"
     spy.unlink(missing_ok=True)
     os.environ["MLA_SPY_FILE"] = str(spy)

@@ -7,8 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mla_backends.testing import randomise_parameters
 
 VOCAB = 211
@@ -38,18 +36,3 @@ def build(kind: str, path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     out = Path(path)
     model.save_pretrained(out, max_shard_size="300KB", safe_serialization=True)
     return out
-
-
-def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' own ``generate()`` in fp32, greedy, one prompt at a time: the new token ids."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
