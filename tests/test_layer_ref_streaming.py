@@ -90,7 +90,7 @@ def test_streamed_requests_match_reference(kv_cache_dtype, dtype, tol, block_siz
 
 def test_stream_chunk_pages_splits_the_byte_budget():
     row = 576 * 4
-    assert stream_chunk_pages(8, row, 64) == ref_backend.STREAM_CHUNK_BYTES // (8 * row) // 64
+    assert stream_chunk_pages(8, row, 64) == ref_backend.stream_chunk_bytes() // (8 * row) // 64
     assert stream_chunk_pages(1, row, 16) * 16 == STREAM_MAX_CHUNK_ROWS  # capped in rows
     assert stream_chunk_pages(32, row, 256) == 1  # never less than one page
     assert stream_chunk_pages(2, row, 64) > stream_chunk_pages(8, row, 64)
@@ -242,4 +242,5 @@ def test_chunk_bytes_follow_the_l2():
     assert ref_backend.default_chunk_bytes(None) == small
     assert ref_backend.default_chunk_bytes(1 << 20) == small
     assert ref_backend.default_chunk_bytes(ref_backend.LARGE_L2_BYTES) == large
-    assert ref_backend.STREAM_CHUNK_BYTES == ref_backend.default_chunk_bytes(ref_backend.cpu_l2_bytes())
+    assert ref_backend.STREAM_CHUNK_BYTES is None  # by default: this machine's, read on first use
+    assert ref_backend.stream_chunk_bytes() == ref_backend.default_chunk_bytes(ref_backend.cpu_l2_bytes())

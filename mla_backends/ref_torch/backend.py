@@ -15,6 +15,7 @@ the top-k rows of every token are gathered and attended the same way."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import ClassVar
 
@@ -85,12 +86,23 @@ def cpu_l2_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None
 
 
 def default_chunk_bytes(l2_bytes: int | None) -> int:
-    """``STREAM_CHUNK_BYTES`` for a CPU with ``l2_bytes`` of L2 a core (None: unknown, the small-L2 value)."""
+    """Streamed chunk bytes for a CPU with ``l2_bytes`` of L2 a core (None: unknown, the small-L2 value)."""
     return LARGE_L2_CHUNK_BYTES if l2_bytes is not None and l2_bytes >= LARGE_L2_BYTES else SMALL_L2_CHUNK_BYTES
 
 
-#: bytes of gathered rows per streamed chunk on this machine, read once at import (:func:`default_chunk_bytes`)
-STREAM_CHUNK_BYTES = default_chunk_bytes(cpu_l2_bytes())
+#: bytes of gathered rows per streamed chunk; None: this machine's :func:`default_chunk_bytes`, its L2 read once,
+#: on the first streamed call (:func:`stream_chunk_bytes`)
+STREAM_CHUNK_BYTES: int | None = None
+
+
+@functools.cache
+def _machine_chunk_bytes() -> int:
+    return default_chunk_bytes(cpu_l2_bytes())
+
+
+def stream_chunk_bytes() -> int:
+    """Bytes of gathered rows per streamed chunk: ``STREAM_CHUNK_BYTES`` when set, else this machine's."""
+    return STREAM_CHUNK_BYTES if STREAM_CHUNK_BYTES is not None else _machine_chunk_bytes()
 #: most rows per request in one streamed chunk
 STREAM_MAX_CHUNK_ROWS = 1024
 #: chunk partials kept before they are folded into the running result (bounds memory for any length)
@@ -108,12 +120,12 @@ _HIDDEN_SCORE = HIDDEN_SCORE
 
 
 def stream_chunk_pages(num_requests: int, row_bytes: int, block_size: int) -> int:
-    """Pages per request in one streamed chunk: ``STREAM_CHUNK_BYTES`` split over the requests, at least one
+    """Pages per request in one streamed chunk: :func:`stream_chunk_bytes` split over the requests, at least one
     page, at most ``STREAM_MAX_CHUNK_ROWS`` rows."""
     require_int("num_requests", num_requests, minimum=1)
     require_int("row_bytes", row_bytes, minimum=1)
     require_int("block_size", block_size, minimum=1)
-    rows = min(STREAM_MAX_CHUNK_ROWS, STREAM_CHUNK_BYTES // (num_requests * row_bytes))
+    rows = min(STREAM_MAX_CHUNK_ROWS, stream_chunk_bytes() // (num_requests * row_bytes))
     return max(1, rows // block_size)
 
 
