@@ -31,10 +31,11 @@ from typing import Any
 import torch
 
 from ..backends.contract import AttentionSpec, Capabilities, MLABackend
-from ..backends.reasons import Reason, ReasonKind, without_kinds
+from ..backends.reasons import Reason, ReasonKind, reasons_of, without_kinds
 from ..core.device import cuda_device_index, device_info_for
 from ..core.dims import MLADims, read_config_json
 from ..core.dtypes import dtype_name, parse_model_dtype
+from ..core.errors import plugin_call
 from ..core.rope import RotaryEmbedding
 from ..core.validation import require_device, require_int, require_tensor
 from ..loading import checkpoint
@@ -109,7 +110,7 @@ def _choose_backend(backend: Any, dims: MLADims, dtype: torch.dtype, device: tor
 def _blocking_reasons(backend_cls: type[MLABackend], spec: AttentionSpec) -> list[Reason]:
     """Why ``backend_cls`` cannot run ``spec``, less missing packages (those fail when the backend runs);
     a refused LSE (the layer asks for one only under DCP) is worded as DCP's need."""
-    reasons = without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
+    reasons = without_kinds(reasons_of(backend_cls, spec), ReasonKind.PACKAGE)  # a crashing check: CHECK_FAILED
     return [parallel.LSE_REASON if r.kind is ReasonKind.LSE else r for r in reasons]
 
 
@@ -191,8 +192,9 @@ class MLAAttention(torch.nn.Module):
             raise ValueError(f"backend: got {backend_cls.name}, which cannot run this layer: "
                              + "; ".join(map(str, reasons)))
         self.backend_cls = backend_cls
-        self.backend = backend_cls()
-        self.backend.configure(self._spec(), self.scale)  # what prepare(meta) sets up per step
+        with plugin_call(backend_cls, "__init__() / configure()"):  # sys.exit() there is PluginCodeError
+            self.backend = backend_cls()
+            self.backend.configure(self._spec(), self.scale)  # what prepare(meta) sets up per step
         # the policy named by `dispatch`, or a measured threshold table's (argument or the environment)
         self.dispatch: DispatchPolicy = layer_policy(dispatch, threshold_table, backend_cls.name)
 
@@ -295,7 +297,8 @@ class MLAAttention(torch.nn.Module):
         extra = {} if self.dims.indexer is None else {"layer_idx": self.layer_idx}
         cache = cache_cls.allocate(self.dims, num_blocks, block_size, kv_cache_dtype, model_dtype=self.dtype,
                                    device=self.device, scale=scale, **extra)
-        self.backend.configure(self._spec(cache.kv_cache_dtype, block_size), self.scale)  # now fully known
+        with plugin_call(self.backend, "configure()"):
+            self.backend.configure(self._spec(cache.kv_cache_dtype, block_size), self.scale)  # now fully known
         return cache
 
     def workspace_rows(self, block_size: int) -> int:
