@@ -270,7 +270,8 @@ class MLABackend:
             meta: :class:`BatchMetadata` whose tokens are exactly the rows of ``q_latent``.
             scale: softmax scale (the unabsorbed ``MLADims.softmax_scale``).
             topk_indices: sparse attention only: ``[tokens, topk]`` positions in each token's sequence,
-                ``-1`` for padding.
+                ``-1`` for padding. Each entry is one key: a repeated position counts once per repeat, as in
+                FlashMLA's sparse kernels (``distinct_topk`` first for once per position; docs/sparse.md).
             out / lse_out: optional preallocated ``[tokens, heads, kv_lora_rank]`` (query dtype) /
                 ``[tokens, heads]`` (float32; float64 for float64 queries) buffers; ``lse_out`` only for
                 backends that return an LSE.
