@@ -76,7 +76,7 @@ def weight_targets(module: torch.nn.Module, dims: MLADims, attention_bias: bool)
 def load_hf_weights(layer: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, prefix: str = "",
                     sharded: bool = False) -> None:
     """Load transformers-named attention weights into ``layer`` (full, unsharded tensors; this rank's slice is
-    taken; with ``sharded=True`` they are already this rank's slices, see ``hf_loading.rank_hf_shapes``).
+    taken; with ``sharded=True`` they are already this rank's slices, see ``loading.hf.rank_hf_shapes``).
 
     All or nothing: every key is checked before anything is written (missing, unexpected, misshaped and ``meta``
     tensors raise a :class:`~mla_backends.loading.hf.StateDictError` listing all of them), then every value is
