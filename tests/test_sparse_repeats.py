@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_sparse_attention import BS, ROPE, H, R, reference  # one row gathered per entry, -1 skipped
 
 from mla_backends import BatchMetadata, LatentKVCache
 from mla_backends.core.attention_math import distinct_topk
@@ -17,7 +18,6 @@ from mla_backends.ref_torch import RefTorchBackend
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-R, ROPE, H, BS = 32, 8, 3, 4
 SCALE = 0.3
 
 
@@ -52,27 +52,12 @@ TOPK = torch.tensor([[4, 4, 0, 8, 4, -1], [1, -1, 1, 1, 3, 0], [2, 6, 2, -1, 5, 
                      [7, 7, 7, 7, 7, 7], [0, 8, 8, -1, -1, 3]], dtype=torch.int32)
 
 
-def reference(q_latent, q_rope, cache, meta, topk):
-    """Float64, one token at a time: one row per top-k entry (a repeat gathers the row again), -1 skipped."""
-    T = meta.num_tokens
-    out = torch.zeros(T, H, R, dtype=torch.float64)
-    lse = torch.zeros(T, H, dtype=torch.float64)
-    for t in range(T):
-        b = int(meta.token_request[t])
-        entries = [int(v) for v in topk[t] if v >= 0]
-        rows = cache.gather(meta.block_table[b], int(meta.seq_lens[b]), torch.float64)[entries]  # [k, R + ROPE]
-        s = torch.cat([q_latent[t], q_rope[t]], dim=-1).double() @ rows.T * SCALE  # [H, k]
-        lse[t] = torch.logsumexp(s, dim=-1)
-        out[t] = torch.softmax(s, dim=-1) @ rows[:, :R]
-    return out, lse
-
-
 @pytest.mark.parametrize("make, dtype, tol", _backends())
 def test_a_repeated_position_counts_once_per_repeat_on_every_backend(make, dtype, tol):
     cache, meta, q_latent, q_rope = _batch(dtype)
     out, lse = make().forward_mqa(q_latent, q_rope, cache, meta, scale=SCALE, topk_indices=TOPK)
-    want, want_lse = reference(q_latent, q_rope, cache, meta, TOPK)
-    once, _ = reference(q_latent, q_rope, cache, meta, distinct_topk(TOPK))
+    want, want_lse = reference(q_latent, q_rope, cache, meta, TOPK, SCALE)
+    once, _ = reference(q_latent, q_rope, cache, meta, distinct_topk(TOPK), SCALE)
     assert (want - once).abs().max() > 100 * tol  # the two readings differ on this case
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
     torch.testing.assert_close(lse.double(), want_lse, rtol=max(tol, 1e-6), atol=max(tol, 1e-6))
