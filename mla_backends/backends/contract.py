@@ -30,7 +30,7 @@ import torch
 
 from ..core.device import DeviceInfo
 from ..core.dtypes import FP8_CACHE_DTYPES, dtype_name, lse_dtype
-from ..core.errors import USER_CODE_FAILURES, plugin_call
+from ..core.errors import USER_CODE_FAILURES, plugin_call, plugin_error
 from ..step.cache import LatentKVCache
 from ..step.plan import PlanRequest, Run, StepPlan, StepPlanError, plan_step, require_plan
 from .capabilities import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance, env_switch_on
@@ -313,7 +313,7 @@ class MLABackend:
         if T == 0:
             return out, lse_out
         state = plan.state(self, meta)
-        with plugin_call(self, "forward_mqa_kernel()"):  # sys.exit() in a kernel becomes PluginCodeError
+        try:  # plugin_call's rule (sys.exit() in a kernel becomes PluginCodeError), free while nothing is raised
             if _legacy_kernel(type(self)):
                 returned = self._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale,
                                                   topk_indices=topk_indices, out=out, lse_out=lse_out)
@@ -321,6 +321,11 @@ class MLABackend:
                 returned = self.forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale,
                                                    topk_indices=topk_indices, out=out, lse_out=lse_out,
                                                    state=state)
+        except BaseException as exc:
+            error = plugin_error(exc, self, "forward_mqa_kernel()")
+            if error is exc:
+                raise
+            raise error from exc
         self._check_result(returned, out, lse_out, (T, H, r), q_latent)
         return out, lse_out
 

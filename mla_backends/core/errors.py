@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 __all__ = ["argument_named", "error_dict", "USER_CODE_FAILURES", "failure_text", "PluginCodeError", "plugin_call",
-           "code_owner"]
+           "plugin_error", "code_owner"]
 
 #: what a call into plugin code (an import path's module, a plugin's import or hook, a backend's own checks),
 #: run under :func:`plugin_call`, may raise that a caller recording plugin problems catches: every ``Exception``
@@ -94,7 +94,7 @@ class plugin_call:  # lower case: read as a phrase, ``with plugin_call(backend, 
     catch), with a note naming the code (``exc.add_note``, shown in the traceback). Any other ``BaseException``
     (``sys.exit()``, ``GeneratorExit``, a class deriving from ``BaseException``) becomes :class:`PluginCodeError`.
     Wrap calls only, never a ``yield`` (a generator's own ``GeneratorExit`` must pass). The owner's text is
-    formed only when something is raised (the kernel call is on the hot path).
+    formed only when something is raised.
     """
 
     __slots__ = ("who", "stage")
@@ -107,11 +107,24 @@ class plugin_call:  # lower case: read as a phrase, ``with plugin_call(backend, 
         return None
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
-        if exc is None or isinstance(exc, KeyboardInterrupt):
+        if exc is None:
             return False
-        owner = code_owner(self.who, self.stage)
-        if isinstance(exc, Exception):
-            if not isinstance(exc, PluginCodeError):
-                exc.add_note(f"raised by {owner}")
+        error = plugin_error(exc, self.who, self.stage)
+        if error is exc:
             return False
-        raise PluginCodeError(owner, exc) from exc
+        raise error from exc
+
+
+def plugin_error(exc: BaseException, who: object, stage: str) -> BaseException:
+    """What the caller gets for ``exc``, raised by plugin code (:func:`code_owner` of ``who`` and ``stage`` names
+    it): ``KeyboardInterrupt`` and an ``Exception`` themselves (the latter with a note naming the code), any other
+    ``BaseException`` a :class:`PluginCodeError`. :class:`plugin_call` applies it; the kernel call, on the hot
+    path, applies it in a ``try``/``except``, which costs nothing while nothing is raised."""
+    if isinstance(exc, KeyboardInterrupt):
+        return exc
+    owner = code_owner(who, stage)
+    if isinstance(exc, Exception):
+        if not isinstance(exc, PluginCodeError):
+            exc.add_note(f"raised by {owner}")
+        return exc
+    return PluginCodeError(owner, exc)
