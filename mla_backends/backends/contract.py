@@ -28,15 +28,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..core.attention_math import distinct_topk
 from ..core.device import DeviceInfo
 from ..core.dtypes import FP8_CACHE_DTYPES, dtype_name, lse_dtype
-from ..core.errors import USER_CODE_FAILURES
+from ..core.errors import USER_CODE_FAILURES, plugin_call, plugin_error
 from ..step.cache import LatentKVCache
 from ..step.plan import PlanRequest, Run, StepPlan, StepPlanError, plan_step, require_plan
 from .capabilities import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance, env_switch_on
 from .inputs import check_declared_support, check_mqa_inputs, planned_declarations
-from .reasons import Reason, ReasonKind, as_reason
+from .reasons import Reason, ReasonKind, as_reason, returned_reasons
 
 if TYPE_CHECKING:
     from ..step.metadata import BatchMetadata
@@ -92,7 +91,8 @@ class MLABackend:
         missing = []
         for mod in cls.capabilities.requires:
             try:  # "pkg.sub" imports pkg, whose code may raise anything (or call sys.exit())
-                found = importlib.util.find_spec(mod) is not None
+                with plugin_call(cls, f"importing {mod} (capabilities.requires)"):
+                    found = importlib.util.find_spec(mod) is not None
             except USER_CODE_FAILURES:
                 found = False
             if not found:
@@ -187,7 +187,7 @@ class MLABackend:
             reasons.append(Reason(ReasonKind.ATTENTION, "attention", "dense", "sparse only (top-k indices)"))
         if spec.need_lse and not caps.returns_lse:
             reasons.append(Reason(ReasonKind.LSE, "LSE", "a request for it", "output only (no LSE)"))
-        reasons += [as_reason(r) for r in cls.backend_reasons(spec)]
+        reasons += returned_reasons(cls.backend_reasons(spec))  # a str, None or coroutine is a TypeError
         return reasons
 
     @classmethod
@@ -270,7 +270,8 @@ class MLABackend:
             meta: :class:`BatchMetadata` whose tokens are exactly the rows of ``q_latent``.
             scale: softmax scale (the unabsorbed ``MLADims.softmax_scale``).
             topk_indices: sparse attention only: ``[tokens, topk]`` positions in each token's sequence,
-                ``-1`` for padding.
+                ``-1`` for padding. Each entry is one key: a repeated position counts once per repeat, as in
+                FlashMLA's sparse kernels (``distinct_topk`` first for once per position; docs/sparse.md).
             out / lse_out: optional preallocated ``[tokens, heads, kv_lora_rank]`` (query dtype) /
                 ``[tokens, heads]`` (float32; float64 for float64 queries) buffers; ``lse_out`` only for
                 backends that return an LSE.
@@ -304,8 +305,6 @@ class MLABackend:
                 raise StepPlanError("plan: got none while a CUDA graph is being captured; supported the step's "
                                     "plan (plan_step(meta, [backend]) before the capture)")
             plan = plan_step(meta, [self])  # a call of its own is a step of its own
-        if topk_indices is not None:  # a position selected twice counts once (on the device, no sync)
-            topk_indices = distinct_topk(topk_indices)
         T, H, r = q_latent.shape
         if out is None:
             out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
@@ -314,12 +313,19 @@ class MLABackend:
         if T == 0:
             return out, lse_out
         state = plan.state(self, meta)
-        if _legacy_kernel(type(self)):
-            returned = self._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale,
-                                              topk_indices=topk_indices, out=out, lse_out=lse_out)
-        else:
-            returned = self.forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale,
-                                               topk_indices=topk_indices, out=out, lse_out=lse_out, state=state)
+        try:  # plugin_call's rule (sys.exit() in a kernel becomes PluginCodeError), free while nothing is raised
+            if _legacy_kernel(type(self)):
+                returned = self._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale,
+                                                  topk_indices=topk_indices, out=out, lse_out=lse_out)
+            else:
+                returned = self.forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale,
+                                                   topk_indices=topk_indices, out=out, lse_out=lse_out,
+                                                   state=state)
+        except BaseException as exc:
+            error = plugin_error(exc, self, "forward_mqa_kernel()")
+            if error is exc:
+                raise
+            raise error from exc
         self._check_result(returned, out, lse_out, (T, H, r), q_latent)
         return out, lse_out
 
