@@ -1,5 +1,6 @@
-"""The flat module paths of mla-backends 0.3 (``mla_backends.cache``, ``mla_backends.layer`` ...), kept for one
-release: importing one imports its new home and warns (``DeprecationWarning``) naming it. Removed in 0.5.
+"""The flat module paths of mla-backends 0.3 (``mla_backends.cache``, ``mla_backends.layer`` ...): importing one
+imports its new home and warns (``DeprecationWarning``) naming it. Removed in 0.6, one release later than 0.4.0
+said, since 0.4.0 had dropped seven of them by mistake.
 
 The table is data (:data:`MOVED`); ``tests/test_public_api.py`` checks that every old path resolves to the new
 module and warns. Importing this module imports nothing but the standard library.
@@ -80,7 +81,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         if new is None:
             return None
         warnings.warn(f"{fullname} moved to mla_backends.{new} in mla-backends 0.4; import the public name from "
-                      "mla_backends (or the new module); the old path goes in 0.5", DeprecationWarning, stacklevel=2)
+                      "mla_backends (or the new module); the old path goes in 0.6", DeprecationWarning, stacklevel=2)
         return importlib.machinery.ModuleSpec(fullname, _Alias(_PREFIX + new, MOVED_NAMES.get(old, {})))
 
 

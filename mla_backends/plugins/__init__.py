@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:  # 0.3's ``from mla_backends.plugins import g
 
         if name in _MOVED_0_3:
             warnings.warn(f"mla_backends.plugins.{name} moved to mla_backends.plugins.loading.{name} in "
-                          "mla-backends 0.4; import it from there; the old path goes in 0.5", DeprecationWarning,
+                          "mla-backends 0.4; import it from there; the old path goes in 0.6", DeprecationWarning,
                           stacklevel=2)
         return getattr(loading, name)
     raise AttributeError(f"module 'mla_backends.plugins' has no attribute {name!r}")
