@@ -133,7 +133,7 @@ def test_the_moved_plugin_names_warn_naming_their_home():
 
     for name in ("add_plugin", "ENTRY_POINT_GROUP", "DISABLE_AUTOLOAD_ENV", "autoload_enabled", "run_plugin",
                  "reset_registry"):
-        with pytest.warns(DeprecationWarning, match=rf"mla_backends\.plugins\.loading\.{name}\b.*0\.5"):
+        with pytest.warns(DeprecationWarning, match=rf"mla_backends\.plugins\.loading\.{name}\b.*0\.6"):
             assert getattr(package, name) is getattr(loading, name)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)  # the package's own names stay quiet
