@@ -190,11 +190,13 @@ class V4Attention(torch.nn.Module):
         return 1
 
     def allocate_cache(self, num_blocks: int, block_size: int | None = None, kv_cache_dtype: str | torch.dtype = "auto",
-                       *, row_format: RowFormat | None = None, indexer_storage: str | torch.dtype = "fp8_e4m3",
+                       *, row_format: RowFormat | None = None, indexer_storage: str | torch.dtype = "auto",
                        indexer_scale_fmt: str | None = "ue8m0") -> V4LayerCache:
         """This layer's zeroed :class:`V4LayerCache` (model dtype, device) after checking that the backend takes
         ``block_size`` (None: :attr:`preferred_block_size`) and ``kv_cache_dtype``, and that ``block_size``
-        divides or is divided by every compress ratio of the model."""
+        divides or is divided by every compress ratio of the model. ``indexer_storage``: ``"auto"`` keeps the
+        CSA indexer keys in the model dtype (exact); ``"fp8_e4m3"`` is vLLM's 132-byte layout (with
+        ``indexer_scale_fmt="ue8m0"``, power-of-two scales)."""
         require_int("num_blocks", num_blocks, minimum=1)
         block_size = self.preferred_block_size if block_size is None else block_size
         require_int("block_size", block_size, minimum=1)
@@ -208,6 +210,8 @@ class V4Attention(torch.nn.Module):
                              + "; ".join(map(str, reasons)))
         for r in self.planner.ratios.values():
             check_page_ratio(block_size, r)
+        if indexer_storage == "auto":
+            indexer_storage = dtype_name(self.dtype)
         cache = V4LayerCache.allocate(self.dims, self.layer_idx, num_blocks, block_size, model_dtype=self.dtype,
                                       device=self.device, row_format=row_format, indexer_storage=indexer_storage,
                                       indexer_scale_fmt=indexer_scale_fmt)
