@@ -35,7 +35,7 @@ from .config_fields import ConfigFields, read_config_json
 from .dims import RopeScaling
 from .validation import require_finite, require_int
 
-__all__ = ["V4Dims", "LAYER_KINDS", "SLIDING", "CSA", "HCA", "is_v4_config"]
+__all__ = ["V4Dims", "LAYER_KINDS", "SLIDING", "CSA", "HCA", "is_v4_config", "V4_PRESET_NAMES"]
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
@@ -45,6 +45,10 @@ LAYER_KINDS = (SLIDING, CSA, HCA)
 #: DeepSeek's legacy per-layer ``compress_ratios`` (0: window only), read with the config's own two rates
 _LEGACY_RATIO_ZERO = 0
 _MODEL_TYPE = "deepseek_v4"
+#: preset names (``V4Dims.preset``), the first one canonical
+V4_PRESET_NAMES = ("deepseek-v4-flash",)
+_V4_ALIASES = {"deepseek-v4-flash": "deepseek_v4_flash", "v4-flash": "deepseek_v4_flash",
+               "deepseek-v4": "deepseek_v4_flash", "v4": "deepseek_v4_flash"}
 
 
 def is_v4_config(config: Any) -> bool:
@@ -189,7 +193,19 @@ class V4Dims:
     def deepseek_v4_flash(cls) -> V4Dims:
         """transformers' ``DeepseekV4Config()`` defaults (the V4-Flash attention geometry: 64 heads, hidden
         4096, 43 layers, two HCA layers then CSA/HCA alternating, window 128, top-512)."""
-        return cls.from_hf_config({"model_type": _MODEL_TYPE})
+        return replace(cls.from_hf_config({"model_type": _MODEL_TYPE}), name="deepseek-v4-flash")
+
+    @staticmethod
+    def is_preset(name: object) -> bool:
+        """Whether ``name`` names a V4 preset (``deepseek-v4-flash``, ``v4-flash``, ``v4``; case-insensitive)."""
+        return isinstance(name, str) and name.strip().lower().replace("_", "-") in _V4_ALIASES
+
+    @classmethod
+    def preset(cls, name: str) -> V4Dims:
+        """A preset by name (:meth:`is_preset`)."""
+        if not cls.is_preset(name):
+            raise ValueError(f"preset: got {name!r}; supported {', '.join(V4_PRESET_NAMES)}")
+        return getattr(cls, _V4_ALIASES[name.strip().lower().replace("_", "-")])()
 
     # ---- Hugging Face configs ---------------------------------------------------------------------------
     @classmethod

@@ -25,8 +25,9 @@ CSA: ``compressor.indexer.kv_proj.weight``,           ``[2 * index_head_dim, hid
 ====================================================  ======================================  ==================
 
 A rank holds ``heads / tp_size`` heads and ``o_groups / tp_size`` output groups (whole groups); the output
-projection is row-parallel, so ranks' outputs are summed. DeepSeek's own checkpoints (``layers.{L}.attn.`` with
-``wq_a``, ``wkv``, ``attn_sink``, ``compressor.ape``, ``indexer.compressor.wkv``, fp8 ``.scale`` ...) are read
+projection is row-parallel, so ranks' outputs are summed. Checkpoints in DeepSeek's own naming
+(``layers.{L}.attn.``, or ``model.layers.{L}.attn.`` as transformers' ``save_pretrained`` writes V4, with ``wq_a``,
+``wkv``, ``norm``, ``attn_sink``, ``compressor.ape``, ``indexer.compressor.wkv``, fp8 ``.scale`` ...) are read
 through :func:`deepseek_name`, the renaming transformers' loader applies (a table).
 """
 
@@ -35,11 +36,12 @@ from __future__ import annotations
 from ..core.v4dims import CSA, SLIDING, V4Dims
 
 __all__ = ["v4_expected_shapes", "v4_shard_range", "v4_rank_shapes", "deepseek_name", "v4_layer_prefixes",
-           "V4_PREFIX", "DEEPSEEK_PREFIX"]
+           "V4_PREFIX", "DEEPSEEK_PREFIXES"]
 
-#: where transformers' checkpoints keep layer ``L``'s attention, and where DeepSeek's own do
+#: where transformers' names keep layer ``L``'s attention, and where DeepSeek's do (transformers' own
+#: ``save_pretrained`` writes DeepSeek's names under ``model.``)
 V4_PREFIX = "model.layers.{}.self_attn."
-DEEPSEEK_PREFIX = "layers.{}.attn."
+DEEPSEEK_PREFIXES = ("model.layers.{}.attn.", "layers.{}.attn.")
 
 #: DeepSeek's leading name parts -> transformers' (longest first); then each dotted part through _PART_NAMES
 _PREFIX_NAMES = (
@@ -52,9 +54,9 @@ _PART_NAMES = {"wq_a": "q_a_proj", "q_norm": "q_a_norm", "wq_b": "q_b_proj", "wk
                "ape": "position_bias", "attn_sink": "sinks", "scale": "weight_scale_inv"}
 
 
-def v4_layer_prefixes(layer_idx: int) -> tuple[str, str]:
-    """``(transformers' prefix, DeepSeek's prefix)`` of layer ``layer_idx``'s attention tensors."""
-    return V4_PREFIX.format(layer_idx), DEEPSEEK_PREFIX.format(layer_idx)
+def v4_layer_prefixes(layer_idx: int) -> tuple[str, ...]:
+    """Where layer ``layer_idx``'s attention tensors may live: transformers' prefix, then DeepSeek's."""
+    return (V4_PREFIX.format(layer_idx), *(p.format(layer_idx) for p in DEEPSEEK_PREFIXES))
 
 
 def deepseek_name(name: str) -> str:
