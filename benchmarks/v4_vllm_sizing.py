@@ -8,7 +8,7 @@ per-request bound vLLM's admission check adds up) and prints, or writes, one JSO
     .venv-vllm/bin/python benchmarks/v4_vllm_sizing.py --json benchmarks/results/v4-vllm-sizing.json
 
 ``tests/test_v4_sizing.py`` compares ``mla_backends.planning.v4_costs`` with the recorded file;
-``tests/vllm_engine/test_v4_sizing.py`` with a live run of :func:`vllm_sizing`.
+``tests/vllm_engine/test_v4_vllm_sizing.py`` with a live run of :func:`vllm_sizing`.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ sequence costs ``ceil(max_model_len / page tokens)`` pages a request and grows b
 per token; a pool that keeps a window costs ``ceil(min(window - 1 + in-flight tokens, max_model_len) / page
 tokens) + 1`` pages a request (a window need not start on a page) and does not grow. These are vLLM 0.32's spec
 classes' ``page_size_bytes`` and ``max_memory_usage_bytes`` (the figures its admission check adds up), as built
-by its V4 modules (``tests/vllm_engine/test_v4_sizing.py`` compares them live; the recorded figures are
+by its V4 modules (``tests/vllm_engine/test_v4_vllm_sizing.py`` compares them live; the recorded figures are
 ``benchmarks/results/v4-vllm-sizing.json``). How vLLM then packs pools of different page sizes into shared
 tensors is not modelled here.
 """
