@@ -34,6 +34,7 @@ through :func:`deepseek_name`, the renaming transformers' loader applies (a tabl
 from __future__ import annotations
 
 from ..core.v4dims import CSA, SLIDING, V4Dims
+from .hf import sliced_shapes
 
 __all__ = ["v4_expected_shapes", "v4_shard_range", "v4_rank_shapes", "deepseek_name", "v4_layer_prefixes",
            "V4_PREFIX", "DEEPSEEK_PREFIXES"]
@@ -109,11 +110,4 @@ def v4_shard_range(name: str, dims: V4Dims, tp_rank: int) -> tuple[int, int, int
 
 def v4_rank_shapes(dims: V4Dims, layer_idx: int, tp_rank: int = 0) -> dict[str, tuple[int, ...]]:
     """Shapes of rank ``tp_rank``'s slices of :func:`v4_expected_shapes`."""
-    out = {}
-    for name, shape in v4_expected_shapes(dims, layer_idx).items():
-        rng = v4_shard_range(name, dims, tp_rank)
-        if rng is not None:
-            dim, start, stop = rng
-            shape = tuple(stop - start if i == dim else n for i, n in enumerate(shape))
-        out[name] = shape
-    return out
+    return sliced_shapes(v4_expected_shapes(dims, layer_idx), lambda name: v4_shard_range(name, dims, tp_rank))

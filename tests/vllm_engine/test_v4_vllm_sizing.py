@@ -4,25 +4,19 @@ against ``mla_backends.planning.v4_costs`` and against the figures recorded in t
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
+from bench_scripts import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("v4_vllm_sizing", ROOT / "benchmarks" / "v4_vllm_sizing.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_vllm_sizes_every_v4_pool_as_the_cost_model_does():
     from mla_backends.core.v4dims import SLIDING, V4Dims
     from mla_backends.planning.v4_costs import v4_pools
 
-    script = _script()
+    script = load_benchmark("v4_vllm_sizing")
     recorded = json.loads((ROOT / "benchmarks" / "results" / "v4-vllm-sizing.json").read_text())
     flash = V4Dims.deepseek_v4_flash()
     dims = dataclasses.replace(flash, layer_types=(SLIDING,) + flash.layer_types[1:])

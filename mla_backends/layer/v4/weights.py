@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from ...loading.fp8 import dequantize_fp8_checkpoint
-from ...loading.hf import StateDictError, check_hf_state_dict
+from ...loading.hf import check_hf_state_dict
 from ...loading.v4 import v4_expected_shapes, v4_rank_shapes, v4_shard_range
+from ..weights import staged_value
 
 __all__ = ["load_v4_weights", "v4_weight_targets"]
 
@@ -39,11 +40,6 @@ def load_v4_weights(layer: torch.nn.Module, state_dict: dict[str, torch.Tensor],
     for name, value in found.items():
         rng = None if sharded else v4_shard_range(name, dims, layer.tp_rank)
         part = value if rng is None else value.narrow(rng[0], rng[1], rng[2] - rng[1])
-        try:
-            staged[name] = part.to(device=targets[name].device, dtype=targets[name].dtype)
-        except (RuntimeError, TypeError) as exc:
-            raise StateDictError([], [], [f"{prefix}{name} (got {part.dtype} on {part.device}, which cannot be "
-                                          f"converted to {targets[name].dtype} on {targets[name].device}: "
-                                          f"{type(exc).__name__}: {exc})"]) from None
+        staged[name] = staged_value(f"{prefix}{name}", part, targets[name])
     for name, value in staged.items():
         targets[name].copy_(value)
