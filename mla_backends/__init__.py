@@ -23,6 +23,7 @@ _LAZY = {
     "MLADims": ".core.dims",
     "IndexerDims": ".core.dims",
     "RopeScaling": ".core.dims",
+    "V4Dims": ".core.v4dims",
     "DeviceInfo": ".core.device",
     # one step: metadata, its plan, the cache it writes, the persistent metadata of CUDA-graph decode
     "BatchMetadata": ".step.metadata",
@@ -59,6 +60,10 @@ _LAZY = {
     "SparseKVCache": ".layer.sparse",
     "Indexer": ".layer.sparse",
     "IndexerKeyCache": ".layer.sparse",
+    # DeepSeek-V4 (docs/v4.md)
+    "V4Attention": ".layer.v4",
+    "V4LayerCache": ".layer.v4",
+    "CompressedKeys": ".backends.v4_inputs",
     # checkpoints
     "Checkpoint": ".loading.checkpoint",
     "load_attention_layers": ".layer.pretrained",

@@ -103,6 +103,9 @@ class Capabilities:
     ``num_heads`` lists the exact head counts, or ``max_num_heads`` bounds them (None: any).
     ``fp8_min_compute_capability`` is an extra lower bound that applies only to fp8 caches.
     ``requires`` names importable modules; ``extra`` is the pip extra that provides them.
+    ``sinks`` / ``window`` / ``compressed``: DeepSeek-V4 attention (:mod:`mla_backends.backends.v4_inputs`): a
+    per-head sink logit in the softmax denominator, a sliding window over the cache's positions, and a second
+    key set (compressed entries in a cache of their own, chosen per token).
     ``host_sync_free``: once ``BatchMetadata.build`` ran (and ``plan_step(meta, ...)``), a dense
     ``forward_mqa`` makes no device-to-host sync (the conformance suite runs it under
     :func:`mla_backends.core.host_sync.no_host_sync`). ``cuda_graphs``: it also replays correctly under a captured
@@ -129,6 +132,9 @@ class Capabilities:
     decode_threshold: int = 1
     dense: bool = True
     sparse: bool = False
+    sinks: bool = False
+    window: bool = False
+    compressed: bool = False
     returns_lse: bool = True
     deterministic: bool = True
     requires: tuple[str, ...] = ()
@@ -220,7 +226,8 @@ class AttentionSpec:
     """What a caller asks a backend to run: the question every capability check answers.
 
     ``block_size`` None means "the backend's preferred page size". ``kv_cache_dtype`` is a canonical cache
-    dtype name or ``auto`` (resolved against ``dtype``).
+    dtype name or ``auto`` (resolved against ``dtype``). ``sinks`` / ``window`` / ``compressed``: the caller
+    needs DeepSeek-V4's per-head sinks, a sliding window, a second (compressed) key set.
     """
 
     num_heads: int
@@ -234,6 +241,9 @@ class AttentionSpec:
     uniform_query_len: bool = True
     need_lse: bool = False
     device: DeviceInfo = CPU_DEVICE
+    sinks: bool = False
+    window: bool = False
+    compressed: bool = False
 
     @property
     def resolved_kv_cache_dtype(self) -> str:

@@ -36,6 +36,7 @@ from ..step.plan import PlanRequest, Run, StepPlan, StepPlanError, plan_step, re
 from .capabilities import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance, env_switch_on
 from .inputs import check_declared_support, check_mqa_inputs, planned_declarations
 from .reasons import Reason, ReasonKind, as_reason, returned_reasons
+from .v4_inputs import CompressedKeys, V4Keys, check_v4_inputs, v4_flags
 
 if TYPE_CHECKING:
     from ..step.metadata import BatchMetadata
@@ -185,6 +186,9 @@ class MLABackend:
             reasons.append(Reason(ReasonKind.ATTENTION, "attention", "sparse (top-k indices)", "dense only"))
         if not spec.sparse and not caps.dense:
             reasons.append(Reason(ReasonKind.ATTENTION, "attention", "dense", "sparse only (top-k indices)"))
+        for flag, what in _V4_FEATURES:  # DeepSeek-V4: sinks, a sliding window, compressed keys
+            if getattr(spec, flag) and not getattr(caps, flag):
+                reasons.append(Reason(ReasonKind.ATTENTION, what, "required", "none"))
         if spec.need_lse and not caps.returns_lse:
             reasons.append(Reason(ReasonKind.LSE, "LSE", "a request for it", "output only (no LSE)"))
         reasons += returned_reasons(cls.backend_reasons(spec))  # a str, None or coroutine is a TypeError
@@ -259,6 +263,9 @@ class MLABackend:
         out: torch.Tensor | None = None,
         lse_out: torch.Tensor | None = None,
         plan: StepPlan | None = None,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
+        compressed: CompressedKeys | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Absorbed (MQA-shaped) attention over the paged latent cache. Defined once, here; backends implement
         :meth:`forward_mqa_kernel`.
@@ -279,6 +286,9 @@ class MLABackend:
                 backend's prepared state for ``meta``; what layers and engines pass. Without it the call is a
                 step of its own, planned here for this backend alone (refused while a CUDA graph is being
                 captured, since ``prepare`` may read the device).
+            sinks / window / compressed: DeepSeek-V4 only (:mod:`mla_backends.backends.v4_inputs`): per-head sink
+                logits ``[H]``, the sliding window in positions, and the compressed key set; backends declaring
+                ``Capabilities.sinks`` / ``window`` / ``compressed`` receive them as one ``v4=V4Keys(...)``.
 
         Returns:
             ``(out [tokens, heads, kv_lora_rank], lse [tokens, heads])``: the output in latent space, in the
@@ -298,8 +308,11 @@ class MLABackend:
             plan = require_plan(plan, "forward_mqa")
         check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
                          lse_out=lse_out, check_values=not capturing, plan=plan)
+        check_v4_inputs(q_latent, cache, meta, sinks=sinks, window=window, compressed=compressed,
+                        topk_indices=topk_indices, check_values=not capturing)
+        v4 = v4_flags(sinks, window, compressed)
         check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out,
-                               plan=plan)
+                               plan=plan, v4=v4)
         if plan is None:
             if capturing:
                 raise StepPlanError("plan: got none while a CUDA graph is being captured; supported the step's "
@@ -313,6 +326,7 @@ class MLABackend:
         if T == 0:
             return out, lse_out
         state = plan.state(self, meta)
+        extra = {"v4": V4Keys(sinks, window, compressed)} if any(v4) else {}  # only kernels declaring V4
         try:  # plugin_call's rule (sys.exit() in a kernel becomes PluginCodeError), free while nothing is raised
             if _legacy_kernel(type(self)):
                 returned = self._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale,
@@ -320,7 +334,7 @@ class MLABackend:
             else:
                 returned = self.forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale,
                                                    topk_indices=topk_indices, out=out, lse_out=lse_out,
-                                                   state=state)
+                                                   state=state, **extra)
         except BaseException as exc:
             error = plugin_error(exc, self, "forward_mqa_kernel()")
             if error is exc:
@@ -389,6 +403,9 @@ class MLABackend:
         if problems:
             raise BackendContractError(f"{self.name} broke the forward_mqa contract: " + "; ".join(problems))
 
+
+#: the DeepSeek-V4 features a spec may need and a backend may declare: (field, what the reason names)
+_V4_FEATURES = (("sinks", "sinks"), ("window", "sliding window"), ("compressed", "compressed keys"))
 
 _LEGACY_WARNED: set[type] = set()
 

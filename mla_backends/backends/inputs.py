@@ -85,25 +85,28 @@ def check_mqa_inputs(
 
 def declaration_key(backend_cls: type, dtype: torch.dtype, num_heads: int, kv_cache_dtype: str,
                     block_size: int, kv_lora_rank: int, qk_rope_head_dim: int, device: torch.device, *,
-                    sparse: bool, need_lse: bool, meta: BatchMetadata) -> Hashable:
+                    sparse: bool, need_lse: bool, meta: BatchMetadata,
+                    v4: tuple[bool, bool, bool] = (False, False, False)) -> Hashable:
     """What :func:`check_declared_support` asks, as one hashable key: the backend, its inputs' dtypes, heads,
-    cache layout and device, sparse or dense, an LSE or not, and the step's query-length facts."""
+    cache layout and device, sparse or dense, an LSE or not, the step's query-length facts and the DeepSeek-V4
+    inputs it passes (``v4``: sinks, window, compressed keys)."""
     caps = backend_cls.capabilities
     lens = meta.query_lens_list
     empty = caps.query_len != QueryLenSupport.VARLEN and meta.num_tokens > 0 and 0 in lens
     return (backend_cls, caps, dtype, num_heads, kv_cache_dtype, block_size, kv_lora_rank, qk_rope_head_dim,
             device, bool(sparse), bool(need_lse), meta.max_query_len, meta.is_uniform_query_len,
-            tuple(sorted(set(lens))) if empty else None)
+            tuple(sorted(set(lens))) if empty else None, tuple(v4))
 
 
 def declared_reasons(key: Hashable) -> list[Reason]:
     """Every reason the backend of ``key`` (:func:`declaration_key`) refuses those inputs, missing packages
     left out (importing the kernel reports them). Empty: accepted."""
     (backend_cls, caps, dtype, heads, kv_dtype, block_size, rank, rope, device, sparse, need_lse, max_q,
-     uniform, empty) = key  # type: ignore[misc]
+     uniform, empty, (sinks, window, compressed)) = key  # type: ignore[misc]
     spec = AttentionSpec(num_heads=heads, kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=dtype,
                          kv_cache_dtype=kv_dtype, block_size=block_size, sparse=sparse, max_query_len=max_q,
-                         uniform_query_len=uniform, need_lse=need_lse, device=device_info_for(device))
+                         uniform_query_len=uniform, need_lse=need_lse, device=device_info_for(device),
+                         sinks=sinks, window=window, compressed=compressed)
     reasons = without_kinds(reasons_of(backend_cls, spec), ReasonKind.PACKAGE)
     if empty is not None:
         reasons.append(Reason(ReasonKind.QUERY_LEN, "meta.query_lens", str(list(empty)),
@@ -123,7 +126,8 @@ def planned_declarations(backend: object, meta: BatchMetadata, *, sparse: bool =
     except (ValueError, TypeError):
         return frozenset()
     key = declaration_key(type(backend), spec.dtype, spec.num_heads, kv, spec.block_size, spec.kv_lora_rank,
-                          spec.qk_rope_head_dim, meta.device, sparse=sparse, need_lse=False, meta=meta)
+                          spec.qk_rope_head_dim, meta.device, sparse=sparse, need_lse=False, meta=meta,
+                          v4=(spec.sinks, spec.window, spec.compressed))
     try:
         return frozenset() if declared_reasons(key) else frozenset({key})
     except TypeError:  # a declaration that cannot be hashed (a plugin's own field type): checked per call
@@ -139,6 +143,7 @@ def check_declared_support(
     topk_indices: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     plan: StepPlan | None = None,
+    v4: tuple[bool, bool, bool] = (False, False, False),
 ) -> None:
     """Raise when the declarations of ``backend_cls`` (an ``MLABackend`` subclass) reject these ``forward_mqa``
     inputs, listing every reason. Run after :func:`check_mqa_inputs`.
@@ -159,7 +164,7 @@ def check_declared_support(
     require_graph_support(backend_cls, meta)  # DecodeGraphMetadata: only backends declaring cuda_graphs
     key = declaration_key(backend_cls, q_latent.dtype, q_latent.shape[1], cache.kv_cache_dtype, cache.block_size,
                           cache.kv_lora_rank, cache.qk_rope_head_dim, cache.device,
-                          sparse=topk_indices is not None, need_lse=lse_out is not None, meta=meta)
+                          sparse=topk_indices is not None, need_lse=lse_out is not None, meta=meta, v4=v4)
     try:
         if plan is not None and key in plan.accepted:
             return

@@ -24,7 +24,7 @@ from ..loading.hf import (
 )
 from .sparse.layer_support import take_indexer_weights
 
-__all__ = ["add_attention_weights", "weight_targets", "load_hf_weights"]
+__all__ = ["add_attention_weights", "weight_targets", "load_hf_weights", "staged_value"]
 
 
 def add_attention_weights(module: torch.nn.Module, dims: MLADims, attention_bias: bool, *,
@@ -72,6 +72,16 @@ def weight_targets(module: torch.nn.Module, dims: MLADims, attention_bias: bool)
     return out
 
 
+def staged_value(key: str, part: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``part`` converted to ``target``'s device and dtype, before anything is written; a value that cannot be
+    is a :class:`~mla_backends.loading.hf.StateDictError` naming ``key``."""
+    try:
+        return part.to(device=target.device, dtype=target.dtype)
+    except (RuntimeError, TypeError) as exc:
+        raise StateDictError([], [], [f"{key} (got {part.dtype} on {part.device}, which cannot be converted to "
+                                      f"{target.dtype} on {target.device}: {type(exc).__name__}: {exc})"]) from None
+
+
 @torch.no_grad()
 def load_hf_weights(layer: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, prefix: str = "",
                     sharded: bool = False) -> None:
@@ -103,12 +113,7 @@ def load_hf_weights(layer: torch.nn.Module, state_dict: dict[str, torch.Tensor],
     staged = {}  # everything converted first: a value that fails here leaves the layer untouched
     for name, value in found.items():
         part = value if sharded else shard_hf_tensor(name, value, dims, layer.tp_rank)
-        try:
-            staged[name] = part.to(device=targets[name].device, dtype=targets[name].dtype)
-        except (RuntimeError, TypeError) as exc:
-            raise StateDictError([], [], [f"{prefix}{name} (got {part.dtype} on {part.device}, which cannot be "
-                                          f"converted to {targets[name].dtype} on {targets[name].device}: "
-                                          f"{type(exc).__name__}: {exc})"]) from None
+        staged[name] = staged_value(f"{prefix}{name}", part, targets[name])
     w_uk_t, w_uv = fold_kv_b(staged["kv_b_proj.weight"], dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim)
     for name, value in staged.items():
         targets[name].copy_(value)

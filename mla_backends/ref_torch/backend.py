@@ -22,12 +22,14 @@ from typing import ClassVar
 import torch
 
 from ..backends.contract import Capabilities, MLABackend, QueryLenSupport
+from ..backends.v4_inputs import V4Keys
 from ..core.attention_math import GROUP_ELEMENT_BUDGET, softmax_with_lse
 from ..core.dtypes import KV_CACHE_DTYPES, accumulate_dtype
 from ..core.validation import require_int
 from ..step.cache import LatentKVCache, position_slots
 from ..step.metadata import BatchMetadata
 from .plans import EXP_FLOOR, HIDDEN_SCORE, RefStep
+from .v4 import v4_attention
 
 __all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]
 
@@ -180,6 +182,9 @@ class RefTorchBackend(MLABackend):
         decode_threshold=1,
         dense=True,
         sparse=True,
+        sinks=True,  # DeepSeek-V4: sinks, sliding window, compressed keys (mla_backends/ref_torch/v4.py)
+        window=True,
+        compressed=True,
         returns_lse=True,
         host_sync_free=True,  # dense calls; shapes come from the metadata's host lists
         cuda_graphs=False,  # those host lists size the work: a captured graph would not follow new lengths
@@ -197,17 +202,21 @@ class RefTorchBackend(MLABackend):
         out: torch.Tensor,
         lse_out: torch.Tensor | None,
         state: object | None,
+        v4: V4Keys | None = None,
     ) -> None:
-        """Dense (streamed or padded groups) or sparse attention into ``out`` / ``lse_out`` (see
+        """Dense (streamed or padded groups), sparse or DeepSeek-V4 attention into ``out`` / ``lse_out`` (see
         :meth:`MLABackend.forward_mqa`, which validated the inputs); ``state`` is this step's
-        :class:`~mla_backends.ref_torch.plans.RefStep` (:meth:`prepare`)."""
+        :class:`~mla_backends.ref_torch.plans.RefStep` (:meth:`prepare`); ``v4`` the V4 inputs
+        (:func:`~mla_backends.ref_torch.v4.v4_attention`)."""
         assert lse_out is not None  # returns_lse: forward_mqa always provides it
         cdt = accumulate_dtype(q_latent.dtype)
         step = state if isinstance(state, RefStep) else RefStep()  # a subclass's own state: made per call
         T, H, r = q_latent.shape
         q = step.buffer("q", (T, H, r + q_rope.shape[-1]), cdt, q_latent.device)  # [T, H, 576]
         q[..., :r], q[..., r:] = q_latent, q_rope  # one copy each (and conversion), into the step's buffer
-        if topk_indices is not None:
+        if v4 is not None:
+            v4_attention(q, cache, meta, scale, v4, out, lse_out)
+        elif topk_indices is not None:
             self._sparse(q, cache, meta, topk_indices, scale, out, lse_out)
         else:
             self._dense_dispatch(q, cache, meta, scale, out, lse_out, step)
@@ -349,7 +358,7 @@ class RefTorchBackend(MLABackend):
         heads and dims (:meth:`configure`); a bare instance makes them on its first call instead."""
         step = RefStep()
         spec = self.layer_spec
-        if spec is None or not meta.num_tokens:
+        if spec is None or not meta.num_tokens or spec.window or spec.compressed:  # V4 calls use no groups
             return step
         W, H = spec.kv_lora_rank + spec.qk_rope_head_dim, spec.num_heads
         row_bytes = W * torch.empty((), dtype=accumulate_dtype(spec.dtype)).element_size()

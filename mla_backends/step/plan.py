@@ -81,6 +81,9 @@ class PlanRequest:
         backend: the backend instance its absorbed runs go to (prepared for each of them).
         dcp: ``(rank, size)`` of its decode-context-parallel place, or None.
         sparse: its absorbed calls pass top-k indices (DeepSeek-V3.2).
+        preparers: more per-step state this layer reads besides its backend's, prepared for the same absorbed
+            batches and kept under their own ``prepare_key()`` (DeepSeek-V4's step tables:
+            :class:`~mla_backends.step.v4.V4Planner`); only ``prepare`` and ``prepare_key`` are asked of them.
     """
 
     runs_key: Hashable
@@ -88,6 +91,7 @@ class PlanRequest:
     backend: Preparer
     dcp: tuple[int, int] | None = None
     sparse: bool = False
+    preparers: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -275,6 +279,10 @@ def plan_step(meta: BatchMetadata, participants: Iterable[object]) -> StepPlan:
                 with plugin_call(req.backend, "prepare()"):  # sys.exit() there is PluginCodeError
                     states[skey] = req.backend.prepare(target)
                 accepted |= req.backend.planned_declarations(target, sparse=req.sparse)
+            for extra in req.preparers:  # more state of the same layer (DeepSeek-V4's step tables)
+                xkey = (extra.prepare_key(), id(target))
+                if xkey not in states:
+                    states[xkey] = extra.prepare(target)
     max_id = meta.max_live_block_id()  # the one device read, for hand-made metadata only
     return StepPlan(meta=meta, runs=MappingProxyType(runs), batches=MappingProxyType(batches),
                     local=MappingProxyType(local), states=MappingProxyType(states), accepted=frozenset(accepted),
