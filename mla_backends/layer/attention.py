@@ -31,7 +31,9 @@ from typing import Any
 import torch
 
 from ..backends.contract import AttentionSpec, Capabilities, MLABackend
+from ..backends.dispatch import DispatchPolicy, decode_threshold, layer_policy, runs_key, step_runs
 from ..backends.reasons import Reason, ReasonKind, without_kinds
+from ..backends.thresholds import ThresholdTable
 from ..core.device import cuda_device_index, device_info_for
 from ..core.dims import MLADims, read_config_json
 from ..core.dtypes import dtype_name, parse_model_dtype
@@ -47,11 +49,9 @@ from ..step.metadata import BatchMetadata
 from ..step.plan import PlanRequest, Run, StepPlan, require_plan
 from . import dcp as parallel
 from .dcp import absorbed_attention as dcp_absorbed_attention
-from .dispatch import DispatchPolicy, decode_threshold, layer_policy, runs_key, step_runs
 from .prefill import forward_mha
 from .projections import linear, rms_norm
 from .sparse.layer_support import SparseKVCache, build_indexer
-from .thresholds import ThresholdTable
 from .weights import add_attention_weights, load_hf_weights
 from .workspace import PrefillWorkspace, default_workspace_rows, shared_workspace
 
