@@ -252,8 +252,9 @@ class BatchMetadata(SlotSource):
         """Whether :attr:`verified_lengths` describes these very tensors and lists (no value compared)."""
         fp = self.verified_lengths
         now = self._length_fingerprint()
-        return (isinstance(fp, tuple) and len(fp) == len(now) and all(a is b for a, b in zip(fp[:6], now[:6], strict=True))
-                and fp[6] == now[6] and fp[7] == now[7])
+        if not isinstance(fp, tuple) or len(fp) != len(now):
+            return False
+        return all(a is b for a, b in zip(fp[:6], now[:6], strict=True)) and fp[6:] == now[6:]
 
     def _check_length_values(self) -> None:
         """The length tensors against the host lists, value by value (a hand-made or replaced object): on the
