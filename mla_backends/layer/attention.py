@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 
-from ..backends.contract import AttentionSpec, Capabilities, MLABackend
+from ..backends.contract import AttentionSpec, Capabilities, MLABackend, configure_backend
 from ..backends.dispatch import DispatchPolicy, decode_threshold, layer_policy, runs_key, step_runs
 from ..backends.reasons import Reason, ReasonKind, without_kinds
 from ..backends.thresholds import ThresholdTable
 from ..core.device import cuda_device_index, device_info_for
 from ..core.dims import MLADims, read_config_json
-from ..core.dtypes import dtype_name, parse_model_dtype
+from ..core.dtypes import dtype_name, parse_model_dtype, resolve_kv_cache_dtype
 from ..core.rope import RotaryEmbedding
 from ..core.validation import require_device, require_int, require_tensor
 from ..loading import checkpoint
@@ -191,8 +191,10 @@ class MLAAttention(torch.nn.Module):
             raise ValueError(f"backend: got {backend_cls.name}, which cannot run this layer: "
                              + "; ".join(map(str, reasons)))
         self.backend_cls = backend_cls
-        self.backend = backend_cls()
-        self.backend.configure(self._spec(), self.scale)  # what prepare(meta) sets up per step
+        #: the configured backend (configure_backend: shared by every layer configured alike); allocate_cache
+        #: completes its configuration with the cache's page size and dtype
+        self.backend: MLABackend = configure_backend(backend_cls, self._spec(), self.scale)
+        self._planned = False  # set once the layer takes part in a plan: its configuration is fixed from then on
         # the policy named by `dispatch`, or a measured threshold table's (argument or the environment)
         self.dispatch: DispatchPolicy = layer_policy(dispatch, threshold_table, backend_cls.name)
 
@@ -286,16 +288,25 @@ class MLAAttention(torch.nn.Module):
         require_int("num_blocks", num_blocks, minimum=1)
         block_size = self.preferred_block_size if block_size is None else block_size
         require_int("block_size", block_size, minimum=1)
-        reasons = _blocking_reasons(self.backend_cls, self._spec(
-            kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype), block_size))
+        kv_name = kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype)
+        reasons = _blocking_reasons(self.backend_cls, self._spec(kv_name, block_size))
         if reasons:
             raise ValueError(f"allocate_cache: backend {self.backend_cls.name} cannot use this cache: "
                              + "; ".join(map(str, reasons)))
+        spec = self._spec(resolve_kv_cache_dtype(kv_name, self.dtype), block_size)
+        if spec != self.backend.layer_spec and self._planned:
+            raise ValueError(
+                f"allocate_cache: got page size {block_size} and cache dtype {spec.kv_cache_dtype} for layer "
+                f"{self.layer_idx}, whose backend is configured for page size {self.backend.layer_spec.block_size} "
+                f"and cache dtype {self.backend.layer_spec.kv_cache_dtype} and has taken part in a step plan; "
+                "supported the configuration it planned with (a layer is configured once: build another layer "
+                "for another cache)")
         cache_cls = LatentKVCache if self.dims.indexer is None else SparseKVCache  # V3.2: + indexer keys
         extra = {} if self.dims.indexer is None else {"layer_idx": self.layer_idx}
         cache = cache_cls.allocate(self.dims, num_blocks, block_size, kv_cache_dtype, model_dtype=self.dtype,
                                    device=self.device, scale=scale, **extra)
-        self.backend.configure(self._spec(cache.kv_cache_dtype, block_size), self.scale)  # now fully known
+        if spec != self.backend.layer_spec:  # the configuration completed: page size and cache dtype
+            self.backend = configure_backend(self.backend, spec, self.scale)
         return cache
 
     def workspace_rows(self, block_size: int) -> int:
@@ -343,13 +354,20 @@ class MLAAttention(torch.nn.Module):
     def plan_key(self) -> Hashable:
         """Layers with equal keys make equal :meth:`plan_request` s, so :func:`plan_step` asks only one of
         them: the same dispatch (``runs_key``), a backend prepared alike (``prepare_key``), the same DCP place."""
+        self._planned = True  # plan_step asks every participant this first: the configuration is fixed now
         dcp = None if self.dcp is None else (self.dcp.rank, self.dcp.size)
         return ("MLAAttention", self.runs_key(), self.backend.prepare_key(), dcp, self.dims.is_sparse)
 
-    def plan_request(self, meta: BatchMetadata) -> PlanRequest:
+    def plan_request(self, meta: BatchMetadata, *, dispatch: object = None) -> PlanRequest:
         """What this layer runs in the step of ``meta``, for :func:`~mla_backends.step.plan.plan_step`: its
         runs, its backend (prepared for every absorbed batch: the run's sub-batch, or under DCP the rank's
-        local decode metadata of it) and its DCP place."""
+        local decode metadata of it) and its DCP place. A layer dispatches by its own policy: ``dispatch`` is
+        refused."""
+        self._planned = True
+        if dispatch is not None:
+            raise ValueError(f"dispatch: got {dispatch!r} with layer {self.layer_idx} among the participants; "
+                             f"supported None for layers (a layer dispatches by its own policy, here "
+                             f"{self.dispatch.name}; dispatch= is for backends an engine calls itself)")
         dcp = None if self.dcp is None else (self.dcp.rank, self.dcp.size)
         return PlanRequest(runs_key=self.runs_key(), runs=self.runs(meta), backend=self.backend, dcp=dcp,
                            sparse=self.dims.is_sparse)
