@@ -22,6 +22,7 @@ argument) is still called, with a ``DeprecationWarning``, for one release.
 
 from __future__ import annotations
 
+import collections
 import copy
 import importlib.util
 import itertools
@@ -105,6 +106,10 @@ class ConfigurationKey:
 #: configuration, shared by every layer and engine part that asks for it, dropped when none holds it
 _CONFIGURED: weakref.WeakValueDictionary[Hashable, MLABackend] = weakref.WeakValueDictionary()
 _CONFIGURED_LOCK = threading.Lock()
+#: the most recently configured backends, held strongly, so that bare calls of an unconfigured instance (each
+#: configures the backend its inputs describe) reuse one configured backend and its resources
+_RECENT: collections.OrderedDict[Hashable, MLABackend] = collections.OrderedDict()
+RECENT_CONFIGURATIONS = 8
 #: attributes fixed once an instance is configured
 _CONFIG_ATTRS = frozenset({"layer_spec", "layer_scale", "resources", "_configuration", "_options"})
 
@@ -152,6 +157,8 @@ def configure_backend(backend: type[MLABackend] | MLABackend, spec: AttentionSpe
     with _CONFIGURED_LOCK:
         found = _CONFIGURED.get(parts) if options is not None else None
         if found is not None:
+            if parts in _RECENT:
+                _RECENT.move_to_end(parts)
             return found
         if base is None:
             made = cls()
@@ -163,6 +170,9 @@ def configure_backend(backend: type[MLABackend] | MLABackend, spec: AttentionSpe
         made._set_configuration(spec, scale, ConfigurationKey(parts), options)
         if options is not None:
             _CONFIGURED[parts] = made
+            _RECENT[parts] = made
+            while len(_RECENT) > RECENT_CONFIGURATIONS:
+                _RECENT.popitem(last=False)
         return made
 
 

@@ -261,13 +261,12 @@ class BatchMetadata(SlotSource):
         host for CPU tensors, one device read otherwise."""
         q, c = self.query_lens_list, self.context_lens_list
         B = len(q)
-        reqs = torch.repeat_interleave(torch.arange(B), torch.tensor(q, dtype=torch.int64)) if B else torch.zeros(0)
         expected = {
             "query_lens": torch.tensor(q, dtype=torch.int64),
             "context_lens": torch.tensor(c, dtype=torch.int64),
             "seq_lens": torch.tensor([a + b for a, b in zip(q, c, strict=True)], dtype=torch.int64),
             "query_start_loc": torch.tensor(list(accumulate(q, initial=0)), dtype=torch.int64),
-            "token_request": reqs.long(),
+            "token_request": torch.tensor([b for b in range(B) for _ in range(q[b])], dtype=torch.int64),
             "token_positions": torch.tensor([c[b] + j for b in range(B) for j in range(q[b])], dtype=torch.int64),
         }
         got = {name: getattr(self, name) for name in expected}
