@@ -252,7 +252,7 @@ class AttentionSpec:
         that is no cache dtype is not refused here: it is a reason of the selection
         (:meth:`~mla_backends.backends.contract.MLABackend.not_supported_reasons`), as a dtype a backend does
         not take is."""
-        for name, minimum in (("num_heads", 1), ("kv_lora_rank", 1), ("qk_rope_head_dim", 0), ("max_query_len", 0)):
+        for name, minimum in (("num_heads", 0), ("kv_lora_rank", 0), ("qk_rope_head_dim", 0), ("max_query_len", 0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name}: got {type(value).__name__} {value!r}; supported int")

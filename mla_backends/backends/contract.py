@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from ..step.metadata import BatchMetadata
 
 __all__ = ["QueryLenSupport", "Capabilities", "AttentionSpec", "MLABackend", "Tolerance", "DEFAULT_TOLERANCES",
-           "BackendContractError", "contract_problems", "configure_backend", "ConfigurationKey"]
+           "BackendContractError", "contract_problems", "configure_backend", "release_configured_backends",
+           "ConfigurationKey"]
 
 
 class BackendContractError(RuntimeError):
@@ -174,6 +175,15 @@ def configure_backend(backend: type[MLABackend] | MLABackend, spec: AttentionSpe
             while len(_RECENT) > RECENT_CONFIGURATIONS:
                 _RECENT.popitem(last=False)
         return made
+
+
+def release_configured_backends() -> None:
+    """Forget the configured backends :func:`configure_backend` keeps for reuse (the recent ones it holds; those
+    still held elsewhere stay alive, and with them their resources). For tests, and to free the resources of
+    configurations no longer used."""
+    with _CONFIGURED_LOCK:
+        _RECENT.clear()
+        _CONFIGURED.clear()
 
 
 class MLABackend:
