@@ -368,6 +368,7 @@ class MLAAttention(torch.nn.Module):
             raise ValueError(f"dispatch: got {dispatch!r} with layer {self.layer_idx} among the participants; "
                              f"supported None for layers (a layer dispatches by its own policy, here "
                              f"{self.dispatch.name}; dispatch= is for backends an engine calls itself)")
+        parallel.check_dcp_metadata(self.dcp, meta)  # once per step (every layer alike has this DCP place)
         dcp = None if self.dcp is None else (self.dcp.rank, self.dcp.size)
         return PlanRequest(runs_key=self.runs_key(), runs=self.runs(meta), backend=self.backend, dcp=dcp,
                            sparse=self.dims.is_sparse)
@@ -375,22 +376,32 @@ class MLAAttention(torch.nn.Module):
     # ---- forward -------------------------------------------------------------------------------------------
     def _check_inputs(self, hidden_states: torch.Tensor, positions: torch.Tensor | None, cache: LatentKVCache,
                       plan: StepPlan, topk_indices: torch.Tensor | None) -> tuple[Run, ...]:
-        """Every check of a step before anything is written; returns this layer's runs from ``plan``."""
+        """Every check of a layer call before anything is written; returns this layer's runs from ``plan``.
+
+        What the step shares was checked once, when it was planned (the metadata against this layer's DCP place,
+        the backend's declarations, its prepared states): a layer the plan names only checks its own tensors,
+        the cache against the step (a host comparison) and finds its runs by identity. A layer alike to one the
+        plan names (not named itself) is checked in full."""
         if not self._loaded:
             raise RuntimeError("MLAAttention: weights not loaded; call load_hf_state_dict(state_dict) first")
         meta = plan.meta
         check_step_inputs(self.dims, self.dtype, self.weight_device, hidden_states, positions, cache, meta,
                           topk_indices, reuses_topk=self.indexer is None, layer_idx=self.layer_idx)
-        parallel.check_dcp_metadata(self.dcp, meta)
-        runs = plan.runs_for(self.runs_key(), f"layer {self.layer_idx} (its dispatch {self.dispatch.name})")
-        for absorbed, b0, b1 in runs:  # the backend this layer runs was planned for its batches
-            if absorbed and meta.query_starts_list[b0] < meta.query_starts_list[b1]:
-                if self.dcp is None:
-                    plan.state(self.backend, plan.batch(b0, b1))
-                else:
-                    plan.local_decode(b0, b1, self.dcp.rank, self.dcp.size)
-        check_graph_step(meta, self.backend_cls, lambda: runs,
-                         indexer=self.indexer is not None and topk_indices is None)  # DecodeGraphMetadata
+        key = plan.members.get(id(self))
+        if key is not None:
+            runs = plan.runs[key]
+        else:
+            parallel.check_dcp_metadata(self.dcp, meta)
+            runs = plan.runs_for(self.runs_key(), f"layer {self.layer_idx} (its dispatch {self.dispatch.name})")
+            for absorbed, b0, b1 in runs:  # the backend this layer runs was planned for its batches
+                if absorbed and meta.query_starts_list[b0] < meta.query_starts_list[b1]:
+                    if self.dcp is None:
+                        plan.state(self.backend, plan.batch(b0, b1))
+                    else:
+                        plan.local_decode(b0, b1, self.dcp.rank, self.dcp.size)
+        if meta.graph_static:  # DecodeGraphMetadata
+            check_graph_step(meta, self.backend_cls, lambda: runs,
+                             indexer=self.indexer is not None and topk_indices is None)
         plan.check_cache(cache)  # the whole step against this cache, before anything is written (host only)
         return runs
 
