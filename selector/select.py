@@ -17,12 +17,11 @@ import torch
 
 from mla_backends.backends.capabilities import environment_snapshot
 from mla_backends.backends.contract import AttentionSpec, MLABackend
-from mla_backends.backends.reasons import Reason, ReasonKind, all_of_kinds, as_reason
+from mla_backends.backends.reasons import Reason, ReasonKind, all_of_kinds, reasons_of
 from mla_backends.core.device import DeviceInfo
 from mla_backends.core.dims import MLADims
 from mla_backends.core.dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, parse_model_dtype
 from mla_backends.core.env_switches import TRITON_INTERPRET_SWITCH, parse_switch
-from mla_backends.core.errors import USER_CODE_FAILURES, failure_text
 from mla_backends.core.validation import require_int
 from mla_backends.plugins.aliases import alias_note, name_clash_note
 from mla_backends.plugins.loading import get_registry
@@ -173,11 +172,7 @@ class BackendNotSupportedError(SelectionError):
 def evaluate(cls: type[MLABackend], spec: AttentionSpec) -> tuple[Reason, ...]:
     """``cls.not_supported_reasons(spec)`` as :class:`Reason` values (a plugin's plain strings wrapped as kind
     ``OTHER``), with a plugin's crashing check turned into a ``CHECK_FAILED`` reason."""
-    try:
-        return tuple(as_reason(r) for r in cls.not_supported_reasons(spec))
-    except USER_CODE_FAILURES as exc:  # sys.exit() in a plugin's check must not end the caller either
-        return (Reason(ReasonKind.CHECK_FAILED, "capability check", failure_text(exc),
-                       "a check that returns reasons"),)
+    return tuple(reasons_of(cls, spec))  # sys.exit() in a plugin's check must not end the caller either
 
 
 def _verdict(registry: Registry, name: str, spec: AttentionSpec) -> Verdict:

@@ -34,16 +34,15 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..core.attention_math import distinct_topk
 from ..core.device import DeviceInfo, device_info_for
 from ..core.dtypes import FP8_CACHE_DTYPES, dtype_name, lse_dtype
-from ..core.errors import USER_CODE_FAILURES
+from ..core.errors import USER_CODE_FAILURES, plugin_call, plugin_error
 from ..step.cache import LatentKVCache
 from ..step.plan import WHOLE_STEP_ABSORBED, PlanRequest, Run, StepPlan, StepPlanError, plan_step, require_plan
 from .capabilities import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance, env_switch_on
 from .dispatch import resolve_policy, runs_key, step_runs
 from .inputs import check_declared_support, check_mqa_inputs, planned_declarations
-from .reasons import Reason, ReasonKind, as_reason
+from .reasons import Reason, ReasonKind, as_reason, returned_reasons
 
 if TYPE_CHECKING:
     from ..step.metadata import BatchMetadata
@@ -111,6 +110,7 @@ _CONFIGURED_LOCK = threading.Lock()
 #: configures the backend its inputs describe) reuse one configured backend and its resources
 _RECENT: collections.OrderedDict[Hashable, MLABackend] = collections.OrderedDict()
 RECENT_CONFIGURATIONS = 8
+_LEGACY_WARNED_CONFIGURE: set[type] = set()
 #: attributes fixed once an instance is configured
 _CONFIG_ATTRS = frozenset({"layer_spec", "layer_scale", "resources", "_configuration", "_options"})
 
@@ -161,13 +161,14 @@ def configure_backend(backend: type[MLABackend] | MLABackend, spec: AttentionSpe
             if parts in _RECENT:
                 _RECENT.move_to_end(parts)
             return found
-        if base is None:
-            made = cls()
-        elif options is not None:  # the options alone (not what was set on the instance since, e.g. a spy)
-            made = cls.__new__(cls)
-            made.__dict__.update(dict(options))
-        else:
-            made = copy.copy(base)
+        with plugin_call(cls, "__init__()"):  # sys.exit() in a plugin's code there is PluginCodeError
+            if base is None:
+                made = cls()
+            elif options is not None:  # the options alone (not what was set on the instance since, e.g. a spy)
+                made = cls.__new__(cls)
+                made.__dict__.update(dict(options))
+            else:
+                made = copy.copy(base)
         made._set_configuration(spec, scale, ConfigurationKey(parts), options)
         if options is not None:
             _CONFIGURED[parts] = made
@@ -208,7 +209,8 @@ class MLABackend:
         missing = []
         for mod in cls.capabilities.requires:
             try:  # "pkg.sub" imports pkg, whose code may raise anything (or call sys.exit())
-                found = importlib.util.find_spec(mod) is not None
+                with plugin_call(cls, f"importing {mod} (capabilities.requires)"):
+                    found = importlib.util.find_spec(mod) is not None
             except USER_CODE_FAILURES:
                 found = False
             if not found:
@@ -303,7 +305,7 @@ class MLABackend:
             reasons.append(Reason(ReasonKind.ATTENTION, "attention", "dense", "sparse only (top-k indices)"))
         if spec.need_lse and not caps.returns_lse:
             reasons.append(Reason(ReasonKind.LSE, "LSE", "a request for it", "output only (no LSE)"))
-        reasons += [as_reason(r) for r in cls.backend_reasons(spec)]
+        reasons += returned_reasons(cls.backend_reasons(spec))  # a str, None or coroutine is a TypeError
         return reasons
 
     @classmethod
@@ -334,13 +336,29 @@ class MLABackend:
 
     def _set_configuration(self, spec: AttentionSpec, scale: float, key: ConfigurationKey,
                            options: Hashable | None) -> None:
-        """Configure this (fresh, unconfigured) instance: the spec and scale, then its resources, then the key
-        that fixes them."""
+        """Configure this (fresh, unconfigured) instance: a 0.4 plugin's own ``configure`` override first (once
+        per configuration, with a ``DeprecationWarning`` per class), then the spec and scale, its resources and
+        the key that fixes them."""
+        if type(self).configure is not MLABackend.configure:
+            if type(self) not in _LEGACY_WARNED_CONFIGURE:
+                _LEGACY_WARNED_CONFIGURE.add(type(self))
+                warnings.warn(f"{type(self).__qualname__} overrides MLABackend.configure, deprecated since 0.5: "
+                              "configure_backend calls it once per configuration; per-configuration resources "
+                              "belong in make_resources()", DeprecationWarning, stacklevel=4)
+            with warnings.catch_warnings(), plugin_call(self, "configure()"):
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self.configure(spec, scale)  # (its super().configure configures in place; overwritten below)
+            object.__setattr__(self, "_configuration", None)
+        self._apply_configuration(spec, scale, key, options)
+
+    def _apply_configuration(self, spec: AttentionSpec, scale: float, key: ConfigurationKey,
+                             options: Hashable | None) -> None:
         object.__setattr__(self, "_options", options)
         object.__setattr__(self, "layer_spec", spec)
         object.__setattr__(self, "layer_scale", scale)
         object.__setattr__(self, "resources", None)
-        object.__setattr__(self, "resources", self.make_resources())
+        with plugin_call(self, "make_resources()"):
+            object.__setattr__(self, "resources", self.make_resources())
         object.__setattr__(self, "_configuration", key)
 
     @property
@@ -385,7 +403,7 @@ class MLABackend:
                              "returns the configured backend of that configuration (a configured backend is "
                              "immutable)")
         options = self.options_key()
-        self._set_configuration(spec, scale, ConfigurationKey(
+        self._apply_configuration(spec, scale, ConfigurationKey(
             (type(self), options if options is not None else ("instance", id(self)), spec, scale)), options)
 
     def prepare_key(self) -> object:
@@ -455,7 +473,8 @@ class MLABackend:
             meta: :class:`BatchMetadata` whose tokens are exactly the rows of ``q_latent``.
             scale: softmax scale (the unabsorbed ``MLADims.softmax_scale``).
             topk_indices: sparse attention only: ``[tokens, topk]`` positions in each token's sequence,
-                ``-1`` for padding.
+                ``-1`` for padding. Each entry is one key: a repeated position counts once per repeat, as in
+                FlashMLA's sparse kernels (``distinct_topk`` first for once per position; docs/sparse.md).
             out / lse_out: optional preallocated ``[tokens, heads, kv_lora_rank]`` (query dtype) /
                 ``[tokens, heads]`` (float32; float64 for float64 queries) buffers; ``lse_out`` only for
                 backends that return an LSE.
@@ -501,21 +520,27 @@ class MLABackend:
             plan = plan_step(meta, [runner])  # a call of its own is a step of its own
             planned = plan.state(runner, meta) if T else None
         elif runner is not self and T:  # a plan made with this unconfigured instance: prepared for this call
-            planned = runner.prepare(meta)
-        if topk_indices is not None:  # a position selected twice counts once (on the device, no sync)
-            topk_indices = distinct_topk(topk_indices)
+            with plugin_call(runner, "prepare()"):
+                planned = runner.prepare(meta)
         if out is None:
             out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
         if lse_out is None and self.capabilities.returns_lse:
             lse_out = torch.empty(T, H, dtype=lse_dtype(q_latent.dtype), device=q_latent.device)
         if T == 0:
             return out, lse_out
-        if _legacy_kernel(type(self)):
-            returned = runner._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale,
-                                                topk_indices=topk_indices, out=out, lse_out=lse_out)
-        else:
-            returned = runner.forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale,
-                                                 topk_indices=topk_indices, out=out, lse_out=lse_out, state=planned)
+        try:  # plugin_call's rule (sys.exit() in a kernel becomes PluginCodeError), free while nothing is raised
+            if _legacy_kernel(type(self)):
+                returned = runner._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale,
+                                                    topk_indices=topk_indices, out=out, lse_out=lse_out)
+            else:
+                returned = runner.forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale,
+                                                     topk_indices=topk_indices, out=out, lse_out=lse_out,
+                                                     state=planned)
+        except BaseException as exc:
+            error = plugin_error(exc, self, "forward_mqa_kernel()")
+            if error is exc:
+                raise
+            raise error from exc
         self._check_result(returned, out, lse_out, (T, H, r), q_latent)
         return out, lse_out
 

@@ -14,7 +14,7 @@ from ..step.checks import require_graph_support, require_whole_sequences
 from ..step.metadata import BatchMetadata
 from ..step.plan import StepPlan
 from .capabilities import AttentionSpec, QueryLenSupport
-from .reasons import Reason, ReasonKind, all_of_kinds, without_kinds
+from .reasons import Reason, ReasonKind, all_of_kinds, reasons_of, without_kinds
 
 __all__ = ["check_mqa_inputs", "check_declared_support", "declaration_key", "declared_reasons",
            "planned_declarations"]
@@ -104,7 +104,7 @@ def declared_reasons(key: Hashable) -> list[Reason]:
     spec = AttentionSpec(num_heads=heads, kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=dtype,
                          kv_cache_dtype=kv_dtype, block_size=block_size, sparse=sparse, max_query_len=max_q,
                          uniform_query_len=uniform, need_lse=need_lse, device=device_info_for(device))
-    reasons = without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
+    reasons = without_kinds(reasons_of(backend_cls, spec), ReasonKind.PACKAGE)
     if empty is not None:
         reasons.append(Reason(ReasonKind.QUERY_LEN, "meta.query_lens", str(list(empty)),
                               f">= 1 token in every request ({caps.query_len.name.lower()} query lengths)"))

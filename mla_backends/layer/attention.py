@@ -32,7 +32,7 @@ import torch
 
 from ..backends.contract import AttentionSpec, Capabilities, MLABackend, configure_backend
 from ..backends.dispatch import DispatchPolicy, decode_threshold, layer_policy, runs_key, step_runs
-from ..backends.reasons import Reason, ReasonKind, without_kinds
+from ..backends.reasons import Reason, ReasonKind, reasons_of, without_kinds
 from ..backends.thresholds import ThresholdTable
 from ..core.device import cuda_device_index, device_info_for
 from ..core.dims import MLADims, read_config_json
@@ -51,7 +51,7 @@ from . import dcp as parallel
 from .dcp import absorbed_attention as dcp_absorbed_attention
 from .prefill import forward_mha
 from .projections import linear, rms_norm
-from .sparse.layer_support import SparseKVCache, build_indexer
+from .sparse.layer_support import DEFAULT_INDEXER_STORAGE, SparseKVCache, build_indexer, layer_indexer_storage
 from .weights import add_attention_weights, load_hf_weights
 from .workspace import PrefillWorkspace, default_workspace_rows, shared_workspace
 
@@ -109,7 +109,7 @@ def _choose_backend(backend: Any, dims: MLADims, dtype: torch.dtype, device: tor
 def _blocking_reasons(backend_cls: type[MLABackend], spec: AttentionSpec) -> list[Reason]:
     """Why ``backend_cls`` cannot run ``spec``, less missing packages (those fail when the backend runs);
     a refused LSE (the layer asks for one only under DCP) is worded as DCP's need."""
-    reasons = without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
+    reasons = without_kinds(reasons_of(backend_cls, spec), ReasonKind.PACKAGE)  # a crashing check: CHECK_FAILED
     return [parallel.LSE_REASON if r.kind is ReasonKind.LSE else r for r in reasons]
 
 
@@ -191,8 +191,8 @@ class MLAAttention(torch.nn.Module):
             raise ValueError(f"backend: got {backend_cls.name}, which cannot run this layer: "
                              + "; ".join(map(str, reasons)))
         self.backend_cls = backend_cls
-        #: the configured backend (configure_backend: shared by every layer configured alike); allocate_cache
-        #: completes its configuration with the cache's page size and dtype
+        #: the configured backend (configure_backend: shared by every layer configured alike; a plugin's code
+        #: there runs under plugin_call); allocate_cache completes it with the cache's page size and dtype
         self.backend: MLABackend = configure_backend(backend_cls, self._spec(), self.scale)
         self._planned = False  # set once the layer takes part in a plan: its configuration is fixed from then on
         # the policy named by `dispatch`, or a measured threshold table's (argument or the environment)
@@ -269,7 +269,8 @@ class MLAAttention(torch.nn.Module):
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], *, prefix: str = "",
                            sharded: bool = False) -> None:
         """Load transformers-named attention weights; see :func:`~mla_backends.layer.weights.load_hf_weights`
-        (full tensors, this rank's slice taken; ``sharded=True``: already this rank's slices)."""
+        (full tensors, this rank's slice taken; ``sharded=True``: already this rank's slices; ``prefix``, such as
+        ``"model.layers.3.self_attn."``, selects this layer's keys from a whole checkpoint's dict)."""
         load_hf_weights(self, state_dict, prefix=prefix, sharded=sharded)
         self._loaded = True
 
@@ -281,10 +282,18 @@ class MLAAttention(torch.nn.Module):
         return self.backend_cls.capabilities.preferred_page_size
 
     def allocate_cache(self, num_blocks: int, block_size: int | None = None,
-                       kv_cache_dtype: str | torch.dtype = "auto", *, scale: float = 1.0) -> LatentKVCache:
+                       kv_cache_dtype: str | torch.dtype = "auto", *, scale: float = 1.0,
+                       indexer_storage: str | torch.dtype = DEFAULT_INDEXER_STORAGE) -> LatentKVCache:
         """A zeroed :class:`LatentKVCache` for this layer (model dtype, device), after checking that the
         backend takes ``block_size`` (None: :attr:`preferred_block_size`) and ``kv_cache_dtype``. Under DCP it
-        holds this rank's pages only."""
+        holds this rank's pages only.
+
+        ``indexer_storage`` (DeepSeek-V3.2 layers, whose cache is a ``SparseKVCache``): how the indexer keys are
+        stored. ``"fp8_e4m3"`` (default): 132 bytes a token, as vLLM and SGLang store them; ``"auto"``: the
+        layer's dtype, exact keys as transformers' ``DeepseekV32`` keeps them (its top-k then agrees; fp8 keys
+        change the top-k of some tokens, docs/sparse.md); or a float dtype. A dense layer takes only the default.
+        """
+        storage = layer_indexer_storage(self.dims, self.dtype, indexer_storage)  # checked before allocating
         require_int("num_blocks", num_blocks, minimum=1)
         block_size = self.preferred_block_size if block_size is None else block_size
         require_int("block_size", block_size, minimum=1)
@@ -302,7 +311,7 @@ class MLAAttention(torch.nn.Module):
                 "supported the configuration it planned with (a layer is configured once: build another layer "
                 "for another cache)")
         cache_cls = LatentKVCache if self.dims.indexer is None else SparseKVCache  # V3.2: + indexer keys
-        extra = {} if self.dims.indexer is None else {"layer_idx": self.layer_idx}
+        extra = {} if self.dims.indexer is None else {"layer_idx": self.layer_idx, "indexer_storage": storage}
         cache = cache_cls.allocate(self.dims, num_blocks, block_size, kv_cache_dtype, model_dtype=self.dtype,
                                    device=self.device, scale=scale, **extra)
         if spec != self.backend.layer_spec:  # the configuration completed: page size and cache dtype

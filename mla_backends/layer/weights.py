@@ -8,6 +8,8 @@ buffers derived from ``kv_b_proj`` on every load.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ..core.dims import MLADims
@@ -74,17 +76,24 @@ def weight_targets(module: torch.nn.Module, dims: MLADims, attention_bias: bool)
 def load_hf_weights(layer: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, prefix: str = "",
                     sharded: bool = False) -> None:
     """Load transformers-named attention weights into ``layer`` (full, unsharded tensors; this rank's slice is
-    taken; with ``sharded=True`` they are already this rank's slices, see ``hf_loading.rank_hf_shapes``).
+    taken; with ``sharded=True`` they are already this rank's slices, see ``loading.hf.rank_hf_shapes``).
 
     All or nothing: every key is checked before anything is written (missing, unexpected, misshaped and ``meta``
     tensors raise a :class:`~mla_backends.loading.hf.StateDictError` listing all of them), then every value is
     sliced and converted to its parameter's dtype and device, and ``kv_b_proj`` is folded into ``W_UK_T`` /
     ``W_UV`` from the new value; only when all of that succeeded are the parameters, the folds and the indexer
     written, so a failure leaves the layer as it was. Tensors are copied in place, so their storage (and
-    pointers) stay put. ``prefix`` (e.g. ``"model.layers.3.self_attn."``) is stripped from the keys. Block-
-    quantised fp8 checkpoints (DeepSeek's releases: float8 ``X.weight`` plus ``X.weight_scale_inv``) are
-    dequantised first, block by ``layer.weight_block_size`` (see :mod:`mla_backends.loading.fp8`).
+    pointers) stay put. ``prefix`` (e.g. ``"model.layers.3.self_attn."``) selects this layer's keys, so a whole
+    checkpoint's dict can be given: keys outside the prefix (other layers, embeddings) are not this layer's and
+    are passed over; a key under the prefix that the layer does not take is unexpected, and every key the layer
+    needs must be there under the prefix. Without a prefix every key must be the layer's. Block-quantised fp8
+    checkpoints (DeepSeek's releases: float8 ``X.weight`` plus ``X.weight_scale_inv``) are dequantised first
+    (this layer's keys only), block by ``layer.weight_block_size`` (see :mod:`mla_backends.loading.fp8`).
     """
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix: got {type(prefix).__name__}; supported str (e.g. 'model.layers.3.self_attn.')")
+    if prefix and isinstance(state_dict, Mapping):  # a whole checkpoint: only this layer's keys are read
+        state_dict = {k: v for k, v in state_dict.items() if isinstance(k, str) and k.startswith(prefix)}
     dims, bias = layer.dims, layer.attention_bias
     state_dict = dequantize_fp8_checkpoint(state_dict, layer.weight_block_size, dtype=layer.dtype)
     state_dict, load_indexer = take_indexer_weights(layer.indexer, state_dict, prefix)  # V3.2 indexer.*

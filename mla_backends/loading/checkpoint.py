@@ -159,7 +159,7 @@ class Checkpoint:
         """Layer ``layer_idx``'s attention tensors for rank ``tp_rank`` of ``tp_size``, names without the
         ``model.layers.{L}.self_attn.`` prefix, in ``dtype`` (default :meth:`resolve_dtype`), on the CPU.
 
-        Sliced tensors have the rank's shapes (``hf_loading.rank_hf_shapes``); fp8 weights come back
+        Sliced tensors have the rank's shapes (``mla_backends.loading.hf.rank_hf_shapes``); fp8 weights come back
         dequantised and their ``weight_scale_inv`` are consumed. Raises :class:`CheckpointError`.
         """
         out_dtype = self.resolve_dtype(dtype)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..backends.contract import AttentionSpec
+from ..backends.reasons import reasons_of
 from ..backends.thresholds import ContextThresholds, ThresholdTable
 from ..core.device import device_info_for
 from ..core.dims import MLADims
@@ -179,7 +180,7 @@ def tunable_backends(
     classes = {n: get_backend(n) for n in names} if names else registered_backends()
     out: dict[str, str] = {}
     for cls in classes.values():
-        reasons = cls.not_supported_reasons(spec)
+        reasons = reasons_of(cls, spec)  # a plugin's crashing check is a reason, not the end of `tune`
         if names or not reasons:
             out[cls.name] = "; ".join(map(str, reasons))
     return out

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
+from ..core.errors import plugin_call
 from ..core.validation import require_int
 from .cache import PagedRows, SlotSource
 from .checks import require_whole_sequences
@@ -375,6 +376,9 @@ def plan_step(meta: BatchMetadata, participants: Iterable[object], *, dispatch: 
     Raises:
         TypeError: ``meta`` is not metadata, or a participant is neither a layer nor a backend.
         ValueError: a backend or layer refuses the metadata (DCP metadata given to a bare backend, ...).
+        PluginCodeError: a backend's ``prepare`` / ``prepare_key`` called ``sys.exit()`` or raised another
+            ``BaseException`` that is not an ``Exception`` (Ctrl-C excepted); its exceptions pass as they are,
+            with a note naming the backend.
     """
     if not isinstance(meta, BatchMetadata):
         raise TypeError(f"meta: got {type(meta).__name__}; supported BatchMetadata (BatchMetadata.build)")
@@ -430,9 +434,11 @@ def plan_step(meta: BatchMetadata, participants: Iterable[object], *, dispatch: 
                     continue
             else:
                 require_whole_sequences(target, "plan_step(meta, backends)")
-            skey = (req.backend.prepare_key(), id(target))
+            with plugin_call(req.backend, "prepare_key()"):
+                skey = (req.backend.prepare_key(), id(target))
             if skey not in states:
-                states[skey] = req.backend.prepare(target)
+                with plugin_call(req.backend, "prepare()"):  # sys.exit() there is PluginCodeError
+                    states[skey] = req.backend.prepare(target)
                 accepted |= req.backend.planned_declarations(target, sparse=req.sparse)
     max_id = meta.max_live_block_id()  # the one device read, for hand-made metadata only
     return StepPlan(meta=meta, runs=MappingProxyType(runs), batches=MappingProxyType(batches),

@@ -34,6 +34,7 @@ __all__ = [
     "dequantize_fp8_blockwise",
     "pack_rows",
     "unpack_rows",
+    "storage_name",
 ]
 
 #: values per quantisation block (one float32 scale each)
@@ -135,7 +136,7 @@ class IndexerKeyCache(PagedRows):
         require_int("head_dim", head_dim, minimum=1)
         device = require_device("device", device)
         _check_scale_fmt(scale_fmt)
-        self.storage = _storage_name(storage)
+        self.storage = storage_name(storage)
         self.num_blocks, self.block_size, self.head_dim = num_blocks, block_size, head_dim
         self.scale_fmt = scale_fmt
         if self.storage == "fp8_e4m3":
@@ -207,13 +208,14 @@ class IndexerKeyCache(PagedRows):
         self._write_rows(k, slot_mapping)
 
 
-def _storage_name(storage: str | torch.dtype) -> str:
-    """Canonical storage name (the cache-dtype aliases of :func:`canonical_kv_cache_dtype`); fp8 means e4m3."""
+def storage_name(storage: str | torch.dtype, argument: str = "storage") -> str:
+    """Canonical storage name (the cache-dtype aliases of :func:`canonical_kv_cache_dtype`); fp8 means e4m3.
+    Anything else is a ``ValueError`` naming ``argument``."""
     try:
         name = canonical_kv_cache_dtype(storage)
     except (TypeError, ValueError):
         name = None
     if name not in _STORAGE_NAMES:
-        raise ValueError(f"storage: got {storage!r}; supported fp8_e4m3 (132 bytes/token, the V3.2 layout), "
+        raise ValueError(f"{argument}: got {storage!r}; supported fp8_e4m3 (132 bytes/token, the V3.2 layout), "
                          + ", ".join(_STORAGE_NAMES[1:]))
     return name
