@@ -105,7 +105,7 @@ class ConfigurationKey:
 #: the configured backends alive now, by configuration (:func:`configure_backend`): one object per
 #: configuration, shared by every layer and engine part that asks for it, dropped when none holds it
 _CONFIGURED: weakref.WeakValueDictionary[Hashable, MLABackend] = weakref.WeakValueDictionary()
-_CONFIGURED_LOCK = threading.Lock()
+_CONFIGURED_LOCK = threading.RLock()
 #: the most recently configured backends, held strongly, so that bare calls of an unconfigured instance (each
 #: configures the backend its inputs describe) reuse one configured backend and its resources
 _RECENT: collections.OrderedDict[Hashable, MLABackend] = collections.OrderedDict()
@@ -148,27 +148,31 @@ def configure_backend(backend: type[MLABackend] | MLABackend, spec: AttentionSpe
     if isinstance(backend, type):
         if not issubclass(backend, MLABackend):
             raise TypeError(f"backend: got class {backend.__name__}; supported an MLABackend subclass or instance")
-        cls, base, options = backend, None, ()
-    elif isinstance(backend, MLABackend):
-        cls, base, options = type(backend), backend, backend.options_key()
-    else:
+    elif not isinstance(backend, MLABackend):
         raise TypeError(f"backend: got {type(backend).__name__}; supported an MLABackend subclass or instance")
     scale = _check_configuration(spec, scale)
-    parts = (cls, options if options is not None else ("instance", id(backend)), spec, scale)
+    cls = backend if isinstance(backend, type) else type(backend)
     with _CONFIGURED_LOCK:
+        made: MLABackend | None = None
+        if isinstance(backend, type):
+            with plugin_call(cls, "__init__()"):  # sys.exit() in a plugin's code there is PluginCodeError
+                made = cls()
+            options = made.options_key()
+        else:
+            options = backend.options_key()
+        parts = (cls, options if options is not None else ("instance", id(made if made is not None else backend)),
+                 spec, scale)
         found = _CONFIGURED.get(parts) if options is not None else None
         if found is not None:
             if parts in _RECENT:
                 _RECENT.move_to_end(parts)
             return found
-        with plugin_call(cls, "__init__()"):  # sys.exit() in a plugin's code there is PluginCodeError
-            if base is None:
-                made = cls()
-            elif options is not None:  # the options alone (not what was set on the instance since, e.g. a spy)
+        if made is None:
+            if options is not None:  # the options alone (not what was set on the instance since, e.g. a spy)
                 made = cls.__new__(cls)
                 made.__dict__.update(dict(options))
             else:
-                made = copy.copy(base)
+                made = copy.copy(backend)
         made._set_configuration(spec, scale, ConfigurationKey(parts), options)
         if options is not None:
             _CONFIGURED[parts] = made
@@ -370,9 +374,11 @@ class MLABackend:
         """What distinguishes this instance's construction (its options, such as ``TritonMLABackend``'s
         ``num_kv_splits``): part of its configuration's key. Default: its attributes other than the
         configuration, by name; None when one cannot be hashed (then every :func:`configure_backend` of it
-        makes a new object). A configured instance keeps the options it was configured with."""
-        if self._configuration is not None:
-            return self._options
+        makes a new object). A configured instance keeps the names of the options it was configured with (not
+        attributes set on it since)."""
+        if self._configuration is not None:  # the options it was configured with, as they are now
+            mine = vars(self)
+            return None if self._options is None else tuple((k, mine.get(k, v)) for k, v in self._options)
         items = tuple(sorted(((k, v) for k, v in vars(self).items() if k not in _CONFIG_ATTRS), key=lambda kv: kv[0]))
         try:
             hash(items)
