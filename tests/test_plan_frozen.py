@@ -9,7 +9,9 @@ here with the calls of 0.4, so they fail on 0.4 and pass now.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import pickle
 import warnings
 
 import pytest
@@ -187,6 +189,7 @@ def test_one_configured_backend_per_configuration_and_it_is_immutable():
         configure_backend(RefTorchBackend, spec, -1)
     with pytest.raises(TypeError, match="spec: got dict"):
         configure_backend(RefTorchBackend, {}, 0.25)  # type: ignore[arg-type]
+    assert copy.deepcopy(a) is a and pickle.loads(pickle.dumps(a)) is a  # copies are the configuration again
     bare = RefTorchBackend()
     with pytest.warns(DeprecationWarning, match="configure_backend"):
         bare.configure(spec, 0.25)  # the 0.4 call: configures in place, once

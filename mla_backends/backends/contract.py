@@ -23,7 +23,6 @@ argument) is still called, with a ``DeprecationWarning``, for one release.
 from __future__ import annotations
 
 import collections
-import copy
 import importlib.util
 import itertools
 import threading
@@ -167,12 +166,9 @@ def configure_backend(backend: type[MLABackend] | MLABackend, spec: AttentionSpe
             if parts in _RECENT:
                 _RECENT.move_to_end(parts)
             return found
-        if made is None:
-            if options is not None:  # the options alone (not what was set on the instance since, e.g. a spy)
-                made = cls.__new__(cls)
-                made.__dict__.update(dict(options))
-            else:
-                made = copy.copy(backend)
+        if made is None:  # the options alone (not what was set on the instance since, e.g. a spy)
+            made = _rebuilt(cls, dict(options) if options is not None else {
+                k: v for k, v in vars(backend).items() if k not in _CONFIG_ATTRS})
         made._set_configuration(spec, scale, ConfigurationKey(parts), options)
         if options is not None:
             _CONFIGURED[parts] = made
@@ -180,6 +176,20 @@ def configure_backend(backend: type[MLABackend] | MLABackend, spec: AttentionSpe
             while len(_RECENT) > RECENT_CONFIGURATIONS:
                 _RECENT.popitem(last=False)
         return made
+
+
+def _rebuilt(cls: type[MLABackend], options: dict[str, object]) -> MLABackend:
+    """An unconfigured ``cls`` instance holding ``options`` as its attributes (its constructor not run again)."""
+    made = cls.__new__(cls)
+    made.__dict__.update(options)
+    return made
+
+
+def _configured_again(cls: type[MLABackend], options: dict[str, object], spec: AttentionSpec,
+                      scale: float) -> MLABackend:
+    """What a pickled or copied configured backend becomes: :func:`configure_backend` of the same class, options,
+    spec and scale (the same object while the original is alive in this process; its own resources elsewhere)."""
+    return configure_backend(_rebuilt(cls, options), spec, scale)
 
 
 def release_configured_backends() -> None:
@@ -337,6 +347,17 @@ class MLABackend:
                                  "backend is immutable; supported configure_backend(backend, spec, scale), which "
                                  "returns the configured backend of another configuration")
         object.__setattr__(self, name, value)
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        """A configured backend pickles (and copies, deep or not) as its configuration: unpickled it is
+        :func:`configure_backend` of it again, which shares the one configured object (and its resources, never
+        pickled) instead of duplicating them. An unconfigured instance pickles as usual."""
+        if self._configuration is None:
+            return super().__reduce_ex__(protocol)  # type: ignore[arg-type]
+        options = self.options_key()
+        state = dict(options) if isinstance(options, tuple) else {
+            k: v for k, v in vars(self).items() if k not in _CONFIG_ATTRS}
+        return (_configured_again, (type(self), state, self.layer_spec, self.layer_scale))
 
     def _set_configuration(self, spec: AttentionSpec, scale: float, key: ConfigurationKey,
                            options: Hashable | None) -> None:

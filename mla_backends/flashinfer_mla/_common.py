@@ -70,6 +70,9 @@ class WrapperPool:
     device's one workspace (:func:`workspace_for`; their runs follow one another on a stream).
     """
 
+    def __reduce__(self) -> tuple[type[WrapperPool], tuple[()]]:
+        return (WrapperPool, ())  # wrappers hold device buffers and plans: a copy starts empty
+
     def __init__(self) -> None:
         self._free: dict[tuple[str, str], list[Any]] = {}
         self._lock = threading.RLock()  # (a finalizer may give back while this thread holds it)

@@ -89,6 +89,9 @@ class ScratchArena:
     def __init__(self) -> None:
         self._local = threading.local()
 
+    def __reduce__(self) -> tuple[type[ScratchArena], tuple[()]]:
+        return (ScratchArena, ())  # buffers are scratch: a copy starts empty
+
     def thread_buffers(self) -> dict[Hashable, torch.Tensor]:
         """This thread's buffers, by ``(name, dtype, device)``."""
         bufs = getattr(self._local, "buffers", None)
