@@ -9,7 +9,9 @@
    layer call (``layer(x, None, cache, plan)``, every layer of ``--layers`` in turn, the plan made once), of
    one ``forward_mqa`` call with the plan, and of the backend's kernel method alone with the prepared state:
    ``forward_mqa`` minus the kernel is what the contract adds per call (validation, plan look-ups, outputs).
-   Median of ``--rounds`` rounds, microseconds. Uses only API older checkouts share.
+   Median of ``--rounds`` rounds, microseconds; and, exact whatever the machine's load, the function calls
+   (Python and built-in, as ``cProfile`` counts them) each of the three makes. Uses only API older checkouts
+   share.
 3. ``--compare-with PATH``: the per-layer figures of another checkout (the code before a change, e.g. ``git
    worktree add /tmp/before main``) and of this one, in alternating subprocesses round by round, medians and
    the ratios (this / other). Quote the ratios: the absolute figures follow the machine's load.
@@ -21,8 +23,10 @@ Usage: ``python benchmarks/bench_plan_step.py [--layers 61] [--batch 8] [--conte
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -60,6 +64,16 @@ def _per_call(fn: Callable[[], object], calls: int) -> float:
     for _ in range(calls):
         fn()
     return (time.perf_counter() - t0) / calls
+
+
+def _calls_per(fn: Callable[[], object], calls: int) -> float:
+    """Function calls (Python and built-in) one ``fn()`` makes, as cProfile counts them."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    return pstats.Stats(prof).total_calls / calls  # type: ignore[attr-defined]
 
 
 def per_layer_figures(layers_n: int, batch: int, rounds: int) -> dict[str, float]:
@@ -114,8 +128,12 @@ def per_layer_figures(layers_n: int, batch: int, rounds: int) -> dict[str, float
             figures["layer_call_s"].append(_per_call(step, 20) / layers_n)
             figures["forward_mqa_s"].append(_per_call(mqa, 200))
             figures["kernel_s"].append(_per_call(kernel, 200))
+        calls = {"layer_call_calls": _calls_per(step, 5) / layers_n, "forward_mqa_calls": _calls_per(mqa, 20),
+                 "kernel_calls": _calls_per(kernel, 20)}
     med = {k: statistics.median(v) for k, v in figures.items()}
     med["contract_overhead_s"] = med["forward_mqa_s"] - med["kernel_s"]
+    med.update(calls)
+    med["contract_overhead_calls"] = calls["forward_mqa_calls"] - calls["kernel_calls"]
     return med
 
 
@@ -163,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("layer_call_s", "forward_mqa_s", "kernel_s", "contract_overhead_s"):
             print(f"{k[:-2]:20s} before {b[k] * 1e6:8.1f} us   after {a[k] * 1e6:8.1f} us   "  # type: ignore[index]
                   f"after/before {r[k]:.2f}")  # type: ignore[index]
+        for k in ("layer_call_calls", "forward_mqa_calls", "kernel_calls", "contract_overhead_calls"):
+            print(f"{k:24s} before {b[k]:8.0f}      after {a[k]:8.0f}      "  # type: ignore[index]
+                  f"after/before {r[k]:.2f}")  # type: ignore[index]
     else:
         result = per_layer_figures(args.layers, args.batch, args.rounds)
         for k, v in result.items():
-            print(f"{k[:-2]:20s} {v * 1e6:8.1f} us")
+            print(f"{k:24s} {v * 1e6:8.1f} us" if k.endswith("_s") else f"{k:24s} {v:8.0f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

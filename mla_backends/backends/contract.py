@@ -111,7 +111,7 @@ _RECENT: collections.OrderedDict[Hashable, MLABackend] = collections.OrderedDict
 RECENT_CONFIGURATIONS = 8
 _LEGACY_WARNED_CONFIGURE: set[type] = set()
 #: attributes fixed once an instance is configured
-_CONFIG_ATTRS = frozenset({"layer_spec", "layer_scale", "resources", "_configuration", "_options"})
+_CONFIG_ATTRS = frozenset({"layer_spec", "layer_scale", "resources", "_configuration", "_options", "_kv_resolved"})
 
 
 def _check_configuration(spec: object, scale: object) -> float:
@@ -379,6 +379,11 @@ class MLABackend:
     def _apply_configuration(self, spec: AttentionSpec, scale: float, key: ConfigurationKey,
                              options: Hashable | None) -> None:
         object.__setattr__(self, "_options", options)
+        try:
+            kv: str | None = spec.resolved_kv_cache_dtype
+        except (ValueError, TypeError):
+            kv = None
+        object.__setattr__(self, "_kv_resolved", kv)
         object.__setattr__(self, "layer_spec", spec)
         object.__setattr__(self, "layer_scale", scale)
         object.__setattr__(self, "resources", None)
@@ -574,11 +579,7 @@ class MLABackend:
     @property
     def _kv_name(self) -> str | None:
         """The cache dtype name the configuration resolves to (None: unconfigured or unresolvable)."""
-        spec = self.layer_spec
-        try:
-            return None if spec is None else spec.resolved_kv_cache_dtype
-        except (ValueError, TypeError):
-            return None
+        return self.__dict__.get("_kv_resolved")
 
     def _check_configured_call(self, q_latent: torch.Tensor, cache: LatentKVCache,
                                topk_indices: torch.Tensor | None, scale: float) -> None:

@@ -226,6 +226,15 @@ class StepPlan(SlotSource):
         for key in self.members.values():
             if key not in self.runs:
                 raise StepPlanError(f"plan.members: got runs key {key!r}, which the plan does not hold")
+        # what every cache check compares with, worked out once: (page size, the fewest blocks a cache needs;
+        # None: no host bound known, the metadata's own check runs)
+        if meta.block_ids_trusted or not B:
+            need: int | None = 0
+        elif meta.verified_block_table is meta.block_table and meta.num_blocks is not None:
+            need = meta.num_blocks
+        else:
+            need = None if self.max_block_id is None else self.max_block_id + 1
+        object.__setattr__(self, "_cache_bound", (meta.block_size, need))
 
     # ---- what the layers read ----------------------------------------------------------------------------
     def runs_for(self, key: Hashable, who: str = "this layer") -> tuple[Run, ...]:
@@ -312,9 +321,13 @@ class StepPlan(SlotSource):
         return (backend.prepare_key(), id(meta)) in self.states
 
     def check_cache(self, cache: PagedRows) -> None:
-        """Raise ValueError unless ``cache`` has the step's page size and holds every block id of the step
-        (a host comparison with :attr:`max_block_id`; no device read)."""
-        self.meta.check_cache(cache, max_block_id=self.max_block_id)
+        """Raise ValueError unless ``cache`` has the step's page size and holds every block id of the step:
+        two integer comparisons with bounds worked out when the plan was made (:attr:`max_block_id`, or the
+        block count ``build`` checked the ids against); no device read."""
+        block_size, need = self._cache_bound
+        if need is not None and cache.block_size == block_size and cache.num_blocks >= need:
+            return
+        self.meta.check_cache(cache, max_block_id=self.max_block_id)  # raises, naming what disagrees
 
     def slots_for(self, cache: PagedRows) -> torch.Tensor:
         """The step's new-token slots ``[T]`` for ``cache.write``, after :meth:`check_cache` (host only)."""
