@@ -9,12 +9,13 @@
    layer call (``layer(x, None, cache, plan)``, every layer of ``--layers`` in turn, the plan made once), of
    one ``forward_mqa`` call with the plan, and of the backend's kernel method alone with the prepared state:
    ``forward_mqa`` minus the kernel is what the contract adds per call (validation, plan look-ups, outputs).
-   Median of ``--rounds`` rounds, microseconds; and, exact whatever the machine's load, the function calls
+   The best of ``--rounds`` rounds (the least disturbed by other work), microseconds; and, exact whatever the
+   machine's load, the function calls
    (Python and built-in, as ``cProfile`` counts them) each of the three makes. Uses only API older checkouts
    share.
 3. ``--compare-with PATH``: the per-layer figures of another checkout (the code before a change, e.g. ``git
-   worktree add /tmp/before main``) and of this one, in alternating subprocesses round by round, medians and
-   the ratios (this / other). Quote the ratios: the absolute figures follow the machine's load.
+   worktree add /tmp/before main``) and of this one, in alternating subprocesses round by round, the best of each
+   and the ratios (this / other). Quote the ratios: the absolute figures follow the machine's load.
 
 Usage: ``python benchmarks/bench_plan_step.py [--layers 61] [--batch 8] [--context 4096]``;
 ``python benchmarks/bench_plan_step.py --per-layer [--compare-with /tmp/before] [--rounds 7] [--json out.json]``
@@ -27,7 +28,6 @@ import cProfile
 import json
 import os
 import pstats
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -77,8 +77,8 @@ def _calls_per(fn: Callable[[], object], calls: int) -> float:
 
 
 def per_layer_figures(layers_n: int, batch: int, rounds: int) -> dict[str, float]:
-    """Median per-call seconds of a layer call, a ``forward_mqa`` call and the kernel alone (see the module
-    docstring, 2.), over ``rounds`` rounds; one torch thread."""
+    """Best per-call seconds of a layer call, a ``forward_mqa`` call and the kernel alone (see the module
+    docstring, 2.) over ``rounds`` rounds, and the function calls each makes; one torch thread."""
     from mla_backends import BatchMetadata, MLAAttention, plan_step
     from mla_backends.core.dims import MLADims
     from mla_backends.loading.hf import random_hf_state_dict
@@ -130,16 +130,16 @@ def per_layer_figures(layers_n: int, batch: int, rounds: int) -> dict[str, float
             figures["kernel_s"].append(_per_call(kernel, 200))
         calls = {"layer_call_calls": _calls_per(step, 5) / layers_n, "forward_mqa_calls": _calls_per(mqa, 20),
                  "kernel_calls": _calls_per(kernel, 20)}
-    med = {k: statistics.median(v) for k, v in figures.items()}
-    med["contract_overhead_s"] = med["forward_mqa_s"] - med["kernel_s"]
-    med.update(calls)
-    med["contract_overhead_calls"] = calls["forward_mqa_calls"] - calls["kernel_calls"]
-    return med
+    best = {k: min(v) for k, v in figures.items()}
+    best["contract_overhead_s"] = best["forward_mqa_s"] - best["kernel_s"]
+    best.update(calls)
+    best["contract_overhead_calls"] = calls["forward_mqa_calls"] - calls["kernel_calls"]
+    return best
 
 
 def compare(other: str, args: argparse.Namespace) -> dict[str, object]:
-    """:func:`per_layer_figures` of ``other`` and of this checkout in alternating subprocesses (one round each
-    time), medians over the rounds and the ratios (this / other)."""
+    """:func:`per_layer_figures` of ``other`` and of this checkout in alternating subprocesses (three rounds
+    each time), the best of each figure over them and the ratios (this / other)."""
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     got: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     for _ in range(args.rounds):
@@ -149,9 +149,11 @@ def compare(other: str, args: argparse.Namespace) -> dict[str, object]:
                        str(args.layers), "--batch", str(args.batch), "--rounds", "3"]
                 subprocess.run(cmd, check=True, env=dict(os.environ, PYTHONPATH=root), stdout=subprocess.DEVNULL)
                 got[label].append(json.load(fh))
-    med = {label: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for label, runs in got.items()}
-    ratios = {k: med["after"][k] / med["before"][k] for k in med["after"]}
-    return {"before": med["before"], "after": med["after"], "ratio": ratios}
+    best = {label: {k: min(r[k] for r in runs) for k in runs[0]} for label, runs in got.items()}
+    for side in best.values():
+        side["contract_overhead_s"] = side["forward_mqa_s"] - side["kernel_s"]
+    ratios = {k: best["after"][k] / best["before"][k] for k in best["after"]}
+    return {"before": best["before"], "after": best["after"], "ratio": ratios}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="MLAAttention layers (default 61, DeepSeek-V3; 8 with --per-layer)")
     ap.add_argument("--batch", type=int, default=8, help="decode requests (default 8)")
     ap.add_argument("--context", type=int, default=4096, help="cached tokens per request (default 4096)")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds, best (plan) or median (per layer) kept")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds, the best kept")
     ap.add_argument("--per-layer", action="store_true", help="the per-layer overhead figures instead")
     ap.add_argument("--compare-with", metavar="PATH", help="with --per-layer: also time another checkout")
     ap.add_argument("--json", metavar="FILE", help="with --per-layer: write the figures as JSON")
