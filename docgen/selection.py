@@ -153,7 +153,7 @@ _ENV = """\
 
 The two on/off switches (and every other one of the project) read `1`/`true`/`yes`/`on` as on and
 `0`/`false`/`no`/`off`/empty/unset as off, in any letter case; any other value is refused with an error naming
-the variable, the value and these spellings (`mla_backends/core/env_switches.py`, `docs/cli.md`).
+the variable, the value and these spellings (`EnvSwitchError`, `docs/cli.md`).
 
 See `docs/plugins.md` for adding a backend, and `mla-backends select --device sm100 --kv-cache-dtype fp8`
 to see the verdicts for any device.

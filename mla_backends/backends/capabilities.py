@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextvars
 import enum
+import math
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -72,10 +73,21 @@ def _is_storage_kv_cache_dtype(name: object) -> bool:
 
 @dataclass(frozen=True)
 class Tolerance:
-    """Allowed error against the float64 reference: ``|x - ref| <= atol + rtol * |ref|``."""
+    """Allowed error against the float64 reference: ``|x - ref| <= atol + rtol * |ref|``.
+
+    Both bounds are finite and non-negative, checked on construction (so ``dataclasses.replace`` checks them
+    too): a negative bound would fail every case, an infinite or NaN one would pass every case."""
 
     atol: float
     rtol: float
+
+    def __post_init__(self) -> None:
+        for name in ("atol", "rtol"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name}: got {type(value).__name__} {value!r}; supported a float")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: got {value!r}; supported a finite float >= 0")
 
 
 #: the conformance suite's default tolerance per judged dtype (sources: docs/conformance.md, "Declaring
@@ -244,6 +256,32 @@ class AttentionSpec:
     sinks: bool = False
     window: bool = False
     compressed: bool = False
+
+    def __post_init__(self) -> None:
+        """Every field's type and range, on construction and on ``dataclasses.replace``. A cache dtype *name*
+        that is no cache dtype is not refused here: it is a reason of the selection
+        (:meth:`~mla_backends.backends.contract.MLABackend.not_supported_reasons`), as a dtype a backend does
+        not take is."""
+        for name, minimum in (("num_heads", 0), ("kv_lora_rank", 0), ("qk_rope_head_dim", 0), ("max_query_len", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: got {type(value).__name__} {value!r}; supported int")
+            if value < minimum:
+                raise ValueError(f"{name}: got {value}; supported >= {minimum}")
+        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                                            or self.block_size < 1):
+            raise ValueError(f"block_size: got {self.block_size!r}; supported an int >= 1 or None (the backend's "
+                             "preferred page size)")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype: got {type(self.dtype).__name__}; supported a torch dtype")
+        if not isinstance(self.kv_cache_dtype, str) or not self.kv_cache_dtype.strip():
+            raise TypeError(f"kv_cache_dtype: got {self.kv_cache_dtype!r}; supported a cache dtype name "
+                            f"({', '.join(KV_CACHE_DTYPES)})")
+        for name in ("sparse", "uniform_query_len", "need_lse"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: got {getattr(self, name)!r}; supported True or False")
+        if not isinstance(self.device, DeviceInfo):
+            raise TypeError(f"device: got {type(self.device).__name__}; supported DeviceInfo")
 
     @property
     def resolved_kv_cache_dtype(self) -> str:

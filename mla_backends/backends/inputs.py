@@ -115,23 +115,31 @@ def declared_reasons(key: Hashable) -> list[Reason]:
 
 
 def planned_declarations(backend: object, meta: BatchMetadata, *, sparse: bool = False) -> frozenset[Hashable]:
-    """The declaration keys a step plan records as accepted for ``backend`` on ``meta``: the one its layer's
-    configuration (``backend.layer_spec``: heads, dims, dtypes, page size) describes, when the backend
-    accepts it; empty for an unconfigured backend (its calls are then checked in full)."""
+    """What a step plan records as accepted for ``backend`` on ``meta``, asked of the declarations once, when the
+    step is planned: the combination its configuration (``backend.layer_spec``: heads, dims, dtypes; the page
+    size, ``meta``'s when the configuration leaves it open) describes, when the backend accepts it, as its
+    declaration key and as ``(configuration token, id(meta))``, which a configured backend's ``forward_mqa``
+    looks up without rebuilding the key. Empty for an unconfigured backend (its calls are then checked in
+    full) or a refused combination."""
     spec = getattr(backend, "layer_spec", None)
-    if not isinstance(spec, AttentionSpec) or spec.block_size is None:
+    if not isinstance(spec, AttentionSpec):
         return frozenset()
     try:
         kv = spec.resolved_kv_cache_dtype
     except (ValueError, TypeError):
         return frozenset()
-    key = declaration_key(type(backend), spec.dtype, spec.num_heads, kv, spec.block_size, spec.kv_lora_rank,
+    block_size = meta.block_size if spec.block_size is None else spec.block_size
+    sparse = spec.sparse if getattr(backend, "_configuration", None) is not None else sparse  # calls carry it
+    key = declaration_key(type(backend), spec.dtype, spec.num_heads, kv, block_size, spec.kv_lora_rank,
                           spec.qk_rope_head_dim, meta.device, sparse=sparse, need_lse=False, meta=meta,
                           v4=(spec.sinks, spec.window, spec.compressed))
     try:
-        return frozenset() if declared_reasons(key) else frozenset({key})
+        if declared_reasons(key):
+            return frozenset()
     except TypeError:  # a declaration that cannot be hashed (a plugin's own field type): checked per call
         return frozenset()
+    token = getattr(getattr(backend, "_configuration", None), "token", None)
+    return frozenset({key} if token is None or block_size != meta.block_size else {key, (token, id(meta))})
 
 
 def check_declared_support(

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from ...backends.contract import AttentionSpec, MLABackend
-from ...backends.reasons import ReasonKind, without_kinds
+from ...backends.contract import AttentionSpec, MLABackend, configure_backend
+from ...backends.reasons import ReasonKind, reasons_of, without_kinds
 from ...backends.v4_inputs import CompressedKeys
 from ...core.device import cuda_device_index, device_info_for
 from ...core.dtypes import accumulate_dtype, dtype_name, parse_model_dtype
@@ -104,13 +104,15 @@ class V4Attention(torch.nn.Module):
         self._loaded = False
 
         backend_cls = _choose_backend(backend, dims, self.dtype, self.device)
-        reasons = without_kinds(backend_cls.not_supported_reasons(self._spec()), ReasonKind.PACKAGE)
+        reasons = without_kinds(reasons_of(backend_cls, self._spec()), ReasonKind.PACKAGE)
         if reasons:
             raise ValueError(f"backend: got {backend_cls.name}, which cannot run this DeepSeek-V4 layer: "
                              + "; ".join(map(str, reasons)))
         self.backend_cls = backend_cls
-        self.backend = backend_cls()
-        self.backend.configure(self._spec(), self.scale)
+        #: the configured backend (configure_backend: one per configuration, shared by the layers alike);
+        #: allocate_cache completes it with the cache's page size and dtype, never after a plan
+        self.backend: MLABackend = configure_backend(backend_cls, self._spec(), self.scale)
+        self._planned = False
         self._add_weights()
 
     def _add_weights(self) -> None:
@@ -203,8 +205,7 @@ class V4Attention(torch.nn.Module):
         kv = kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype)
         if row_format is None:
             row_format = RowFormat(kv) if kv != "auto" else PLAIN_ROWS
-        reasons = without_kinds(self.backend_cls.not_supported_reasons(self._spec(kv, block_size)),
-                                ReasonKind.PACKAGE)
+        reasons = without_kinds(reasons_of(self.backend_cls, self._spec(kv, block_size)), ReasonKind.PACKAGE)
         if reasons:
             raise ValueError(f"allocate_cache: backend {self.backend_cls.name} cannot use this cache: "
                              + "; ".join(map(str, reasons)))
@@ -215,7 +216,16 @@ class V4Attention(torch.nn.Module):
         cache = V4LayerCache.allocate(self.dims, self.layer_idx, num_blocks, block_size, model_dtype=self.dtype,
                                       device=self.device, row_format=row_format, indexer_storage=indexer_storage,
                                       indexer_scale_fmt=indexer_scale_fmt)
-        self.backend.configure(self._spec(cache.kv_cache_dtype, block_size), self.scale)
+        spec = self._spec(cache.kv_cache_dtype, block_size)
+        if spec != self.backend.layer_spec:  # the configuration completed: page size and cache dtype
+            if self.__dict__["_planned"]:
+                raise ValueError(
+                    f"allocate_cache: got page size {block_size} and cache dtype {spec.kv_cache_dtype} for layer "
+                    f"{self.layer_idx}, whose backend is configured for page size "
+                    f"{self.backend.layer_spec.block_size} and cache dtype {self.backend.layer_spec.kv_cache_dtype} "
+                    "and has taken part in a step plan; supported the configuration it planned with (a layer is "
+                    "configured once: build another layer for another cache)")
+            self.backend = configure_backend(self.backend, spec, self.scale)
         return cache
 
     def runs(self, meta: BatchMetadata) -> tuple[Run, ...]:
@@ -226,12 +236,15 @@ class V4Attention(torch.nn.Module):
         return _RUNS_KEY
 
     def plan_key(self) -> Hashable:
-        """Layers with equal keys make equal requests (the same backend preparation and planner)."""
+        """Layers with equal keys make equal requests (the same backend preparation and planner). Asked first by
+        :func:`plan_step`: the layer's configuration is fixed from then on."""
+        self.__dict__["_planned"] = True
         return ("V4Attention", self.backend.prepare_key(), self.planner.prepare_key())
 
     def plan_request(self, meta: BatchMetadata) -> PlanRequest:
         """What this layer runs in the step: the whole step absorbed on its backend, and the V4 planner's
         tables (``preparers``)."""
+        self.__dict__["_planned"] = True
         return PlanRequest(runs_key=_RUNS_KEY, runs=self.runs(meta), backend=self.backend, preparers=(self.planner,))
 
     # ---- forward ---------------------------------------------------------------------------------------
