@@ -20,7 +20,7 @@ from ..step.metadata import BatchMetadata
 from .configs import INTERPRET_BLOCK_N, KernelConfig, merge_grid, rows_layout, stage1_grid
 from .splits import BLOCK_H, MIN_SPLIT_LEN, SCRATCH, next_pow2
 
-__all__ = ["Launch", "build_launches", "quantize_queries_fp8"]
+__all__ = ["Launch", "build_launches", "quantize_queries_fp8", "dot_dtypes", "LOG2E"]
 
 #: the natural log of 2 folded out: the kernels work in base 2
 LOG2E = 1.4426950408889634
@@ -57,7 +57,7 @@ def quantize_queries_fp8(
     return ql8, qr8, qscale
 
 
-def _dot_dtypes(cfg: KernelConfig, q_dtype: torch.dtype, interpret: bool) -> tuple[Any, Any, str]:
+def dot_dtypes(cfg: KernelConfig, q_dtype: torch.dtype, interpret: bool) -> tuple[Any, Any, str]:
     """``(dot dtype, score dot dtype, precision)`` as ``tl`` dtypes for this configuration."""
     import triton.language as tl
 
@@ -99,7 +99,7 @@ def build_launches(
     T, H, R = q_latent.shape
     P = cache.qk_rope_head_dim
     rank_pad, rope_pad = max(16, next_pow2(R)), max(16, next_pow2(P))
-    dot, qk_dot, precision = _dot_dtypes(cfg, q_latent.dtype, interpret)
+    dot, qk_dot, precision = dot_dtypes(cfg, q_latent.dtype, interpret)
     block_n = INTERPRET_BLOCK_N if interpret else cfg.block_n
     launch_opts = {"num_warps": cfg.num_warps, "num_stages": 1 if interpret else cfg.num_stages}
     kv = cache.data

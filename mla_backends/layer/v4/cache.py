@@ -30,10 +30,17 @@ from typing import Any
 
 import torch
 
-from ...core.dtypes import accumulate_dtype, dtype_name, kv_cache_torch_dtype
+from ...core.dtypes import (
+    RECORD_CACHE_DTYPES,
+    accumulate_dtype,
+    canonical_kv_cache_dtype,
+    dtype_name,
+    kv_cache_torch_dtype,
+)
 from ...core.v4dims import CSA, SLIDING, V4Dims
 from ...core.validation import require_device, require_int, require_on_device, require_tensor
 from ...step.cache import LatentKVCache, PagedRows
+from ...step.records import RecordCache, record_layout_for
 from ...step.v4 import check_page_ratio, entries_per_page
 from ..sparse.indexer_cache import IndexerKeyCache
 
@@ -42,21 +49,30 @@ __all__ = ["V4LayerCache", "CompressorStateCache", "RowFormat", "PLAIN_ROWS"]
 
 @dataclass(frozen=True)
 class RowFormat:
-    """How window and compressed rows are stored: here a plain cache dtype (``auto``: the model dtype, or an fp8
-    per-tensor format). DeepSeek's 584-byte fp8 records (448 fp8 values with a power-of-two scale per 64, 64 bf16
-    rotary values) are another format: it allocates its own :class:`LatentKVCache` subclass (quantising in
-    ``quantize``, reading back in ``dequantize``) and states its bytes per row."""
+    """How window and compressed rows are stored: a plain cache dtype (``auto``: the model dtype, or an fp8
+    per-tensor format) in a :class:`LatentKVCache`, or ``"fp8_ds_mla"``: DeepSeek's 584-byte fp8 records (448
+    fp8 values with a power-of-two scale per 64, 64 bf16 rotary values; data rows then scale rows a page) in a
+    :class:`~mla_backends.step.records.RecordCache`, byte for byte as vLLM writes them."""
 
     kv_cache_dtype: str = "auto"
+
+    @property
+    def records(self) -> bool:
+        """Rows are stored as fp8 records (``fp8_ds_mla``)."""
+        return canonical_kv_cache_dtype(self.kv_cache_dtype) in RECORD_CACHE_DTYPES
 
     def allocate(self, num_blocks: int, block_size: int, width: int, *, model_dtype: torch.dtype,
                  device: torch.device) -> LatentKVCache:
         """A zeroed store of ``num_blocks`` pages of ``block_size`` rows of ``width`` values."""
+        if self.records:
+            return RecordCache.allocate_rows(num_blocks, block_size, width, model_dtype=model_dtype, device=device)
         return LatentKVCache(num_blocks, block_size, width, 0, kv_cache_dtype=self.kv_cache_dtype,
                              model_dtype=model_dtype, device=device)
 
     def bytes_per_row(self, width: int, model_dtype: torch.dtype) -> int:
-        """Bytes one row of ``width`` values takes."""
+        """Bytes one row of ``width`` values takes (a record's 584 for ``fp8_ds_mla``)."""
+        if self.records:
+            return record_layout_for(width, 0).record_bytes
         return width * kv_cache_torch_dtype(self.kv_cache_dtype, model_dtype).itemsize
 
 
