@@ -14,13 +14,15 @@ from mla_backends.core.v4dims import CSA, HCA
 from mla_backends.step.v4 import PoolTable, V4PoolTables, plan_v4_step
 from mla_backends.testing import no_host_sync
 
-# three steps of two requests: a prefill, then a mixed step (decode + extend), then two decodes
-STEPS = (([9, 6], [0, 0]), ([1, 5], [9, 6]), ([1, 1], [10, 11]))
-MAX_LEN = 12
+# steps of two requests: a prefill, a mixed step (decode + extend), then decodes to 14 and 13 tokens
+STEPS = (([9, 6], [0, 0]), ([1, 3], [9, 6])) + tuple(([1, 1], [10 + i, 9 + i]) for i in range(4))
+MAX_LEN = 16
 BS = 4  # the window's page (tokens)
 # the other pools' pages: compressed entries (CSA ratio 4, HCA ratio 8), states and indexer rows
 PAGES = {"compressed": {CSA: 2, HCA: 1}, "state": {CSA: 2, HCA: 4}, "indexer_keys": 3, "indexer_state": 2}
-RING = 5  # state pages a request keeps (of 6 it would need): positions 10 and 11 reuse the page of 0 and 1
+# state pages a request keeps, by page size: enough for what one step writes and reads (a step's new tokens and
+# the tokens its new entries pool), fewer than its sequence needs: later positions reuse the pages of earlier ones
+RING = {2: 5, 4: 3}
 
 
 def _pool_table(page: int, gen: torch.Generator, *, ring: int | None = None) -> tuple[torch.Tensor, int]:
@@ -40,11 +42,11 @@ def _setups(seed: int = 0):
     for kind, ratio in ((CSA, 4), (HCA, 8)):
         epp, sbs = PAGES["compressed"][kind], PAGES["state"][kind]
         ctab, cn = _pool_table(epp * ratio, g)  # entries a page: a page covers epp * ratio tokens
-        stab, sn = _pool_table(sbs, g, ring=RING)
+        stab, sn = _pool_table(sbs, g, ring=RING[sbs])
         tables[kind] = (PoolTable(ctab, epp, cn), PoolTable(stab, sbs, sn))
         pages[kind] = {"compressed": (cn, epp), "state": (sn, sbs)}
     ikeys, ikn = _pool_table(PAGES["indexer_keys"] * 4, g)
-    istate, isn = _pool_table(PAGES["indexer_state"], g, ring=RING)
+    istate, isn = _pool_table(PAGES["indexer_state"], g, ring=RING[PAGES["indexer_state"]])
     pages[CSA] |= {"indexer_keys": (ikn, PAGES["indexer_keys"]), "indexer_state": (isn, PAGES["indexer_state"])}
     pools = V4PoolTables(compressed={k: v[0] for k, v in tables.items()}, state={k: v[1] for k, v in tables.items()},
                          indexer_keys=PoolTable(ikeys, PAGES["indexer_keys"], ikn),
