@@ -7,12 +7,12 @@ from types import MappingProxyType
 
 import pytest
 import torch
+from v4_models import small_v4_layers as _layers
 
 from mla_backends import BatchMetadata, plan_step
 from mla_backends.core.v4dims import CSA, HCA
 from mla_backends.step.plan import StepPlanError
 from mla_backends.step.v4 import V4Planner, check_page_ratio, compressed_table, entries_per_page
-from v4_models import small_v4_layers as _layers
 
 QUERY, CONTEXT = [1, 7, 4, 0], [10, 0, 13, 5]  # a decode, a prefill, an extend, an idle request
 
