@@ -13,6 +13,11 @@ from v4_forward_inputs import CBS, H, W, v4_reference, v4_setup
 from mla_backends import plan_step
 from mla_backends.backends.v4_inputs import CompressedKeys
 from mla_backends.triton_mla import TritonMLABackend
+from mla_backends.triton_mla.interpreter import launch_guard
+
+triton = pytest.importorskip("triton")  # the kernels are Triton's (run by its interpreter on a CPU)
+tl = pytest.importorskip("triton.language")
+from mla_backends.triton_mla.kernels_v4 import decode_e4m3  # noqa: E402
 
 SCALE = W ** -0.5
 
@@ -84,3 +89,21 @@ def test_the_v4_tables_are_data():
     assert choose_v4_config(16, "fp32", rank_pad=512, rope_pad=16, smem_limit=99 * 1024).fp32_dots
     assert all(c.kernel == "v4" for rule in V4_CONFIG_TABLE for c in rule.candidates)
     assert CBS == 2  # the compressed pages of the inputs hold two entries (gathers cross pages)
+
+
+@triton.jit
+def _decode_all(B, O):
+    offs = tl.arange(0, 256)
+    tl.store(O + offs, decode_e4m3(tl.load(B + offs)) * 256.0)
+
+
+def test_every_fp8_byte_decodes_exactly():
+    """The kernel's integer fp8 decode (for every SM80+ GPU) against torch's e4m3 values: all 254 finite bytes,
+    subnormals and both zeros included."""
+    bytes_ = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = torch.empty(256, dtype=torch.float32)
+    with launch_guard(True):
+        _decode_all[(1,)](bytes_, got)
+    want = bytes_.view(torch.float8_e4m3fn).float()
+    finite = torch.isfinite(want)
+    assert int(finite.sum()) == 254 and torch.equal(got[finite], want[finite])

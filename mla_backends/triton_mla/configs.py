@@ -165,26 +165,31 @@ CONFIG_TABLE: tuple[ConfigRule, ...] = (
 )
 
 
-def _v4(name: str, block_h: int, block_n: int, fp32: bool = False) -> KernelConfig:
-    return KernelConfig(name, "v4", block_h, block_n, 4, 1, fp32_dots=fp32)
+def _v4(name: str, block_h: int, block_n: int, warps: int = 4, fp32: bool = False) -> KernelConfig:
+    return KernelConfig(name, "v4", block_h, block_n, warps, 1, fp32_dots=fp32)
 
 
 #: the DeepSeek-V4 kernel (:mod:`~mla_backends.triton_mla.kernels_v4`: a window range, gathered compressed
 #: entries and a sink; also every call on ``fp8_ds_mla`` record caches): first matching rule, first fitting
-#: candidate. Tiles are the portable kernel's (16 or 32 heads a program); records are decoded in registers.
+#: candidate. Plain rows take the portable kernel's tiles (16 or 32 heads a program); records (operand class
+#: ``"records"``) are decoded in registers, a float32 tile of 512 columns and its temporaries per row, so they
+#: take 16-row tiles over 8 warps (32-row tiles over 4 warps spilled 5 KB on SM90a: docs/v4.md, "TRITON_MLA").
 V4_CONFIG_TABLE: tuple[ConfigRule, ...] = (
     ConfigRule(None, 1, 16, "16bit", None, False, (_v4("v4-heads16-n32", 16, 32), _v4("v4-heads16-n16", 16, 16))),
     ConfigRule(None, 17, None, "16bit", None, False, (_v4("v4-heads32-n32", 32, 32), _v4("v4-heads32-n16", 32, 16),
                                                       _v4("v4-heads16-n16-narrow", 16, 16))),
-    ConfigRule(None, 1, None, "fp32", None, False, (_v4("v4-fp32-heads16-n16", 16, 16, True),)),
+    ConfigRule(None, 1, 16, "records", None, False, (_v4("v4-records-heads16-n16-w8", 16, 16, 8),)),
+    ConfigRule(None, 17, None, "records", None, False, (_v4("v4-records-heads32-n16-w8", 32, 16, 8),
+                                                        _v4("v4-records-heads16-n16-w8", 16, 16, 8))),
+    ConfigRule(None, 1, None, "fp32", None, False, (_v4("v4-fp32-heads16-n16", 16, 16, fp32=True),)),
 )
 
 
 def v4_operand_class(q_dtype: torch.dtype, cache_dtype: torch.dtype, records: bool) -> str:
-    """The V4 kernel's operand class: ``"16bit"`` for bf16/fp16 queries over a cache of their dtype, an fp8
-    cache or fp8 records, else ``"fp32"``."""
+    """The V4 kernel's operand class: ``"records"`` for bf16/fp16 queries over fp8 records, ``"16bit"`` over a
+    cache of their dtype or an fp8 cache, else ``"fp32"``."""
     if records and q_dtype in (torch.bfloat16, torch.float16):
-        return "16bit"
+        return "records"
     return operand_class(q_dtype, cache_dtype)
 
 
@@ -194,8 +199,8 @@ def choose_v4_config(num_heads: int, operands: str, *, rank_pad: int, rope_pad: 
     whose shared-memory estimate fits ``smem_limit`` (the rule's last candidate when none does)."""
     for rule in V4_CONFIG_TABLE:
         if rule.matches(0, num_heads, operands, False, False):
-            fits = [c for c in rule.candidates
-                    if shared_bytes_estimate(c, operand_bytes(operands), rank_pad, rope_pad) <= smem_limit]
+            elem = operand_bytes("16bit" if operands == "records" else operands)
+            fits = [c for c in rule.candidates if shared_bytes_estimate(c, elem, rank_pad, rope_pad) <= smem_limit]
             return (fits or list(rule.candidates[-1:]))[0]
     raise ValueError(f"num_heads: got {num_heads}; no TRITON_MLA V4 configuration covers it")  # pragma: no cover
 

@@ -42,17 +42,14 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def decode_e4m3(b):
-    """fp8 e4m3 (OCP ``e4m3fn``) bytes ``b`` (uint8 tile) -> float32, with integer arithmetic: normals
-    ``(1 + m/8) 2**(e-7)`` are assembled as float32 bits, subnormals are ``m 2**-9``; ``0x7f``/``0xff`` (NaN)
-    are never written by the cache writers."""
-    x = b.to(tl.int32)
-    sign = (x >> 7) & 1
-    e = (x >> 3) & 15
-    m = x & 7
-    normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    sub = m.to(tl.float32) * 0.001953125  # 2**-9
-    sub = tl.where(sign == 1, -sub, sub)
-    return tl.where(e == 0, sub, normal)
+    """fp8 e4m3 (OCP ``e4m3fn``) bytes ``b`` (uint8 tile) -> float32 values divided by 256, with integer
+    arithmetic (exact on every SM80+ GPU and in the interpreter): the byte's exponent and mantissa bits moved into
+    an fp16 (``(b & 0x7f) << 7``, the sign to bit 15) are the same number times ``2 ** -8``, fp16 subnormals
+    included; callers fold the 256 into their scale. ``0x7f``/``0xff`` (NaN) are never written by the cache
+    writers."""
+    x = b.to(tl.int16)
+    h = ((x & 0x7F) << 7) | ((x & 0x80) << 8)
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -82,7 +79,7 @@ def record_tile(KVE, KVU8, KV16, KV32, page, off, cols, mask_n, mask_c, s_b, s_p
         c16 = tl.where(is8, 0, cols - 448)
         v16 = tl.load(KV16 + ((data + 448) // 2)[:, None] + c16[None, :], mask=m & (~is8)[None, :],
                       other=0.0).to(tl.float32)
-        tile = tl.where(is8[None, :], v8 * _ue8m0(sb), v16)
+        tile = tl.where(is8[None, :], v8 * (_ue8m0(sb) * 256.0), v16)
     else:  # DeepSeek-V3.2's fp8_ds_mla: 512 fp8, 4 float32 scales, 64 bf16, record after record
         data = page * s_b + off * 656
         is8 = cols < 512
@@ -93,7 +90,7 @@ def record_tile(KVE, KVU8, KV16, KV32, page, off, cols, mask_n, mask_c, s_b, s_p
         c16 = tl.where(is8, 0, cols - 512)
         v16 = tl.load(KV16 + ((data + 528) // 2)[:, None] + c16[None, :], mask=m & (~is8)[None, :],
                       other=0.0).to(tl.float32)
-        tile = tl.where(is8[None, :], v8 * sc, v16)
+        tile = tl.where(is8[None, :], v8 * (sc * 256.0), v16)
     return tile
 
 
