@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from bench_scripts import load_benchmark
+from test_triton_compile import _toolchain_reason
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -37,17 +38,6 @@ def test_the_committed_v4_reports_cover_every_point_without_spills(arch):
 
     names = {cfg.name for rule in V4_CONFIG_TABLE for cfg in rule.candidates}
     assert {c["config"] for c in stage1} <= names  # reports of configurations the table still has
-
-
-def _toolchain_reason() -> str | None:
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        if not os.path.exists(get_ptxas(90).path):
-            return "the triton wheel ships no ptxas (needed to compile without a GPU)"
-    except Exception as exc:  # pragma: no cover - depends on the installed triton
-        return f"triton's compiler API is not importable here ({exc})"
-    return None
 
 
 @pytest.mark.skipif(_toolchain_reason() is not None, reason=str(_toolchain_reason()))

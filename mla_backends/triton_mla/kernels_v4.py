@@ -95,13 +95,17 @@ def record_tile(KVE, KVU8, KV16, KV32, page, off, cols, mask_n, mask_c, s_b, s_p
 
 
 @triton.jit
-def _attend_tile(q, qr, kv, kr, valid, m_i, l_i, acc, sm_scale_log2, ROPE: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One tile of keys: scores ``q . kv (+ qr . kr)`` scaled to base 2, ``-inf`` where not ``valid``, folded
-    into the online softmax and the accumulator."""
+def _attend_rows(KVE, KVU8, KV16, KV32, page, off, valid, s_b, s_p, kv_scale, q, qr, m_i, l_i, acc, sm_scale_log2,
+                 offs_d, mask_d, offs_r, mask_r, LAYOUT: tl.constexpr, PAGE_SIZE: tl.constexpr, RANK: tl.constexpr,
+                 ROPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of keys, the rows at ``(page, off)`` (``valid`` ones; the others score ``-inf``): scores
+    ``q . kv (+ qr . kr)`` scaled to base 2, folded into the online softmax and the accumulator."""
+    kv = record_tile(KVE, KVU8, KV16, KV32, page, off, offs_d, valid, mask_d, s_b, s_p, kv_scale, LAYOUT, PAGE_SIZE)
     kvd = kv.to(DOT_DTYPE)
     qk = tl.dot(q, tl.trans(kvd), input_precision=DOT_PRECISION)
     if ROPE > 0:
+        kr = record_tile(KVE, KVU8, KV16, KV32, page, off, RANK + offs_r, valid, mask_r, s_b, s_p, kv_scale, LAYOUT,
+                         PAGE_SIZE)
         qk += tl.dot(qr, tl.trans(kr.to(DOT_DTYPE)), input_precision=DOT_PRECISION)
     qk = tl.where(valid[None, :], qk * sm_scale_log2, float("-inf"))
     m_i, l_i, alpha, p = softmax_step(m_i, l_i, qk)
@@ -171,15 +175,9 @@ def v4_attention_stage1(
             valid = offs_n < r_end
             kpos = tl.where(valid, lo + offs_n, 0)
             page = tl.load(bt_row + kpos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-            off = kpos % PAGE_SIZE
-            kv = record_tile(KVE, KVU8, KV16, KV32, page, off, offs_d, valid, mask_d, s_kv_b, s_kv_p, kv_scale,
-                             LAYOUT, PAGE_SIZE)
-            kr = kv
-            if ROPE > 0:
-                kr = record_tile(KVE, KVU8, KV16, KV32, page, off, RANK + offs_r, valid, mask_r, s_kv_b, s_kv_p,
-                                 kv_scale, LAYOUT, PAGE_SIZE)
-            m_i, l_i, acc = _attend_tile(q, qr, kv, kr, valid, m_i, l_i, acc, sm_scale_log2, ROPE, DOT_DTYPE,
-                                         DOT_PRECISION)
+            m_i, l_i, acc = _attend_rows(KVE, KVU8, KV16, KV32, page, kpos % PAGE_SIZE, valid, s_kv_b, s_kv_p,
+                                         kv_scale, q, qr, m_i, l_i, acc, sm_scale_log2, offs_d, mask_d, offs_r,
+                                         mask_r, LAYOUT, PAGE_SIZE, RANK, ROPE, DOT_DTYPE, DOT_PRECISION)
     if HAS_GATHER:  # the gathered keys: numbers through their own table into their own cache
         g_start = tl.maximum(start, n_range) - n_range
         g_end = end - n_range
@@ -193,15 +191,9 @@ def v4_attention_stage1(
             page = tl.load(gbt_row + e // GPAGE_SIZE, mask=valid, other=0).to(tl.int64)
             valid = valid & (page >= 0)
             page = tl.where(valid, page, 0)
-            off = e % GPAGE_SIZE
-            kv = record_tile(GKVE, GKVU8, GKV16, GKV32, page, off, offs_d, valid, mask_d, s_g_b, s_g_p, kv_scale,
-                             LAYOUT, GPAGE_SIZE)
-            kr = kv
-            if ROPE > 0:
-                kr = record_tile(GKVE, GKVU8, GKV16, GKV32, page, off, RANK + offs_r, valid, mask_r, s_g_b, s_g_p,
-                                 kv_scale, LAYOUT, GPAGE_SIZE)
-            m_i, l_i, acc = _attend_tile(q, qr, kv, kr, valid, m_i, l_i, acc, sm_scale_log2, ROPE, DOT_DTYPE,
-                                         DOT_PRECISION)
+            m_i, l_i, acc = _attend_rows(GKVE, GKVU8, GKV16, GKV32, page, e % GPAGE_SIZE, valid, s_g_b, s_g_p,
+                                         kv_scale, q, qr, m_i, l_i, acc, sm_scale_log2, offs_d, mask_d, offs_r,
+                                         mask_r, LAYOUT, GPAGE_SIZE, RANK, ROPE, DOT_DTYPE, DOT_PRECISION)
     if HAS_SINK:  # split 0 counts each head's sink: a logit with no value
         sink = tl.load(SINKS + offs_h, mask=mask_h, other=float("-inf")).to(tl.float32) * _LOG2E
         sink = tl.where((offs_h * 0 + split) == 0, sink, float("-inf"))

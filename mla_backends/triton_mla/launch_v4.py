@@ -32,9 +32,9 @@ from ..core.attention_math import distinct_topk
 from ..step.cache import LatentKVCache
 from ..step.metadata import BatchMetadata
 from ..step.records import RecordCache
-from .configs import INTERPRET_BLOCK_N, KernelConfig, merge_grid, stage1_grid
-from .launch import LOG2E, Launch, dot_dtypes
-from .splits import BLOCK_H, SCRATCH, next_pow2
+from .configs import INTERPRET_BLOCK_N, KernelConfig, stage1_grid
+from .launch import LOG2E, Launch, dot_dtypes, stage2_launch
+from .splits import SCRATCH, next_pow2
 
 __all__ = ["build_v4_launches", "v4_key_count", "cache_views"]
 
@@ -117,10 +117,4 @@ def build_v4_launches(
         HAS_GATHER=K > 0, HAS_SINK=keys is not None and keys.sinks is not None, DOT_DTYPE=dot,
         DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=1 if interpret else cfg.num_stages,
     ))
-    merge_blocks = -(-H // BLOCK_H)
-    stage2 = Launch("kernels", "mla_decode_stage2", merge_grid(T, merge_blocks), (
-        part_o, part_lse, out, lse_out, H, splits, merge_blocks,
-        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), lse_out.stride(0), lse_out.stride(1),
-    ), dict(RANK=R, RANK_PAD=rank_pad, BLOCK_H=BLOCK_H, num_warps=4))
-    return [stage1, stage2]
+    return [stage1, stage2_launch(part_o, part_lse, out, lse_out, splits, rank_pad)]
