@@ -39,6 +39,7 @@ from ..backends.reasons import ReasonKind, without_kinds
 from ..backends.v4_inputs import CompressedKeys
 from ..core.device import device_info_for
 from ..core.dtypes import dtype_name
+from ..core.validation import require_device
 from ..step.cache import LatentKVCache
 from ..step.metadata import BatchMetadata
 from ..step.plan import plan_step
@@ -161,7 +162,7 @@ def _fill(cache: LatentKVCache, table: torch.Tensor, b: int, n: int, g: torch.Ge
 
 def v4_case_inputs(case: V4Case, device: torch.device | str = "cpu") -> V4Inputs:
     """The case's inputs on ``device`` (deterministic: seeded from its name) and the values its caches hold."""
-    device = torch.device(device)
+    device = require_device("device", device)
     g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     seq = [q + c for q, c in zip(case.query_lens, case.context_lens, strict=True)]
     table, pages = _pages(seq, case.block_size, g)
@@ -237,7 +238,7 @@ def _worst(got: torch.Tensor, want: torch.Tensor, tol: Any) -> tuple[float, bool
 
 def run_v4_case(cls: type[MLABackend], case: V4Case, device: torch.device | str = "cpu") -> V4CaseResult:
     """One case on a fresh instance of ``cls`` (module docstring)."""
-    device = torch.device(device)
+    device = require_device("device", device)
     reasons = without_kinds(cls.not_supported_reasons(case.spec(device)), ReasonKind.PACKAGE)
     if reasons:
         return V4CaseResult(case.name, "skipped", "; ".join(map(str, reasons)))

@@ -39,7 +39,7 @@ from ...backends.contract import MLABackend
 from ...backends.reasons import ReasonKind, without_kinds
 from ...backends.v4_inputs import CompressedKeys
 from ...core.device import device_info_for
-from ...core.validation import require_int
+from ...core.validation import require_device, require_int
 from ...plugins.loading import get_backend
 from ...step.cache import LatentKVCache
 from ...step.metadata import BatchMetadata
@@ -109,7 +109,7 @@ class VLLMV4Attention:
         self.window = require_int("window", window, minimum=1)
         self.ratio = require_int("compress_ratio", compress_ratio, minimum=0)
         self.scale = float(scale)
-        dev = torch.device(device)
+        dev = require_device("device", device)
         kv = "fp8_ds_mla" if kv_cache_dtype in ("fp8", "fp8_ds_mla", "fp8_e4m3") else "auto"
         if backend is None:
             backend = "REF_TORCH" if dev.type == "cpu" else "TRITON_MLA"
