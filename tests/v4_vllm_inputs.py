@@ -13,20 +13,10 @@ from types import SimpleNamespace
 
 import torch
 
+from mla_backends.testing.v4_cases import scattered_table
+
 SWA_PAGE, LOGICAL, WINDOW, H = 4, 16, 5, 4
 QUERY, CONTEXT = [1, 1, 5], [13, 20, 6]  # two decodes, then an extend
-
-
-def _table(lengths: list[int], page: int, gen: torch.Generator) -> tuple[torch.Tensor, int]:
-    need = [-(-n // page) for n in lengths]
-    total = sum(need) + 2
-    ids = torch.randperm(total, generator=gen)
-    table = torch.full((len(lengths), max(need)), -1, dtype=torch.int32)
-    k = 0
-    for b, n in enumerate(need):
-        table[b, :n] = ids[k:k + n]
-        k += n
-    return table, total
 
 
 def _store(n_pages: int, rows_a_page: int, records: bool) -> torch.Tensor:
@@ -54,7 +44,7 @@ def v4_vllm_step(ratio: int, records: bool, seed: int = 0, *, metadata_classes=N
     g = torch.Generator().manual_seed(seed)
     seq = [q + c for q, c in zip(QUERY, CONTEXT, strict=True)]
     T = sum(QUERY)
-    swa_table, n_swa = _table(seq, SWA_PAGE, g)
+    swa_table, n_swa = scattered_table(seq, SWA_PAGE, g)
     swa_cache = _store(n_swa, SWA_PAGE, records)
     rows = {}
     for b, s in enumerate(seq):
@@ -63,7 +53,7 @@ def v4_vllm_step(ratio: int, records: bool, seed: int = 0, *, metadata_classes=N
         rows[b] = _write(swa_cache, SWA_PAGE, r, slots)
     per_page = LOGICAL // max(ratio, 1)
     entries = [s // ratio for s in seq] if ratio > 1 else [0] * len(seq)
-    c_table, n_c = _table([max(1, e) * max(ratio, 1) for e in entries], LOGICAL, g)
+    c_table, n_c = scattered_table([max(1, e) * max(ratio, 1) for e in entries], LOGICAL, g)
     c_cache = _store(n_c, per_page, records) if ratio > 1 else None
     crows = {}
     for b, e in enumerate(entries):

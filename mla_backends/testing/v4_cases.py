@@ -47,7 +47,7 @@ from ..step.records import RecordCache
 from .tolerances import lse_tolerance, tolerance_for
 
 __all__ = ["V4Case", "V4CaseResult", "V4Inputs", "V4_CASES", "v4_case_inputs", "v4_reference", "run_v4_case",
-           "run_v4_cases"]
+           "run_v4_cases", "scattered_table"]
 
 
 @dataclass(frozen=True)
@@ -127,8 +127,9 @@ class V4Inputs:
     crows: dict[int, torch.Tensor]
 
 
-def _pages(lengths: list[int], page: int, g: torch.Generator) -> tuple[torch.Tensor, int]:
-    """A scattered table (unused tail ``-1``) and the pool's page count (two pages nobody owns)."""
+def scattered_table(lengths: list[int], page: int, g: torch.Generator) -> tuple[torch.Tensor, int]:
+    """A block table ``[B, pages + 1]`` for sequences of ``lengths`` on pages of ``page`` rows, its page ids a
+    random permutation (a ``-1`` tail) and the pool's page count (two pages nobody owns)."""
     need = [max(1, -(-n // page)) for n in lengths]
     total = sum(need) + 2
     ids = torch.randperm(total, generator=g)
@@ -165,7 +166,7 @@ def v4_case_inputs(case: V4Case, device: torch.device | str = "cpu") -> V4Inputs
     device = require_device("device", device)
     g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
     seq = [q + c for q, c in zip(case.query_lens, case.context_lens, strict=True)]
-    table, pages = _pages(seq, case.block_size, g)
+    table, pages = scattered_table(seq, case.block_size, g)
     meta = BatchMetadata.build(list(case.query_lens), list(case.context_lens), table.to(device), case.block_size,
                                num_blocks=pages)
     cache = _store(case, pages, case.block_size, device)
@@ -175,7 +176,7 @@ def v4_case_inputs(case: V4Case, device: torch.device | str = "cpu") -> V4Inputs
     if case.ratio:
         entries = [s // case.ratio for s in seq]
         per_page = 2
-        ctab, cpages = _pages(entries, per_page, g)
+        ctab, cpages = scattered_table(entries, per_page, g)
         ccache = _store(case, cpages, per_page, device)
         crows = {b: _fill(ccache, ctab, b, e, g, case) for b, e in enumerate(entries) if e}
         ctable = ctab.to(device)[meta.order]
