@@ -2,6 +2,7 @@
 
     python benchmarks/triton_compile_report.py --arch sm90a --json FILE
     python benchmarks/triton_compile_report.py --arch sm80 --json FILE
+    python benchmarks/triton_compile_report.py --arch sm90a --v4 --json FILE   # the DeepSeek-V4 kernel
 
 For the architecture, every (heads, query dtype, cache dtype, dense/sparse, ``fp8_qk``) point of
 :data:`POINTS` goes through :func:`mla_backends.triton_mla.configs.fitting_configs` with that architecture's
@@ -26,6 +27,13 @@ dots' result tiles and the rows x columns each warpgroup computes, from the TTGI
 ``copies`` > 1 means every warpgroup computes the whole tile); ``benchmarks/mma_roles.py`` reads them.
 A few minutes on 2 cores. Triton's private ``JITFunction._pack_args`` is used
 (same in 3.6 and 3.9).
+
+``--v4`` compiles the DeepSeek-V4 kernel instead (``kernels_v4.v4_attention_stage1`` and its merge; the
+configuration :func:`~mla_backends.triton_mla.configs.choose_v4_config` takes) over :data:`V4_POINTS`: 512-wide
+rows as bf16 or float32 rows, DeepSeek-V4's 584-byte records (window, compressed entries and sinks) and V3.2's
+656-byte records (dense and sparse calls), at 16 and 128 heads (64 heads compile as 128: the same tiles), two
+splits; its reports are committed as ``v4-triton-compile-<arch>-<triton>.json`` (``kv_cache_dtype`` names the
+layout: ``bfloat16``, ``float32``, ``fp8_ds_mla`` (V4) or ``fp8_ds_mla-v32``).
 """
 
 from __future__ import annotations
@@ -64,6 +72,12 @@ POINTS = [
     for fp8_qk in (False, True)
     if not (fp8_qk and (kv != "fp8_e4m3" or sparse)) and not (sparse and q == "float32")
 ]
+#: DeepSeek-V4 kernel points: (heads, query dtype, cache layout, sparse)
+V4_POINTS = [(h, q, kv, sparse) for h in (128, 16)
+             for q, kv, sparse in (("bfloat16", "bfloat16", False), ("bfloat16", "fp8_ds_mla", False),
+                                   ("bfloat16", "fp8_ds_mla-v32", False), ("bfloat16", "fp8_ds_mla-v32", True),
+                                   ("float32", "float32", False))
+             if not (q == "float32" and h != 16)]
 PAGE = 64
 RANK, ROPE = 512, 64
 #: split counts compiled for the chosen configuration (Triton's integer classes: == 1, % 16 == 0, other);
@@ -129,15 +143,15 @@ def _sass(cubin: bytes) -> str:
 def _compile(launch, cc: int) -> dict[str, object]:
     """Compile one launch for ``sm_<cc>`` through Triton's binder: shared bytes, PTX, registers, spills,
     the tensor-core instructions per role (SASS) and the warpgroups' tiles (TTGIR)."""
+    import importlib
+
     import triton
     from mma_roles import mma_summary
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    from mla_backends.triton_mla import kernels, kernels_rows
-
-    fn = getattr(kernels if launch.module == "kernels" else kernels_rows, launch.kernel)
+    fn = getattr(importlib.import_module(f"mla_backends.triton_mla.{launch.module}"), launch.kernel)
     target = GPUTarget("cuda", cc, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -184,7 +198,7 @@ def _record(configs: list, seen: dict, launch, cfg, chosen: bool, arch: str, cc:
     merge = launch.kernel in ("mla_decode_stage2", "mla_decode_merge")
     if launch.kernel == "mla_decode_rows":
         rows = rows_layout(heads)[0] * rows_layout(heads)[1]
-    elif launch.kernel == "mla_decode_stage1":
+    elif launch.kernel in ("mla_decode_stage1", "v4_attention_stage1"):
         rows = cfg.block_h
     else:
         rows = launch.options["BLOCK_H"]
@@ -241,6 +255,67 @@ def report(arch: str, heads_filter: tuple[int, ...] | None = None, kv_filter: st
     return {"arch": arch, "triton": triton.__version__, "configs": configs}
 
 
+def _v4_example(heads: int, q_name: str, kv_name: str, sparse: bool):
+    """CPU tensors shaped like a V4 call (2 requests, query lengths 1 and 4, context 200, window 128, 64 picked
+    compressed entries, sinks) or, for V3.2 records, a dense or sparse call of 512 + 64."""
+    import torch
+
+    from mla_backends.backends.v4_inputs import CompressedKeys, V4Keys
+    from mla_backends.core.dtypes import parse_model_dtype as torch_dtype
+    from mla_backends.step.cache import LatentKVCache
+    from mla_backends.step.metadata import BatchMetadata
+    from mla_backends.step.records import RecordCache
+
+    q_dtype = torch_dtype(q_name)
+    rope = ROPE if kv_name == "fp8_ds_mla-v32" else 0
+    if kv_name.startswith("fp8_ds_mla"):
+        cache = RecordCache(16, PAGE, RANK, rope, model_dtype=q_dtype)
+        ccache = RecordCache(4, 64, RANK, 0, model_dtype=q_dtype)
+    else:
+        cache = LatentKVCache(16, PAGE, RANK, 0, kv_cache_dtype=kv_name, model_dtype=q_dtype)
+        ccache = LatentKVCache(4, 64, RANK, 0, kv_cache_dtype=kv_name, model_dtype=q_dtype)
+    bt = torch.arange(16, dtype=torch.int32).view(2, 8)
+    meta = BatchMetadata.build([1, 4], [200, 200], bt, PAGE, num_blocks=16)
+    T = meta.num_tokens
+    ql = torch.zeros(T, heads, RANK, dtype=q_dtype)
+    qr = torch.zeros(T, heads, rope, dtype=q_dtype)
+    out = torch.empty_like(ql)
+    lse = torch.empty(T, heads, dtype=torch.float32)
+    keys = topk = None
+    if rope:
+        topk = torch.zeros(T, 128, dtype=torch.int32) if sparse else None
+    else:
+        comp = CompressedKeys(ccache, torch.zeros(2, 1, dtype=torch.int32), torch.zeros(T, 64, dtype=torch.long))
+        keys = V4Keys(sinks=torch.zeros(heads), window=128, compressed=comp)
+    return ql, qr, cache, meta, out, lse, keys, topk
+
+
+def v4_report(arch: str, heads_filter: tuple[int, ...] | None = None) -> dict[str, object]:
+    """The ``--v4`` report: the V4 kernel at every :data:`V4_POINTS` point (two splits) and its merge."""
+    import triton
+
+    from mla_backends.triton_mla import kernels
+    from mla_backends.triton_mla.configs import choose_v4_config, v4_operand_class
+    from mla_backends.triton_mla.launch_v4 import build_v4_launches
+
+    assert not kernels.INTERPRET, "TRITON_INTERPRET must be unset for compiling"
+    cc, smem = ARCHS[arch]
+    seen: dict[tuple, dict[str, object]] = {}
+    configs: list[dict[str, object]] = []
+    for heads, q_name, kv_name, sparse in V4_POINTS:
+        if heads_filter and heads not in heads_filter:
+            continue
+        ql, qr, cache, meta, out, lse, keys, topk = _v4_example(heads, q_name, kv_name, sparse)
+        records = kv_name.startswith("fp8_ds_mla")
+        cfg = choose_v4_config(heads, v4_operand_class(ql.dtype, cache.data.dtype, records), rank_pad=RANK,
+                               rope_pad=max(16, qr.shape[-1]), smem_limit=smem)
+        launches = build_v4_launches(ql, qr, cache, meta, scale=0.1, keys=keys, topk_indices=topk, out=out,
+                                     lse_out=lse, cfg=cfg, splits=2, interpret=False)
+        for launch in launches:
+            _record(configs, seen, launch, cfg, True, arch, cc, smem, heads, q_name, kv_name, sparse, 2)
+    return {"arch": arch, "triton": triton.__version__, "configs": configs}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", choices=sorted(ARCHS), required=True, help="target architecture")
@@ -249,8 +324,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", help="only this cache dtype")
     p.add_argument("--chosen-only", action="store_true",
                    help="only the configuration the table chooses, not its fallbacks")
+    p.add_argument("--v4", action="store_true", help="the DeepSeek-V4 kernel's points (V4_POINTS) instead")
     args = p.parse_args(argv)
-    doc = report(args.arch, tuple(args.heads or ()), args.kv_cache_dtype, args.chosen_only)
+    if args.v4:
+        doc = v4_report(args.arch, tuple(args.heads or ()))
+    else:
+        doc = report(args.arch, tuple(args.heads or ()), args.kv_cache_dtype, args.chosen_only)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

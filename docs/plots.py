@@ -22,10 +22,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mla_backends.planning import costs  # noqa: E402
 from mla_backends.cli.reports import deployment_report  # noqa: E402
 from mla_backends.core.dims import MLADims  # noqa: E402
 from mla_backends.core.gpus import gpu_spec  # noqa: E402
+from mla_backends.planning import costs  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GiB = costs.GiB

@@ -73,6 +73,10 @@ _LAZY = {
     "V4Attention": ".layer.v4",
     "V4LayerCache": ".layer.v4",
     "CompressedKeys": ".backends.v4_inputs",
+    "V4PoolTables": ".step.v4",
+    "PoolTable": ".step.v4",
+    "plan_v4_step": ".step.v4",
+    "RecordCache": ".step.records",
     # checkpoints
     "Checkpoint": ".loading.checkpoint",
     "CheckpointError": ".loading.checkpoint",

@@ -42,7 +42,7 @@ class Ladder:
         dense / dense_fp8 / sparse / sparse_fp8: backend names, best first.
         why: the kernel facts that justify the order (rendered into ``docs/selection.md``).
         v4: DeepSeek-V4 attention (sinks, window, compressed keys), best first: the kernels engines run V4 on,
-            by their engine's names, then the reference.
+            by their engine's names, then TRITON_MLA's V4 kernel (SM80+), then the reference.
     """
 
     family: str
@@ -79,6 +79,7 @@ LADDERS: tuple[Ladder, ...] = (
         sparse_fp8=(TRITON, REF),
         why="FlashInfer fa2 first (tuned paged MLA decode); Triton is the portable fallback; fp8 caches need "
             "Triton on SM89 (native fp8 conversion) or the reference; the reference is last.",
+        v4=(TRITON, REF),  # TRITON_MLA's V4 kernel (window, compressed entries, sinks; fp8_ds_mla records)
     ),
     Ladder(
         family="sm90",
@@ -92,7 +93,7 @@ LADDERS: tuple[Ladder, ...] = (
         why="FlashInfer fa3 first (Hopper kernel, also reads fp8_e4m3 with a bf16 query); Triton fallback; "
             "the reference last.",
         # vLLM runs V4 on Hopper with FlashMLA's sparse kernel (SM90, SM100)
-        v4=(FLASHMLA_DSV4, REF),
+        v4=(FLASHMLA_DSV4, TRITON, REF),
     ),
     Ladder(
         family="sm100",
@@ -109,7 +110,7 @@ LADDERS: tuple[Ladder, ...] = (
         why="trtllm-gen first, cutlass second (SM100 kernels); Triton is the fallback (FlashInfer fa2 is "
             "slow on SM100+ and not declared there); fp8 caches: trtllm-gen, Triton; the reference last.",
         # vLLM: FlashMLA's sparse kernel (SM90/SM100) first, FlashInfer's sparse MLA (SM100/SM120) second
-        v4=(FLASHMLA_DSV4, FLASHINFER_DSV4, REF),
+        v4=(FLASHMLA_DSV4, FLASHINFER_DSV4, TRITON, REF),
     ),
     Ladder(
         family="sm110",
@@ -121,6 +122,7 @@ LADDERS: tuple[Ladder, ...] = (
         sparse_fp8=(TRITON, REF),
         why="cutlass first (no trtllm-gen on SM110); Triton fallback and the only fp8 path; the reference "
             "last.",
+        v4=(TRITON, REF),
     ),
     Ladder(
         family="sm120",
@@ -133,7 +135,7 @@ LADDERS: tuple[Ladder, ...] = (
         sparse_fp8=(TRITON, REF),
         why="xqa first (single-token decode, bf16 or fp8); Triton for what xqa refuses (prefill-sized "
             "queries, other page sizes, fp16); the reference last.",
-        v4=(FLASHINFER_DSV4, REF),  # vLLM's FlashInfer sparse MLA for V4 (SM100, SM120)
+        v4=(FLASHINFER_DSV4, TRITON, REF),  # vLLM's FlashInfer sparse MLA for V4 (SM100, SM120), then Triton
     ),
     Ladder(
         family="sm70",
@@ -155,6 +157,7 @@ LADDERS: tuple[Ladder, ...] = (
         sparse_fp8=(TRITON, REF),
         why="an architecture newer than this release: Triton (compiled for it at run time), then the "
             "reference.",
+        v4=(TRITON, REF),
     ),
     Ladder(
         family="cpu",

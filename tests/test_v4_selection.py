@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from selector_fakes import FAKES, FakeTriton, fake_registry, install
+from selector_fakes import FAKES, FakeFlashInfer, fake_registry, install
 
 from mla_backends.backends.contract import Capabilities, MLABackend
 from mla_backends.core.v4dims import V4Dims
@@ -28,23 +28,32 @@ UNREGISTERED = "registry: got no backend registered under this name"
 def test_the_v4_ladders_name_vllms_v4_kernels_and_refuse_them_by_name(monkeypatch, device, named):
     install(monkeypatch, fake_registry())
     sel = select_backend(DIMS, device=device)
-    assert sel.name == "REF_TORCH" and sel.ladder.endswith("/deepseek-v4")
-    assert [v.name for v in sel.verdicts] == [*named, "REF_TORCH"]
-    for v in sel.verdicts[:-1]:
+    chosen = "REF_TORCH" if device == "cpu" else "TRITON_MLA"  # TRITON_MLA's V4 kernel on every GPU family
+    assert sel.name == chosen and sel.ladder.endswith("/deepseek-v4")
+    assert [v.name for v in sel.verdicts] == [*named, *([] if device == "cpu" else ["TRITON_MLA"]), "REF_TORCH"]
+    for v in sel.verdicts[:len(named)]:
         assert [str(r) for r in v.reasons][0].startswith(UNREGISTERED)
     assert sel.spec.sinks and sel.spec.window and sel.spec.compressed and sel.spec.kv_lora_rank == 512
+
+
+@pytest.mark.parametrize("device", ["sm80", "sm90", "sm120"])
+def test_triton_mla_runs_v4_on_gpus_without_the_engine_kernels(device):
+    """The real registry: TRITON_MLA declares sinks, windows and compressed keys, so it is chosen where the
+    engines' V4 kernels are not registered."""
+    assert select_backend(DIMS, device=device).name == "TRITON_MLA"
+    assert select_backend(DIMS, device="cpu").name == "REF_TORCH"
 
 
 def test_a_forced_backend_without_v4_gives_every_reason(monkeypatch):
     install(monkeypatch, fake_registry())
     with pytest.raises(BackendNotSupportedError) as err:
-        select_backend(DIMS, device="sm90", backend="TRITON_MLA")
+        select_backend(DIMS, device="sm90", backend="FLASHINFER_MLA")
     text = str(err.value)
     for want in ("sinks: got required; supported none", "sliding window: got required; supported none",
                  "compressed keys: got required; supported none"):
         assert want in text
     with pytest.raises(ValueError, match="sinks: got required"):
-        V4Attention(DIMS, layer_idx=0, backend=FakeTriton)
+        V4Attention(DIMS, layer_idx=0, backend=FakeFlashInfer)
 
 
 class _PluginDsv4(MLABackend):
@@ -64,4 +73,4 @@ def test_a_plugin_under_a_named_v4_kernel_is_chosen(monkeypatch):
     install(monkeypatch, fake_registry(*FAKES, _PluginDsv4))
     sel = select_backend(DIMS, device="sm90")
     assert sel.name == "FLASHMLA_SPARSE_DSV4" and sel.block_size == 64
-    assert select_backend(DIMS, device="sm80").name == "REF_TORCH"  # not in the Ampere ordering
+    assert select_backend(DIMS, device="sm80").name == "TRITON_MLA"  # not in the Ampere ordering

@@ -7,10 +7,10 @@ from types import MappingProxyType
 
 import pytest
 import torch
+from v4_models import small_v4_layers as _layers
 
 from mla_backends import BatchMetadata, plan_step
-from mla_backends.core.v4dims import CSA, HCA, SLIDING, V4Dims
-from mla_backends.layer.v4 import V4Attention
+from mla_backends.core.v4dims import CSA, HCA
 from mla_backends.step.plan import StepPlanError
 from mla_backends.step.v4 import V4Planner, check_page_ratio, compressed_table, entries_per_page
 
@@ -61,18 +61,6 @@ def test_compressed_tables_share_the_token_pages():
         check_page_ratio(6, 4)
     with pytest.raises(ValueError, match="block_size: got 6"):
         V4Planner(8, {CSA: 4}).prepare(_meta(6))
-
-
-def _layers(block_size=4):
-    dims = V4Dims(num_heads=2, head_dim=32, rope_head_dim=8, q_lora_rank=16, hidden_size=32, num_layers=4,
-                  layer_types=(SLIDING, CSA, HCA, CSA), csa_ratio=4, hca_ratio=8, sliding_window=4, index_n_heads=2,
-                  index_head_dim=16, index_topk=2, o_groups=2, o_lora_rank=8)
-    layers = [V4Attention(dims, layer_idx=i, dtype=torch.float64, backend="REF_TORCH") for i in range(4)]
-    g = torch.Generator().manual_seed(0)
-    for layer in layers:
-        layer.load_hf_state_dict({k: 0.2 * torch.randn(v.shape, generator=g, dtype=torch.float64) + (
-            1.0 if "norm" in k else 0.0) for k, v in layer.state_dict().items()})
-    return layers
 
 
 def test_one_v4_state_per_step_for_every_layer_frozen():

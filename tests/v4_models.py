@@ -106,3 +106,21 @@ def topk_gaps(rec: Recorded, ratio: int = 4, k: int = TOPK) -> list[float]:
             top = torch.sort(s[:vis], descending=True).values
             gaps.append(float((top[k - 1] - top[k]) / top.abs().max().clamp_min(1e-30)))
     return gaps
+
+
+def small_v4_layers(dtype: torch.dtype = torch.float64, backend: str = "REF_TORCH", seed: int = 0, *,
+                    head_dim: int = 32, rope: int = 8) -> list[Any]:
+    """Four loaded ``V4Attention`` layers (window-only, CSA ratio 4, HCA ratio 8, CSA) of a small model: 2 heads of
+    ``head_dim`` (``rope`` rotated), window 4, indexer top-2 of 2 heads of 16, random weights (norms around 1)."""
+    from mla_backends.core.v4dims import CSA, HCA, SLIDING, V4Dims
+    from mla_backends.layer.v4 import V4Attention
+
+    dims = V4Dims(num_heads=2, head_dim=head_dim, rope_head_dim=rope, q_lora_rank=16, hidden_size=32, num_layers=4,
+                  layer_types=(SLIDING, CSA, HCA, CSA), csa_ratio=4, hca_ratio=8, sliding_window=4, index_n_heads=2,
+                  index_head_dim=max(16, 2 * rope), index_topk=2, o_groups=2, o_lora_rank=8)
+    layers = [V4Attention(dims, layer_idx=i, dtype=dtype, backend=backend) for i in range(4)]
+    g = torch.Generator().manual_seed(seed)
+    for layer in layers:
+        layer.load_hf_state_dict({k: (0.2 * torch.randn(v.shape, generator=g, dtype=torch.float64) + (
+            1.0 if "norm" in k else 0.0)).to(v.dtype) for k, v in layer.state_dict().items()})
+    return layers

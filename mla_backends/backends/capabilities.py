@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ..core.device import CPU_DEVICE, DeviceInfo
-from ..core.dtypes import KV_CACHE_DTYPES, canonical_kv_cache_dtype, resolve_kv_cache_dtype
+from ..core.dtypes import KV_CACHE_DTYPES, RECORD_CACHE_DTYPES, canonical_kv_cache_dtype, resolve_kv_cache_dtype
 from ..core.env_switches import parse_switch
 from .reasons import Reason, ReasonKind
 
@@ -59,7 +59,7 @@ class QueryLenSupport(enum.IntEnum):
     VARLEN = 3  # any count per request
 
 
-_STORAGE_NAMES = tuple(n for n in KV_CACHE_DTYPES if n != "auto")
+_STORAGE_NAMES = tuple(n for n in KV_CACHE_DTYPES if n != "auto") + tuple(sorted(RECORD_CACHE_DTYPES))
 
 
 def _is_storage_kv_cache_dtype(name: object) -> bool:

@@ -10,6 +10,7 @@ __all__ = [
     "lse_dtype",
     "KV_CACHE_DTYPES",
     "FP8_CACHE_DTYPES",
+    "RECORD_CACHE_DTYPES",
     "MODEL_DTYPES",
     "canonical_kv_cache_dtype",
     "kv_cache_torch_dtype",
@@ -36,6 +37,10 @@ _KV_ALIASES = {
 }
 KV_CACHE_DTYPES: tuple[str, ...] = tuple(_KV_STORAGE)
 FP8_CACHE_DTYPES: frozenset[str] = frozenset({"fp8_e4m3", "fp8_e5m2"})
+#: cache dtypes stored as DeepSeek's fp8 records (fp8 values with per-group scales and a bf16 rotary tail, bytes,
+#: ``mla_backends.step.records``), not as one element dtype: canonical names that ``KV_CACHE_DTYPES`` (the
+#: element dtypes a ``LatentKVCache`` allocates) does not list
+RECORD_CACHE_DTYPES: frozenset[str] = frozenset({"fp8_ds_mla"})
 
 _MODEL_DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -57,19 +62,28 @@ def canonical_kv_cache_dtype(name: str | torch.dtype) -> str:
         raise TypeError(f"kv_cache_dtype: got {type(name).__name__}; supported a str or torch.dtype")
     key = name.strip().lower()
     key = _KV_ALIASES.get(key, key)
+    if key in RECORD_CACHE_DTYPES:
+        return key
     if key not in _KV_STORAGE:
         raise ValueError(f"kv_cache_dtype: got {name!r}; supported {', '.join(KV_CACHE_DTYPES)}")
     return key
 
 
 def kv_cache_torch_dtype(name: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
-    """Storage dtype of a cache: the model dtype for ``auto``, otherwise the named one."""
-    dt = _KV_STORAGE[canonical_kv_cache_dtype(name)]
+    """Storage dtype of a cache: the model dtype for ``auto``, otherwise the named one. Record layouts
+    (:data:`RECORD_CACHE_DTYPES`) have no element dtype: ValueError."""
+    key = canonical_kv_cache_dtype(name)
+    if key in RECORD_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: got {key!r}, a record layout (fp8 values, scales and a bf16 tail in bytes); "
+                         f"supported element dtypes {', '.join(KV_CACHE_DTYPES)} here (records: RecordCache)")
+    dt = _KV_STORAGE[key]
     return model_dtype if dt is None else dt
 
 
 def resolve_kv_cache_dtype(name: str | torch.dtype, model_dtype: torch.dtype) -> str:
-    """Canonical cache dtype name with ``auto`` replaced by the model dtype's name."""
+    """Canonical cache dtype name with ``auto`` replaced by the model dtype's name (record names as they are)."""
+    if not isinstance(name, torch.dtype) and canonical_kv_cache_dtype(name) in RECORD_CACHE_DTYPES:
+        return canonical_kv_cache_dtype(name)
     return canonical_kv_cache_dtype(kv_cache_torch_dtype(name, model_dtype))
 
 

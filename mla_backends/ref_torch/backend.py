@@ -24,10 +24,11 @@ import torch
 from ..backends.contract import Capabilities, MLABackend, QueryLenSupport
 from ..backends.v4_inputs import V4Keys
 from ..core.attention_math import GROUP_ELEMENT_BUDGET, softmax_with_lse
-from ..core.dtypes import KV_CACHE_DTYPES, accumulate_dtype, kv_cache_torch_dtype
+from ..core.dtypes import KV_CACHE_DTYPES, RECORD_CACHE_DTYPES, accumulate_dtype, kv_cache_torch_dtype
 from ..core.validation import require_int
 from ..step.cache import LatentKVCache, position_slots
 from ..step.metadata import BatchMetadata
+from ..step.records import RecordCache
 from .plans import EXP_FLOOR, HIDDEN_SCORE, RefStep, ScratchArena, prepare_step
 from .v4 import v4_attention
 
@@ -173,7 +174,7 @@ class RefTorchBackend(MLABackend):
     description: ClassVar[str] = "plain PyTorch absorbed decode (reference semantics; production path on CPU)"
     capabilities: ClassVar[Capabilities] = Capabilities(
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64}),
-        kv_cache_dtypes=frozenset(k for k in KV_CACHE_DTYPES if k != "auto"),
+        kv_cache_dtypes=frozenset(k for k in KV_CACHE_DTYPES if k != "auto") | RECORD_CACHE_DTYPES,
         cpu=True,
         min_compute_capability=(7, 0),
         max_compute_capability=None,
@@ -220,12 +221,14 @@ class RefTorchBackend(MLABackend):
         cdt = accumulate_dtype(q_latent.dtype)
         T, H, r = q_latent.shape
         if not isinstance(state, RefStep):  # a subclass's own state (or none): prepared for this call only
-            state = self._prepare_for(meta, r + q_rope.shape[-1], H, cdt, None, dense=v4 is None)
+            state = self._prepare_for(meta, r + q_rope.shape[-1], H, cdt, None,
+                                      dense=v4 is None and not isinstance(cache, RecordCache))
         step = state
         q = step.buffer("q", (T, H, r + q_rope.shape[-1]), cdt, q_latent.device)  # [T, H, 576]
         q[..., :r], q[..., r:] = q_latent, q_rope  # one copy each (and conversion), into the step's buffer
-        if v4 is not None:
-            v4_attention(q, cache, meta, scale, v4, out, lse_out)
+        if v4 is not None or (topk_indices is None and isinstance(cache, RecordCache)):
+            # fp8 records are read row by row (a dense call: the whole causal context, no sink)
+            v4_attention(q, cache, meta, scale, v4 or V4Keys(), out, lse_out)
         elif topk_indices is not None:
             self._sparse(q, cache, meta, topk_indices, scale, out, lse_out)
         else:
@@ -377,7 +380,9 @@ class RefTorchBackend(MLABackend):
             direct = False
         arena = self.resources if isinstance(self.resources, ScratchArena) else ScratchArena()
         return self._prepare_for(meta, spec.kv_lora_rank + spec.qk_rope_head_dim, spec.num_heads, cdt, arena,
-                                 gather_direct=direct, dense=not (spec.window or spec.compressed))
+                                 gather_direct=direct,
+                                 dense=not (spec.window or spec.compressed  # V4 calls use no groups
+                                            or spec.kv_cache_dtype in RECORD_CACHE_DTYPES))  # nor fp8 records
 
     def _prepare_for(self, meta: BatchMetadata, W: int, H: int, cdt: torch.dtype, arena: ScratchArena | None, *,
                      gather_direct: bool = False, dense: bool = True) -> RefStep:

@@ -15,13 +15,24 @@ from typing import ClassVar
 import torch
 
 from ..backends.contract import Capabilities, MLABackend, QueryLenSupport, Tolerance
+from ..backends.v4_inputs import V4Keys
 from ..core.device import cuda_device_index
-from ..core.dtypes import kv_cache_torch_dtype
+from ..core.dtypes import RECORD_CACHE_DTYPES, kv_cache_torch_dtype
 from ..step.cache import LatentKVCache
 from ..step.metadata import BatchMetadata
-from .configs import KERNELS, KernelConfig, choose_config, rows_layout, table_rows
+from ..step.records import RecordCache
+from .configs import (
+    KERNELS,
+    KernelConfig,
+    choose_config,
+    choose_v4_config,
+    rows_layout,
+    table_rows,
+    v4_operand_class,
+)
 from .interpreter import interpreter_enabled, launch_guard
 from .launch import build_launches
+from .launch_v4 import build_v4_launches, v4_key_count
 from .splits import MAX_KV_SPLITS, MIN_SPLIT_LEN, choose_num_kv_splits, next_pow2, rows_split_sizes, sm_count
 
 __all__ = ["TritonMLABackend", "TritonStep", "interpreter_enabled", "PAGE_SIZES", "DEFAULT_SMEM_BYTES",
@@ -111,7 +122,7 @@ class TritonMLABackend(MLABackend):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
-        kv_cache_dtypes=frozenset({"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2"}),
+        kv_cache_dtypes=frozenset({"bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla"}),
         cpu=False,
         min_compute_capability=(8, 0),
         fp8_min_compute_capability=(8, 9),
@@ -122,6 +133,9 @@ class TritonMLABackend(MLABackend):
         decode_threshold=1,
         dense=True,
         sparse=True,
+        sinks=True,  # DeepSeek-V4: window, compressed keys and sinks (kernels_v4.py)
+        window=True,
+        compressed=True,
         returns_lse=True,
         deterministic=True,
         requires=("triton",),
@@ -218,9 +232,12 @@ class TritonMLABackend(MLABackend):
         out: torch.Tensor,
         lse_out: torch.Tensor | None,
         state: object | None,
+        v4: V4Keys | None = None,
     ) -> None:
         """Stage 1 (split-KV partials) and stage 2 (merge) into ``out [T, H, R]`` (q's dtype) and
-        ``lse_out [T, H]`` (float32, natural log); inputs validated by :meth:`MLABackend.forward_mqa`."""
+        ``lse_out [T, H]`` (float32, natural log); inputs validated by :meth:`MLABackend.forward_mqa`. Calls with
+        DeepSeek-V4 inputs (``v4``) and calls on ``fp8_ds_mla`` record caches take the V4 kernel
+        (:mod:`.kernels_v4`)."""
         assert lse_out is not None  # returns_lse: forward_mqa always provides it
         self._check_layout(q_latent, q_rope, cache, out)
         H, R = q_latent.shape[1], q_latent.shape[2]
@@ -231,6 +248,11 @@ class TritonMLABackend(MLABackend):
                 f"device: got CPU tensors, but the Triton kernels were imported without "
                 f"TRITON_INTERPRET=1; supported a CUDA device ({_CPU_TAIL}, set before first use)"
             )
+        if v4 is not None or isinstance(cache, RecordCache):
+            launches = self._v4_launches(q_latent, q_rope, cache, meta, scale, v4, topk_indices, out, lse_out,
+                                         kernels.INTERPRET)
+            self._run(launches, cache.device.type != "cuda")
+            return
         sparse = topk_indices is not None
         call = (H, q_latent.dtype, cache.data.dtype, R, cache.qk_rope_head_dim, cache.device, kernels.INTERPRET)
         if isinstance(state, TritonStep) and not sparse and state.call == call:  # prepared when planned
@@ -242,11 +264,14 @@ class TritonMLABackend(MLABackend):
             q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out, lse_out=lse_out,
             cfg=cfg, splits=splits, interpret=kernels.INTERPRET, split_len=split_len,
         )
-        interpreted = cache.device.type != "cuda"
+        self._run(launches, cache.device.type != "cuda")
+
+    @staticmethod
+    def _run(launches: list, interpreted: bool) -> None:
+        """Launch each kernel of ``launches`` (interpreted launches: one at a time per process)."""
         for launch in launches:
-            module = kernels if launch.module == "kernels" else importlib.import_module(f".{launch.module}",
-                                                                                          __package__)
-            with launch_guard(interpreted):  # interpreted launches: one at a time per process
+            module = importlib.import_module(f".{launch.module}", __package__)
+            with launch_guard(interpreted):
                 getattr(module, launch.kernel)[launch.grid](*launch.args, **launch.options)
 
     def prepare(self, meta: BatchMetadata) -> TritonStep | None:
@@ -254,7 +279,8 @@ class TritonMLABackend(MLABackend):
         splits from host values, once per step); None when unconfigured, sparse (the split count follows each
         call's top-k width) or holding no token."""
         spec = self.layer_spec
-        if spec is None or spec.sparse or not meta.num_tokens:
+        if (spec is None or spec.sparse or not meta.num_tokens or spec.window or spec.compressed
+                or spec.kv_cache_dtype in RECORD_CACHE_DTYPES):  # V4 and fp8 records: their own launches per call
             return None
         cache_dtype = kv_cache_torch_dtype(spec.kv_cache_dtype, spec.dtype)
         call = (spec.num_heads, spec.dtype, cache_dtype, spec.kv_lora_rank, spec.qk_rope_head_dim, meta.device,
@@ -270,6 +296,23 @@ class TritonMLABackend(MLABackend):
         if cfg.kernel == "rows":
             return (cfg, *self.rows_splits_for(meta, H, device, cfg))  # type: ignore[arg-type]
         return cfg, self.kv_splits_for(meta, H, device, topk_width), self.min_split_len  # type: ignore[arg-type]
+
+    def _v4_launches(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                     meta: BatchMetadata, scale: float, v4: V4Keys | None, topk_indices: torch.Tensor | None,
+                     out: torch.Tensor, lse_out: torch.Tensor, interpret: bool) -> list:
+        """The V4 kernel's launches (:func:`~mla_backends.triton_mla.launch_v4.build_v4_launches`) with the
+        configuration table's choice (:func:`~mla_backends.triton_mla.configs.choose_v4_config`) and the split
+        heuristic over the most keys a token attends (host values only)."""
+        H, R = q_latent.shape[1], q_latent.shape[2]
+        records = isinstance(cache, RecordCache)
+        smem = _smem_bytes(cache.device) if cache.device.type == "cuda" and not interpret else INTERPRET_SMEM_BYTES
+        cfg = choose_v4_config(H, v4_operand_class(q_latent.dtype, cache.data.dtype, records),
+                               rank_pad=max(16, next_pow2(R)), rope_pad=max(16, next_pow2(cache.qk_rope_head_dim)),
+                               smem_limit=smem)
+        width = 0 if topk_indices is None else int(topk_indices.shape[1])
+        splits = self.kv_splits_for(meta, H, cache.device, v4_key_count(meta, v4, width))
+        return build_v4_launches(q_latent, q_rope, cache, meta, scale=scale, keys=v4, topk_indices=topk_indices,
+                                 out=out, lse_out=lse_out, cfg=cfg, splits=splits, interpret=interpret)
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @staticmethod

@@ -41,6 +41,9 @@ __all__ = [
     "stage1_grid",
     "merge_grid",
     "table_rows",
+    "V4_CONFIG_TABLE",
+    "choose_v4_config",
+    "v4_operand_class",
 ]
 
 #: CUDA's grid limits: axis 0 up to 2**31 - 1 programs, axes 1 and 2 up to 65,535
@@ -162,6 +165,46 @@ CONFIG_TABLE: tuple[ConfigRule, ...] = (
 )
 
 
+def _v4(name: str, block_h: int, block_n: int, warps: int = 4, fp32: bool = False) -> KernelConfig:
+    return KernelConfig(name, "v4", block_h, block_n, warps, 1, fp32_dots=fp32)
+
+
+#: the DeepSeek-V4 kernel (:mod:`~mla_backends.triton_mla.kernels_v4`: a window range, gathered compressed
+#: entries and a sink; also every call on ``fp8_ds_mla`` record caches): first matching rule, first fitting
+#: candidate. Plain rows take the portable kernel's tiles (16 or 32 heads a program); records (operand class
+#: ``"records"``) are decoded in registers, a float32 tile of 512 columns and its temporaries per row, so they
+#: take 16-row tiles over 8 warps (32-row tiles over 4 warps spilled 5 KB on SM90a: docs/v4.md, "TRITON_MLA").
+V4_CONFIG_TABLE: tuple[ConfigRule, ...] = (
+    ConfigRule(None, 1, 16, "16bit", None, False, (_v4("v4-heads16-n32", 16, 32), _v4("v4-heads16-n16", 16, 16))),
+    ConfigRule(None, 17, None, "16bit", None, False, (_v4("v4-heads32-n32", 32, 32), _v4("v4-heads32-n16", 32, 16),
+                                                      _v4("v4-heads16-n16-narrow", 16, 16))),
+    ConfigRule(None, 1, 16, "records", None, False, (_v4("v4-records-heads16-n16-w8", 16, 16, 8),)),
+    ConfigRule(None, 17, None, "records", None, False, (_v4("v4-records-heads32-n16-w8", 32, 16, 8),
+                                                        _v4("v4-records-heads16-n16-w8", 16, 16, 8))),
+    ConfigRule(None, 1, None, "fp32", None, False, (_v4("v4-fp32-heads16-n16", 16, 16, fp32=True),)),
+)
+
+
+def v4_operand_class(q_dtype: torch.dtype, cache_dtype: torch.dtype, records: bool) -> str:
+    """The V4 kernel's operand class: ``"records"`` for bf16/fp16 queries over fp8 records, ``"16bit"`` over a
+    cache of their dtype or an fp8 cache, else ``"fp32"``."""
+    if records and q_dtype in (torch.bfloat16, torch.float16):
+        return "records"
+    return operand_class(q_dtype, cache_dtype)
+
+
+def choose_v4_config(num_heads: int, operands: str, *, rank_pad: int, rope_pad: int,
+                     smem_limit: int) -> KernelConfig:
+    """The V4 kernel's configuration: the first candidate of the first matching :data:`V4_CONFIG_TABLE` rule
+    whose shared-memory estimate fits ``smem_limit`` (the rule's last candidate when none does)."""
+    for rule in V4_CONFIG_TABLE:
+        if rule.matches(0, num_heads, operands, False, False):
+            elem = operand_bytes("16bit" if operands == "records" else operands)
+            fits = [c for c in rule.candidates if shared_bytes_estimate(c, elem, rank_pad, rope_pad) <= smem_limit]
+            return (fits or list(rule.candidates[-1:]))[0]
+    raise ValueError(f"num_heads: got {num_heads}; no TRITON_MLA V4 configuration covers it")  # pragma: no cover
+
+
 def operand_class(q_dtype: torch.dtype, cache_dtype: torch.dtype) -> str:
     """``"16bit"`` when the dots can take the query's 16-bit dtype (cache of that dtype or fp8), else
     ``"fp32"``."""
@@ -186,7 +229,7 @@ def shared_bytes_estimate(cfg: KernelConfig, elem: int, rank_pad: int, rope_pad:
     products both are fp8 (one byte an element).
     """
     width = rank_pad + rope_pad
-    if cfg.kernel == "heads":
+    if cfg.kernel in ("heads", "v4"):
         return int(1.25 * elem * (cfg.block_h + cfg.block_n) * width)
     elem = 1 if cfg.qk_fp8 else elem
     buffers = max(2, cfg.num_stages)  # measured: 2 buffers at 2 stages, num_stages at 3-4

@@ -20,7 +20,7 @@ from ..step.metadata import BatchMetadata
 from .configs import INTERPRET_BLOCK_N, KernelConfig, merge_grid, rows_layout, stage1_grid
 from .splits import BLOCK_H, MIN_SPLIT_LEN, SCRATCH, next_pow2
 
-__all__ = ["Launch", "build_launches", "quantize_queries_fp8"]
+__all__ = ["Launch", "build_launches", "quantize_queries_fp8", "dot_dtypes", "stage2_launch", "LOG2E"]
 
 #: the natural log of 2 folded out: the kernels work in base 2
 LOG2E = 1.4426950408889634
@@ -57,7 +57,7 @@ def quantize_queries_fp8(
     return ql8, qr8, qscale
 
 
-def _dot_dtypes(cfg: KernelConfig, q_dtype: torch.dtype, interpret: bool) -> tuple[Any, Any, str]:
+def dot_dtypes(cfg: KernelConfig, q_dtype: torch.dtype, interpret: bool) -> tuple[Any, Any, str]:
     """``(dot dtype, score dot dtype, precision)`` as ``tl`` dtypes for this configuration."""
     import triton.language as tl
 
@@ -99,7 +99,7 @@ def build_launches(
     T, H, R = q_latent.shape
     P = cache.qk_rope_head_dim
     rank_pad, rope_pad = max(16, next_pow2(R)), max(16, next_pow2(P))
-    dot, qk_dot, precision = _dot_dtypes(cfg, q_latent.dtype, interpret)
+    dot, qk_dot, precision = dot_dtypes(cfg, q_latent.dtype, interpret)
     block_n = INTERPRET_BLOCK_N if interpret else cfg.block_n
     launch_opts = {"num_warps": cfg.num_warps, "num_stages": 1 if interpret else cfg.num_stages}
     kv = cache.data
@@ -124,13 +124,20 @@ def build_launches(
         BLOCK_N=block_n, SPARSE=sparse, IS_FP8=cache.is_fp8, DOT_DTYPE=dot, DOT_PRECISION=precision,
         **launch_opts,
     ))
+    return [stage1, stage2_launch(part_o, part_lse, out, lse_out, splits, rank_pad)]
+
+
+def stage2_launch(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse_out: torch.Tensor,
+                  splits: int, rank_pad: int) -> Launch:
+    """The merge of ``splits`` partials ``part_o [T, H, splits, R]`` / ``part_lse [T, H, splits]`` (base 2) into
+    ``out`` and ``lse_out`` (:func:`~mla_backends.triton_mla.kernels.mla_decode_stage2`)."""
+    T, H, R = out.shape
     merge_blocks = -(-H // BLOCK_H)
-    stage2 = Launch("kernels", "mla_decode_stage2", merge_grid(T, merge_blocks), (
+    return Launch("kernels", "mla_decode_stage2", merge_grid(T, merge_blocks), (
         part_o, part_lse, out, lse_out, H, splits, merge_blocks,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse_out.stride(0), lse_out.stride(1),
     ), dict(RANK=R, RANK_PAD=rank_pad, BLOCK_H=BLOCK_H, num_warps=4))
-    return [stage1, stage2]
 
 
 def _rows_launches(

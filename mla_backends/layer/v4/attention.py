@@ -26,7 +26,7 @@ One step, ``T`` tokens in processing order (every request, prefill or decode, ta
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
@@ -193,12 +193,16 @@ class V4Attention(torch.nn.Module):
 
     def allocate_cache(self, num_blocks: int, block_size: int | None = None, kv_cache_dtype: str | torch.dtype = "auto",
                        *, row_format: RowFormat | None = None, indexer_storage: str | torch.dtype = "auto",
-                       indexer_scale_fmt: str | None = "ue8m0") -> V4LayerCache:
+                       indexer_scale_fmt: str | None = "ue8m0",
+                       pool_pages: Mapping[str, tuple[int, int]] | None = None) -> V4LayerCache:
         """This layer's zeroed :class:`V4LayerCache` (model dtype, device) after checking that the backend takes
         ``block_size`` (None: :attr:`preferred_block_size`) and ``kv_cache_dtype``, and that ``block_size``
         divides or is divided by every compress ratio of the model. ``indexer_storage``: ``"auto"`` keeps the
         CSA indexer keys in the model dtype (exact); ``"fp8_e4m3"`` is vLLM's 132-byte layout (with
-        ``indexer_scale_fmt="ue8m0"``, power-of-two scales)."""
+        ``indexer_scale_fmt="ue8m0"``, power-of-two scales). ``kv_cache_dtype="fp8_ds_mla"``: the window and
+        compressed rows as DeepSeek's 584-byte fp8 records. ``pool_pages``: ``{store: (pages, rows a page)}`` for
+        stores with their own block tables (:meth:`V4LayerCache.allocate`; plan such steps with
+        :func:`~mla_backends.step.v4.plan_v4_step`)."""
         require_int("num_blocks", num_blocks, minimum=1)
         block_size = self.preferred_block_size if block_size is None else block_size
         require_int("block_size", block_size, minimum=1)
@@ -209,13 +213,14 @@ class V4Attention(torch.nn.Module):
         if reasons:
             raise ValueError(f"allocate_cache: backend {self.backend_cls.name} cannot use this cache: "
                              + "; ".join(map(str, reasons)))
-        for r in self.planner.ratios.values():
-            check_page_ratio(block_size, r)
+        if not pool_pages:
+            for r in self.planner.ratios.values():
+                check_page_ratio(block_size, r)
         if indexer_storage == "auto":
             indexer_storage = dtype_name(self.dtype)
         cache = V4LayerCache.allocate(self.dims, self.layer_idx, num_blocks, block_size, model_dtype=self.dtype,
                                       device=self.device, row_format=row_format, indexer_storage=indexer_storage,
-                                      indexer_scale_fmt=indexer_scale_fmt)
+                                      indexer_scale_fmt=indexer_scale_fmt, pool_pages=pool_pages)
         spec = self._spec(cache.kv_cache_dtype, block_size)
         if spec != self.backend.layer_spec:  # the configuration completed: page size and cache dtype
             if self.__dict__["_planned"]:
@@ -272,6 +277,13 @@ class V4Attention(torch.nn.Module):
         state = plan.state(self.planner, meta)
         plan.state(self.backend, meta)
         plan.check_cache(cache.window)  # the step's pages against this cache, before anything is written
+        if self.compressor is not None:  # every pool's pages and page size against its store, before any write
+            entries = state.for_kind(self.kind)  # type: ignore[union-attr]
+            entries.main.state.slots_for(cache.state)
+            entries.main.out.slots_for(cache.compressed)
+            if entries.indexer is not None:
+                entries.indexer.state.slots_for(cache.indexer_state)
+                entries.indexer.out.slots_for(cache.indexer_keys)
         return state  # type: ignore[return-value]
 
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor | None, cache: V4LayerCache,
@@ -297,10 +309,10 @@ class V4Attention(torch.nn.Module):
         compressed = None
         if self.compressor is not None:
             entries = state.for_kind(self.kind)
-            self.compressor(x, pos, cache.state, plan, entries, cache.compressed)
+            self.compressor(x, pos, cache.state, entries.main, entries, cache.compressed)
             if self.kind == CSA:
                 picks = self.compressor.indexer.select(x, q_resid, pos, meta, cache.indexer_keys, cache.indexer_state,
-                                                       plan, entries)
+                                                       entries)
                 self.last_topk_indices = meta.to_caller_order(picks)
             else:
                 picks = entries.seen

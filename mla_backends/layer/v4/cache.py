@@ -25,38 +25,55 @@ older than ``seq_len - max(sliding_window, c * ratio)`` of its request.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...core.dtypes import accumulate_dtype, dtype_name, kv_cache_torch_dtype
+from ...core.dtypes import (
+    RECORD_CACHE_DTYPES,
+    accumulate_dtype,
+    canonical_kv_cache_dtype,
+    dtype_name,
+    kv_cache_torch_dtype,
+)
 from ...core.v4dims import CSA, SLIDING, V4Dims
 from ...core.validation import require_device, require_int, require_on_device, require_tensor
 from ...step.cache import LatentKVCache, PagedRows
+from ...step.records import RecordCache, record_layout_for
 from ...step.v4 import check_page_ratio, entries_per_page
 from ..sparse.indexer_cache import IndexerKeyCache
 
-__all__ = ["V4LayerCache", "CompressorStateCache", "RowFormat", "PLAIN_ROWS"]
+__all__ = ["V4LayerCache", "CompressorStateCache", "RowFormat", "PLAIN_ROWS", "POOL_STORES"]
 
 
 @dataclass(frozen=True)
 class RowFormat:
-    """How window and compressed rows are stored: here a plain cache dtype (``auto``: the model dtype, or an fp8
-    per-tensor format). DeepSeek's 584-byte fp8 records (448 fp8 values with a power-of-two scale per 64, 64 bf16
-    rotary values) are another format: it allocates its own :class:`LatentKVCache` subclass (quantising in
-    ``quantize``, reading back in ``dequantize``) and states its bytes per row."""
+    """How window and compressed rows are stored: a plain cache dtype (``auto``: the model dtype, or an fp8
+    per-tensor format) in a :class:`LatentKVCache`, or ``"fp8_ds_mla"``: DeepSeek's 584-byte fp8 records (448
+    fp8 values with a power-of-two scale per 64, 64 bf16 rotary values; data rows then scale rows a page) in a
+    :class:`~mla_backends.step.records.RecordCache`, byte for byte as vLLM writes them."""
 
     kv_cache_dtype: str = "auto"
+
+    @property
+    def records(self) -> bool:
+        """Rows are stored as fp8 records (``fp8_ds_mla``)."""
+        return canonical_kv_cache_dtype(self.kv_cache_dtype) in RECORD_CACHE_DTYPES
 
     def allocate(self, num_blocks: int, block_size: int, width: int, *, model_dtype: torch.dtype,
                  device: torch.device) -> LatentKVCache:
         """A zeroed store of ``num_blocks`` pages of ``block_size`` rows of ``width`` values."""
+        if self.records:
+            return RecordCache.allocate_rows(num_blocks, block_size, width, model_dtype=model_dtype, device=device)
         return LatentKVCache(num_blocks, block_size, width, 0, kv_cache_dtype=self.kv_cache_dtype,
                              model_dtype=model_dtype, device=device)
 
     def bytes_per_row(self, width: int, model_dtype: torch.dtype) -> int:
-        """Bytes one row of ``width`` values takes."""
+        """Bytes one row of ``width`` values takes (a record's 584 for ``fp8_ds_mla``)."""
+        if self.records:
+            return record_layout_for(width, 0).record_bytes
         return width * kv_cache_torch_dtype(self.kv_cache_dtype, model_dtype).itemsize
 
 
@@ -96,6 +113,27 @@ class CompressorStateCache(PagedRows):
                 f"row={self.row_width}, dtype={dtype_name(self.data.dtype)})")
 
 
+#: the stores ``pool_pages`` may size on their own (every store but the window)
+POOL_STORES = ("compressed", "state", "indexer_keys", "indexer_state")
+
+
+def _check_pool_pages(pool_pages: Mapping[str, tuple[int, int]] | None) -> dict[str, tuple[int, int]]:
+    if pool_pages is None:
+        return {}
+    if not isinstance(pool_pages, Mapping):
+        raise TypeError(f"pool_pages: got {type(pool_pages).__name__}; supported a mapping store -> (pages, rows "
+                        "a page) or None")
+    out = {}
+    for name, value in pool_pages.items():
+        if name not in POOL_STORES:
+            raise ValueError(f"pool_pages: got store {name!r}; supported {', '.join(POOL_STORES)}")
+        if not (isinstance(value, tuple) and len(value) == 2):
+            raise TypeError(f"pool_pages[{name!r}]: got {value!r}; supported (pages, rows a page)")
+        out[name] = (require_int(f"pool_pages[{name!r}][0]", value[0], minimum=1),
+                     require_int(f"pool_pages[{name!r}][1]", value[1], minimum=1))
+    return out
+
+
 class V4LayerCache:
     """Every store of one V4 layer (module docstring); ``None`` where the layer's kind has none.
 
@@ -118,11 +156,15 @@ class V4LayerCache:
     def allocate(cls, dims: V4Dims, layer_idx: int, num_blocks: int, block_size: int, *,
                  model_dtype: torch.dtype, device: str | torch.device = "cpu", row_format: RowFormat = PLAIN_ROWS,
                  indexer_storage: str | torch.dtype = "fp8_e4m3", indexer_scale_fmt: str | None = "ue8m0",
-                 ) -> V4LayerCache:
+                 pool_pages: Mapping[str, tuple[int, int]] | None = None) -> V4LayerCache:
         """Zeroed stores of layer ``layer_idx`` with ``num_blocks`` pages of ``block_size`` tokens.
 
         ``row_format`` stores the window and compressed rows; ``indexer_storage`` the CSA indexer keys (fp8 with
         a power-of-two scale per 128 values, 132 bytes, as vLLM; or ``float32``/``float64``/``bfloat16``).
+        ``pool_pages``: ``{store: (pages, rows a page)}`` for stores addressed through their own block tables
+        (``compressed``, ``state``, ``indexer_keys``, ``indexer_state``; steps planned with
+        :func:`~mla_backends.step.v4.plan_v4_step`); a store left out shares the window's page ids
+        (``num_blocks`` pages, ``block_size`` tokens, or ``max(1, block_size // ratio)`` entries a page).
         """
         if not isinstance(dims, V4Dims):
             raise TypeError(f"dims: got {type(dims).__name__}; supported V4Dims")
@@ -130,6 +172,7 @@ class V4LayerCache:
         require_int("block_size", block_size, minimum=1)
         if not isinstance(row_format, RowFormat):
             raise TypeError(f"row_format: got {type(row_format).__name__}; supported a RowFormat")
+        pages = _check_pool_pages(pool_pages)
         dev = require_device("device", device)
         kind, ratio = dims.kind(layer_idx), dims.ratio(layer_idx)
         D = dims.head_dim
@@ -137,18 +180,22 @@ class V4LayerCache:
         if kind == SLIDING:
             return cls(kind=kind, ratio=0, window=window, compressed=None, state=None, indexer_keys=None,
                        indexer_state=None)
-        check_page_ratio(block_size, ratio)
+        if not {"compressed", "state"} <= set(pages) or (kind == CSA and not {"indexer_keys", "indexer_state"}
+                                                         <= set(pages)):
+            check_page_ratio(block_size, ratio)  # a store paged like the window's derives its table from it
         epp = entries_per_page(block_size, ratio)
+        entry_pages = pages.get("compressed", (num_blocks, epp))
+        state_pages = pages.get("state", (num_blocks, block_size))
         c = 2 if kind == CSA else 1
         sdt = accumulate_dtype(model_dtype)
-        compressed = row_format.allocate(num_blocks, epp, D, model_dtype=model_dtype, device=dev)
-        state = CompressorStateCache(num_blocks, block_size, 2 * c * D, dtype=sdt, device=dev)
+        compressed = row_format.allocate(*entry_pages, D, model_dtype=model_dtype, device=dev)
+        state = CompressorStateCache(*state_pages, 2 * c * D, dtype=sdt, device=dev)
         keys = istate = None
         if kind == CSA:
             Di = dims.index_head_dim
-            keys = IndexerKeyCache(num_blocks, epp, Di, storage=indexer_storage, scale_fmt=indexer_scale_fmt,
-                                   device=dev)
-            istate = CompressorStateCache(num_blocks, block_size, 4 * Di, dtype=sdt, device=dev)
+            keys = IndexerKeyCache(*pages.get("indexer_keys", entry_pages), Di, storage=indexer_storage,
+                                   scale_fmt=indexer_scale_fmt, device=dev)
+            istate = CompressorStateCache(*pages.get("indexer_state", state_pages), 4 * Di, dtype=sdt, device=dev)
         return cls(kind=kind, ratio=ratio, window=window, compressed=compressed, state=state, indexer_keys=keys,
                    indexer_state=istate)
 
@@ -182,7 +229,8 @@ class V4LayerCache:
     def copy_from(self, old: V4LayerCache) -> None:
         """Copy every store of ``old`` (fewer or as many pages, same layout) into this one's first pages (a pool
         grown by reallocation)."""
-        if set(old.stores) != set(self.stores) or old.block_size != self.block_size:
+        if set(old.stores) != set(self.stores) or any(
+                old.stores[n].block_size != s.block_size for n, s in self.stores.items()):
             raise ValueError("old: got a cache of another layout; supported the same layer's smaller cache")
         for name, store in self.stores.items():
             src = old.stores[name]

@@ -27,7 +27,7 @@ from ...core.attention_math import GROUP_ELEMENT_BUDGET
 from ...core.dtypes import accumulate_dtype
 from ...core.v4rope import V4Rotary
 from ...step.cache import LatentKVCache, PagedRows
-from ...step.v4 import EntryPlan
+from ...step.v4 import CompressorSlots, EntryPlan
 from ..projections import linear, rms_norm
 from ..sparse.indexer_cache import IndexerKeyCache
 from .cache import CompressorStateCache
@@ -80,27 +80,27 @@ class V4Compressor(torch.nn.Module):
         self.kv_norm = torch.nn.Module()
         self.kv_norm.weight = weight_param(width, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: CompressorStateCache, slots: object,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: CompressorStateCache, pool: CompressorSlots,
                 plan: EntryPlan, out: PagedRows) -> None:
-        """Write the step's tokens' ``kv | gate`` into ``state`` (at ``slots``: the step plan, a trusted slot
-        source) and the entries the step completes into ``out`` (``plan``'s slots), normalised and rotated.
-        ``x [T, hidden]``, ``positions [T]`` in processing order."""
+        """Write the step's tokens' ``kv | gate`` into ``state`` (at ``pool.state``, a trusted slot source) and
+        the entries the step completes into ``out`` (at ``pool.out``), normalised and rotated. ``x [T, hidden]``,
+        ``positions [T]`` in processing order; ``plan``: the layer kind's entries (counts, rotary positions)."""
         sdt = state.data.dtype
         kv = linear(x, self.kv_proj.weight).to(sdt)
         gate = linear(x, self.gate_proj.weight).to(sdt) + self.position_bias.to(sdt)[positions % self.ratio]
-        state.write(torch.cat([kv, gate], dim=-1), slots.slots_for(state), trusted=True)  # type: ignore[attr-defined]
+        state.write(torch.cat([kv, gate], dim=-1), pool.state.slots_for(state), trusted=True)
         if not plan.num_new:
             return
-        valid = plan.source_slots >= 0
-        rows = state.read_slots(plan.source_slots.clamp_min(0))
+        valid = pool.sources >= 0
+        rows = state.read_slots(pool.sources.clamp_min(0))
         pooled = pooled_entries(rows, valid, self.ratio, self.width, self.overlap)
         entry = rms_norm(pooled, self.kv_norm.weight.to(sdt), self.eps).to(x.dtype)
         cos, sin = self.rotary.cos_sin(plan.new_positions, x.dtype)
         entry = self.rotary.apply(entry, cos, sin)
         if isinstance(out, LatentKVCache):
-            out.write(entry, entry[:, :0], plan)
+            out.write(entry, entry[:, :0], pool.out)
         else:
-            out.write(entry, plan)  # type: ignore[call-arg]
+            out.write(entry, pool.out)  # type: ignore[call-arg]
 
 
 class V4Indexer(V4Compressor):
@@ -116,10 +116,13 @@ class V4Indexer(V4Compressor):
         self.scorer.weights_proj = weight_holder(n_heads, hidden, dtype=dtype, device=device)
 
     def select(self, x: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor, meta: object,
-               keys: IndexerKeyCache, state: CompressorStateCache, slots: object, plan: EntryPlan) -> torch.Tensor:
-        """Write this step's indexer keys, then return each token's selected entries ``[T, min(topk, E)]``
-        (int64, ``-1`` padded; ``E``: the most entries a token of the step sees, at least 1)."""
-        self(x, positions, state, slots, plan, keys)
+               keys: IndexerKeyCache, state: CompressorStateCache, plan: EntryPlan) -> torch.Tensor:
+        """Write this step's indexer keys (at ``plan.indexer``'s slots), then return each token's selected entries
+        ``[T, min(topk, E)]`` (int64, ``-1`` padded; ``E``: the most entries a token of the step sees, at
+        least 1)."""
+        pool = plan.indexer
+        assert pool is not None  # CSA plans carry the indexer's slots
+        self(x, positions, state, pool, plan, keys)
         T, cdt = x.shape[0], accumulate_dtype(x.dtype)
         q = linear(q_resid, self.q_b_proj.weight).view(T, self.n_heads, self.head_dim)
         cos, sin = self.rotary.cos_sin(positions, q.dtype)
@@ -129,7 +132,7 @@ class V4Indexer(V4Compressor):
         E = seen.shape[1]
         K = min(self.topk, E)
         out = torch.empty(T, K, dtype=torch.long, device=x.device)
-        epp = plan.entries_per_page
+        epp = pool.entries_per_page
         step = max(1, GROUP_ELEMENT_BUDGET // max(1, E * (self.head_dim + self.n_heads)))
         for t0 in range(0, T, step):
             t1 = min(T, t0 + step)
@@ -137,7 +140,7 @@ class V4Indexer(V4Compressor):
             ok = idx >= 0
             e = idx.clamp_min(0)
             req = meta.token_request[t0:t1, None].expand_as(e)  # type: ignore[attr-defined]
-            page = plan.table.long()[req, e // epp]
+            page = pool.table.long()[req, e // epp]
             ok = ok & (page >= 0)
             slot = torch.where(ok, page * epp + e % epp, torch.zeros_like(page))
             k = keys.read_slots(slot, cdt)  # [t, E, d_I]
