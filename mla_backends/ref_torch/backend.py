@@ -319,11 +319,14 @@ class RefTorchBackend(MLABackend):
                 kv.view_as(raw).copy_(raw)
                 if cache.is_fp8:
                     kv.mul_(cache.scale)
-            torch.bmm(kv, q_t, out=s_t)
             pos0 = c * rows
             masked = pos0 + rows - 1 > edge
-            if masked:
+            if masked:  # the chunk holds someone's causal / length edge: positions past it are hidden ...
                 hidden = torch.arange(pos0, pos0 + rows, device=dev)[None, :, None] > limit  # [b, rows, n]
+                # ... and rows past a sequence (hidden from its last token) zeroed: unowned slots may hold NaN
+                kv.masked_fill_(hidden[..., n - 1:], 0.0)
+            torch.bmm(kv, q_t, out=s_t)
+            if masked:
                 s_t.view(b, rows, n, H).masked_fill_(hidden[..., None], _HIDDEN_SCORE)
             slot_max[g].copy_(position_max(s_t))
             exp_shifted(s_t, slot_max_row[g], hidden[..., None] if masked else None)
@@ -382,6 +385,8 @@ class RefTorchBackend(MLABackend):
                 kv = kv.view(b, L, W)
             else:
                 kv = cache.dequantize(torch.index_select(cache.data, 0, grp.page_ids), cdt).view(b, L, W)
+            if grp.tails is not None:  # rows past a sequence: unowned slots may hold NaN (0 x NaN = NaN)
+                kv.view(b * L, W).index_fill_(0, grp.tails, 0.0)
             tok0, QH = grp.first_token, Q * H
             if grp.token_rows is None:  # uniform query length: a plain view, no padding
                 qg = q[tok0: tok0 + b * Q].reshape(b, QH, W)
