@@ -187,7 +187,7 @@ def test_checks_raise_assertion_error_directly() -> None:
     case = matrix.guard[0]
     cpu = torch.device("cpu")
     checks.check_output(RefTorchBackend, case, cpu)
-    with pytest.raises(AssertionError, match=r"output \(latent space\).*worst at index"):
+    with pytest.raises(AssertionError, match=r"output \(latent space\).*worst element at index"):
         checks.check_output(broken.LatentScaleBackend, case, cpu)
     with pytest.raises(AssertionError, match="differ bitwise"):
         checks.check_deterministic(broken.NondeterministicBackend, matrix.determinism[0], cpu)

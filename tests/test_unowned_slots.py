@@ -155,7 +155,8 @@ def test_ref_torch_streamed_path_ignores_unowned_slots(dtype, kv, tol, kind, mon
     check(backend, cache, meta, ql, qr, tol)
 
 
-@pytest.mark.parametrize("dtype, kv, tol", CACHES[1:5], ids=[f"{d}-{k}".replace("torch.", "") for d, k, _ in CACHES[1:5]])
+@pytest.mark.parametrize("dtype, kv, tol", CACHES[1:5],
+                         ids=[f"{d}-{k}".replace("torch.", "") for d, k, _ in CACHES[1:5]])
 def test_ref_torch_sparse_path_ignores_unowned_slots(dtype, kv, tol):
     cache, meta, ql, qr = build([5, 20, 13], [1, 2, 1], 8, dtype, kv, "nan")
     g = torch.Generator().manual_seed(1)
@@ -200,8 +201,8 @@ def _layer_outputs(fill: str, sparse: bool) -> list[torch.Tensor]:
     from layer_cases import SCHEDULE, scattered_block_tables, tiny_config
 
     from mla_backends import MLAAttention
-    from mla_backends.testing import randomise_parameters
     from mla_backends.step.plan import plan_step
+    from mla_backends.testing import randomise_parameters
 
     if sparse:
         transformers = pytest.importorskip("transformers")

@@ -34,7 +34,15 @@ from ..core.dtypes import FP8_CACHE_DTYPES, dtype_name, lse_dtype
 from ..core.errors import USER_CODE_FAILURES
 from ..step.cache import LatentKVCache
 from ..step.plan import PlanRequest, Run, StepPlan, StepPlanError, plan_step, require_plan
-from .capabilities import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance, env_switch_on
+from .capabilities import (
+    DEFAULT_TOLERANCES,
+    AttentionSpec,
+    Capabilities,
+    Precision,
+    QueryLenSupport,
+    Tolerance,
+    env_switch_on,
+)
 from .inputs import check_declared_support, check_mqa_inputs, planned_declarations
 from .reasons import Reason, ReasonKind, as_reason
 
@@ -42,7 +50,7 @@ if TYPE_CHECKING:
     from ..step.metadata import BatchMetadata
 
 __all__ = ["QueryLenSupport", "Capabilities", "AttentionSpec", "MLABackend", "Tolerance", "DEFAULT_TOLERANCES",
-           "BackendContractError", "contract_problems"]
+           "Precision", "BackendContractError", "contract_problems"]
 
 
 class BackendContractError(RuntimeError):

@@ -313,7 +313,7 @@ class RefTorchBackend(MLABackend):
         for c, page_ids in enumerate(chunk_ids.view(n_chunks, b * per).unbind(0)):
             g = c % G
             torch.index_select(cache.data, 0, page_ids, out=raw)
-            if exact_fp8:  # the scale applied in float32 first, as LatentKVCache.dequantize does
+            if exact_fp8:  # the scale applied as LatentKVCache.dequantize applies it (float64 for float64)
                 kv.view_as(raw).copy_(cache.dequantize(raw, cdt))
             elif not direct:  # one conversion kernel into the compute-dtype buffer, then the fp8 scale
                 kv.view_as(raw).copy_(raw)
