@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from mla_backends.testing import broken, calibration
 
@@ -22,7 +23,12 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "conformance.md"
 
 @pytest.fixture(scope="module")
 def table() -> list[calibration.Cell]:
-    return calibration.fault_table()
+    n = torch.get_num_threads()  # module fixtures are made before the tests' one_thread fixture
+    torch.set_num_threads(1)
+    try:
+        return calibration.fault_table()
+    finally:
+        torch.set_num_threads(n)
 
 
 def test_every_fault_row_is_a_broken_backend_and_every_column_runs(table) -> None:
