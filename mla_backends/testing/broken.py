@@ -262,25 +262,15 @@ class _ScaledSoftmax(RefTorchBackend):
         super().forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale * self.factor, **kw)
 
 
-class ScaleX1005Backend(_ScaledSoftmax):
-    """The softmax scale 0.5 % too large."""
-
-    name: ClassVar[str] = "BROKEN_SCALE_X1.005"
-    factor: ClassVar[float] = 1.005
-
-
-class ScaleX102Backend(_ScaledSoftmax):
-    """The softmax scale 2 % too large."""
-
-    name: ClassVar[str] = "BROKEN_SCALE_X1.02"
-    factor: ClassVar[float] = 1.02
+def _variant(base: type[RefTorchBackend], cls_name: str, factor: float, doc: str) -> type[RefTorchBackend]:
+    """The subclass ``cls_name`` of ``base`` with its own ``factor`` and backend name (the rows are data)."""
+    name = "BROKEN_" + cls_name.removesuffix("Backend").upper()
+    return type(cls_name, (base,), {"name": name, "factor": factor, "__doc__": doc, "__module__": __name__})
 
 
-class ScaleX105Backend(_ScaledSoftmax):
-    """The softmax scale 5 % too large."""
-
-    name: ClassVar[str] = "BROKEN_SCALE_X1.05"
-    factor: ClassVar[float] = 1.05
+ScaleX1005Backend = _variant(_ScaledSoftmax, "ScaleX1005Backend", 1.005, "The softmax scale 0.5 % too large.")
+ScaleX102Backend = _variant(_ScaledSoftmax, "ScaleX102Backend", 1.02, "The softmax scale 2 % too large.")
+ScaleX105Backend = _variant(_ScaledSoftmax, "ScaleX105Backend", 1.05, "The softmax scale 5 % too large.")
 
 
 class _ScaledOutput(RefTorchBackend):
@@ -293,18 +283,8 @@ class _ScaledOutput(RefTorchBackend):
         out.mul_(self.factor)
 
 
-class OutputX098Backend(_ScaledOutput):
-    """The output 2 % too small."""
-
-    name: ClassVar[str] = "BROKEN_OUTPUT_X0.98"
-    factor: ClassVar[float] = 0.98
-
-
-class OutputX105Backend(_ScaledOutput):
-    """The output 5 % too large."""
-
-    name: ClassVar[str] = "BROKEN_OUTPUT_X1.05"
-    factor: ClassVar[float] = 1.05
+OutputX098Backend = _variant(_ScaledOutput, "OutputX098Backend", 0.98, "The output 2 % too small.")
+OutputX105Backend = _variant(_ScaledOutput, "OutputX105Backend", 1.05, "The output 5 % too large.")
 
 
 def _visible_lists(meta: BatchMetadata, topk: torch.Tensor | None, drop_first: bool) -> torch.Tensor:
@@ -326,28 +306,30 @@ def _visible_lists(meta: BatchMetadata, topk: torch.Tensor | None, drop_first: b
     return lists.to(meta.token_positions.device)
 
 
-class DropsFirstTokenBackend(RefTorchBackend):
+class _DropsOnePosition(RefTorchBackend):
+    """Attends every token's visible positions but one: the first (``drop_first``) or the newest."""
+
+    drop_first: ClassVar[bool] = True
+
+    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta: BatchMetadata, *,  # type: ignore[override]
+                           topk_indices: torch.Tensor | None, **kw) -> None:
+        kw["state"] = None  # the top-k path: no dense groups of the step
+        lists = _visible_lists(meta, topk_indices, self.drop_first)
+        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, topk_indices=lists, **kw)
+
+
+class DropsFirstTokenBackend(_DropsOnePosition):
     """Skips position 0 of every sequence (a loop starting at 1)."""
 
     name: ClassVar[str] = "BROKEN_DROPS_FIRST_TOKEN"
-
-    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta: BatchMetadata, *,  # type: ignore[override]
-                           topk_indices: torch.Tensor | None, **kw) -> None:
-        kw["state"] = None
-        super().forward_mqa_kernel(q_latent, q_rope, cache, meta, topk_indices=_visible_lists(meta, topk_indices, True),
-                                   **kw)
+    drop_first: ClassVar[bool] = True
 
 
-class DropsLastTokenBackend(RefTorchBackend):
+class DropsLastTokenBackend(_DropsOnePosition):
     """Skips the newest visible position of every token (a length off by one)."""
 
     name: ClassVar[str] = "BROKEN_DROPS_LAST_TOKEN"
-
-    def forward_mqa_kernel(self, q_latent, q_rope, cache, meta: BatchMetadata, *,  # type: ignore[override]
-                           topk_indices: torch.Tensor | None, **kw) -> None:
-        kw["state"] = None
-        super().forward_mqa_kernel(q_latent, q_rope, cache, meta,
-                                   topk_indices=_visible_lists(meta, topk_indices, False), **kw)
+    drop_first: ClassVar[bool] = False
 
 
 class NeighbourPageBackend(RefTorchBackend):

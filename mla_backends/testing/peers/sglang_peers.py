@@ -31,11 +31,10 @@ import torch
 
 from ...backends.capabilities import AttentionSpec
 from ...backends.contract import Capabilities, MLABackend, Precision, QueryLenSupport, Tolerance
-from ...backends.reasons import Reason, ReasonKind
-from ...core.dtypes import dtype_name
+from ...backends.reasons import Reason
 from ...step.cache import LatentKVCache, position_slots
 from ...step.metadata import BatchMetadata
-from ...triton_mla.interpreter import interpreter_enabled
+from ._triton_peers import TRITON_PEER_DEVICES, interpreter_device_reasons, triton_peer_reasons
 
 __all__ = ["SglangTritonMLADecode", "DECODE_MODULE", "MAX_KV_SPLITS", "FP8_QUERY_TOLERANCE", "SIXTEEN_BIT_PRODUCTS"]
 
@@ -72,11 +71,8 @@ class SglangTritonMLADecode(MLABackend):
     capabilities: ClassVar[Capabilities] = Capabilities(
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
         kv_cache_dtypes=frozenset({"bfloat16", "float16", "float32", "fp8_e4m3"}),
-        cpu=False,
-        cpu_env_switch="TRITON_INTERPRET",
-        cpu_hint="requires a CUDA device, or TRITON_INTERPRET=1 for Triton's interpreter",
+        **TRITON_PEER_DEVICES,  # type: ignore[arg-type]
         min_compute_capability=(8, 0),
-        fp8_min_compute_capability=(8, 9),
         page_sizes=None,
         preferred_page_size=16,
         dims=frozenset({(512, 64), (256, 32)}),
@@ -90,15 +86,7 @@ class SglangTritonMLADecode(MLABackend):
 
     @classmethod
     def backend_reasons(cls, spec: AttentionSpec) -> list[Reason | str]:
-        reasons: list[Reason | str] = []
-        kv = spec.resolved_kv_cache_dtype
-        if kv != "fp8_e4m3" and kv != dtype_name(spec.dtype):
-            reasons.append(Reason(ReasonKind.KV_CACHE_DTYPE, "kv cache dtype", f"{kv} with {dtype_name(spec.dtype)} "
-                                  "queries", "the query dtype (SGLang's 'auto') or fp8_e4m3"))
-        if not spec.device.is_cuda and spec.dtype == torch.bfloat16:
-            reasons.append(Reason(ReasonKind.DEVICE, "bfloat16 under Triton's interpreter", "CPU",
-                                  "a CUDA device (the interpreter truncates bf16 conversions)"))
-        return reasons
+        return triton_peer_reasons(spec, "SGLang")
 
     @classmethod
     def interpreted(cls) -> type[SglangTritonMLADecode]:
@@ -165,11 +153,7 @@ class _InterpretedSglangTritonMLADecode(SglangTritonMLADecode):
 
     @classmethod
     def device_reasons(cls, device):  # type: ignore[no-untyped-def]
-        reasons = super().device_reasons(device)
-        if not device.is_cuda and not interpreter_enabled():
-            reasons.append(Reason(ReasonKind.DEVICE, "device", "CPU without TRITON_INTERPRET=1",
-                                  "TRITON_INTERPRET=1 set before the kernel is first called"))
-        return reasons
+        return super().device_reasons(device) + interpreter_device_reasons(device)
 
 
 _INTERPRETED = _InterpretedSglangTritonMLADecode

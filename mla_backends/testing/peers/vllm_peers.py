@@ -41,7 +41,7 @@ from ...backends.reasons import Reason, ReasonKind
 from ...core.dtypes import dtype_name
 from ...step.cache import LatentKVCache
 from ...step.metadata import BatchMetadata
-from ...triton_mla.interpreter import interpreter_enabled
+from ._triton_peers import TRITON_PEER_DEVICES, interpreter_device_reasons, triton_peer_reasons
 
 __all__ = ["VllmTritonMLADecode", "VllmCpuMLADecode", "TRITON_DECODE_MODULE", "num_kv_splits", "SIXTEEN_BIT"]
 
@@ -127,11 +127,8 @@ class VllmTritonMLADecode(MLABackend):
     capabilities: ClassVar[Capabilities] = Capabilities(
         dtypes=frozenset({torch.bfloat16, torch.float16, torch.float32}),
         kv_cache_dtypes=frozenset({"bfloat16", "float16", "float32", "fp8_e4m3"}),
-        cpu=False,
-        cpu_env_switch="TRITON_INTERPRET",
-        cpu_hint="requires a CUDA device, or TRITON_INTERPRET=1 for Triton's interpreter",
+        **TRITON_PEER_DEVICES,  # type: ignore[arg-type]
         min_compute_capability=(7, 5),
-        fp8_min_compute_capability=(8, 9),
         page_size_multiple=16,
         preferred_page_size=16,
         dims=None,
@@ -146,14 +143,7 @@ class VllmTritonMLADecode(MLABackend):
 
     @classmethod
     def backend_reasons(cls, spec: AttentionSpec) -> list[Reason | str]:
-        reasons: list[Reason | str] = []
-        kv = spec.resolved_kv_cache_dtype
-        if kv != "fp8_e4m3" and kv != dtype_name(spec.dtype):
-            reasons.append(Reason(ReasonKind.KV_CACHE_DTYPE, "kv cache dtype", f"{kv} with {dtype_name(spec.dtype)} "
-                                  "queries", "the query dtype (vLLM's 'auto') or fp8_e4m3"))
-        if not spec.device.is_cuda and spec.dtype == torch.bfloat16:
-            reasons.append(Reason(ReasonKind.DEVICE, "bfloat16 under Triton's interpreter", "CPU",
-                                  "a CUDA device (the interpreter multiplies bf16 tl.dot operands wrongly)"))
+        reasons = triton_peer_reasons(spec, "vLLM")
         if spec.device.is_cuda and spec.dtype == torch.bfloat16 and spec.device.compute_capability < (8, 0):
             cc = "SM{}{}".format(*spec.device.compute_capability)
             reasons.append(Reason(ReasonKind.DEVICE, "bfloat16", cc, "SM80+ (vLLM's TritonMLAImpl check)"))
@@ -209,11 +199,7 @@ class _InterpretedVllmTritonMLADecode(VllmTritonMLADecode):
 
     @classmethod
     def device_reasons(cls, device):  # type: ignore[no-untyped-def]
-        reasons = super().device_reasons(device)
-        if not device.is_cuda and not interpreter_enabled():
-            reasons.append(Reason(ReasonKind.DEVICE, "device", "CPU without TRITON_INTERPRET=1",
-                                  "TRITON_INTERPRET=1 set before the kernel is first called"))
-        return reasons
+        return super().device_reasons(device) + interpreter_device_reasons(device)
 
 
 _INTERPRETED = _InterpretedVllmTritonMLADecode
