@@ -33,12 +33,14 @@ from .cases import (
 )
 
 __all__ = ["build_matrix", "property_seeds", "PROPERTY_SEED", "PROPERTY_CASES", "PROPERTY_ROW_BUDGET",
-           "PROPERTY_ATTEMPTS"]
+           "PROPERTY_TOKEN_BUDGET", "PROPERTY_ATTEMPTS"]
 
 #: the quick matrix's property run: this many cases of random shapes, drawn from the seeds from this one on
 #: (``--seeds N --seed S`` draws N cases from S on, in either matrix)
 PROPERTY_SEED = 20261202
 PROPERTY_CASES = 4
+#: ... and to this many (query token, head) pairs: a Triton kernel's interpreted cost grows with its programs
+PROPERTY_TOKEN_BUDGET = 16 * 16
 #: draws tried per seed before the seed is given up (the backend's own rules may reject a draw)
 PROPERTY_ATTEMPTS = 8
 #: fp8 per-tensor scales a random fp8 case draws from (never 1)
@@ -354,16 +356,22 @@ class _Builder:
                 qlens = [rng.choice((1, 2, 3))] * batch
             else:
                 qlens = [1] * batch
+            while sum(qlens) * heads > PROPERTY_TOKEN_BUDGET and max(qlens) > 1:
+                qlens = [max(1, q // 2) for q in qlens]
+            while sum(qlens) * heads > PROPERTY_TOKEN_BUDGET and len(qlens) > 1:
+                qlens.pop()
+            batch = len(qlens)
             seqs = []
             for q in qlens:
                 n = rng.choice((page - 1, page, page + 1, rng.randint(1, 8 * page + 7), rng.randint(1, 300)))
                 seqs.append(max(n, q))
-            if batch > 1 and rng.random() < 0.5:  # an equal pair side by side (a batching bug's trigger)
-                j = rng.randrange(batch - 1)
-                seqs[j + 1], qlens[j + 1] = seqs[j], qlens[j]
             while sum(seqs) * heads > PROPERTY_ROW_BUDGET:
                 j = seqs.index(max(seqs))
                 seqs[j] = max(qlens[j], seqs[j] // 2)
+            if batch > 1 and rng.random() < 0.5:  # an equal pair side by side (a batching bug's trigger): the
+                j = rng.randrange(batch - 1)  # shorter request copied over its neighbour, within the budgets
+                k, other = (j, j + 1) if seqs[j] <= seqs[j + 1] else (j + 1, j)
+                seqs[other], qlens[other] = seqs[k], qlens[k]
             sparse = not caps.dense or (caps.sparse and rng.random() < 0.35)
             topk = rng.choice((8, 16, 32)) if sparse else None
             case = self.make(f"prop-s{seed}", lambda p, s=tuple(seqs), q=tuple(qlens): (s, q), page=page,
