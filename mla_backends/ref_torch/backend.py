@@ -137,6 +137,14 @@ def stream_min_rows(num_requests: int, row_bytes: int) -> int:
     return max(STREAM_MIN_ROWS, -(-STREAM_MIN_BYTES // (num_requests * row_bytes)))
 
 
+def _rows_past(seq_lens: tuple[int, ...], pos0: int, rows: int) -> torch.Tensor | None:
+    """Indices into a streamed chunk's ``[len(seq_lens) * rows]`` rows (positions ``pos0 ..`` of every request) of
+    the positions at or past each request's length, from the host lengths; None when there are none."""
+    parts = [torch.arange(i * rows + max(s - pos0, 0), (i + 1) * rows) for i, s in enumerate(seq_lens)
+             if s < pos0 + rows]
+    return torch.cat(parts) if parts else None
+
+
 def scaled_transposed_queries(q: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
     """``out [b, 576, N] = scale * q [b, N, 576]`` transposed (N: query tokens x heads of a request), one
     kernel. The scores are then ``kv [b, L, 576] @ out``, ``[b, L, N]``: with the cached rows as the left
@@ -323,8 +331,9 @@ class RefTorchBackend(MLABackend):
             masked = pos0 + rows - 1 > edge
             if masked:  # the chunk holds someone's causal / length edge: positions past it are hidden ...
                 hidden = torch.arange(pos0, pos0 + rows, device=dev)[None, :, None] > limit  # [b, rows, n]
-                # ... and rows past a sequence (hidden from its last token) zeroed: unowned slots may hold NaN
-                kv.masked_fill_(hidden[..., n - 1:], 0.0)
+                past = _rows_past(seq_lens, pos0, rows)  # ... and rows past a sequence zeroed: unowned slots
+                if past is not None:  # may hold NaN (0 x NaN = NaN); the indices come from host lengths
+                    kv.view(b * rows, W).index_fill_(0, past.to(dev), 0.0)
             torch.bmm(kv, q_t, out=s_t)
             if masked:
                 s_t.view(b, rows, n, H).masked_fill_(hidden[..., None], _HIDDEN_SCORE)
