@@ -59,7 +59,10 @@ def _cc(archs: tuple[tuple[int, int], ...]) -> str:
 
 def _ladders() -> list[str]:
     out = ["## Ladders", "",
-           "Best first. `newer` is used for CUDA architectures this release does not know.", ""]
+           "Best first. `newer` is used for CUDA architectures this release does not know. The DeepSeek-V4 row "
+           "(a `V4Dims` request: sinks, a window, compressed keys; docs/v4.md) names the kernels vLLM runs V4 on, "
+           "by vLLM's names: none is part of this library, so each is refused by name (\"no backend registered\") "
+           "until a plugin registers a backend under it.", ""]
     for lad in LADDERS:
         out.append(f"### {lad.family} ({_cc(lad.archs)})")
         out.append("")
@@ -69,6 +72,7 @@ def _ladders() -> list[str]:
         out.append("|---|---|")
         for label, names in lad.variants().items():
             out.append(f"| {label} | {' → '.join(f'`{n}`' for n in names)} |")
+        out.append(f"| DeepSeek-V4 | {' → '.join(f'`{n}`' for n in lad.v4)} |")
         out.append("")
     return out
 
@@ -149,7 +153,7 @@ _ENV = """\
 
 The two on/off switches (and every other one of the project) read `1`/`true`/`yes`/`on` as on and
 `0`/`false`/`no`/`off`/empty/unset as off, in any letter case; any other value is refused with an error naming
-the variable, the value and these spellings (`mla_backends/core/env_switches.py`, `docs/cli.md`).
+the variable, the value and these spellings (`EnvSwitchError`, `docs/cli.md`).
 
 See `docs/plugins.md` for adding a backend, and `mla-backends select --device sm100 --kv-cache-dtype fp8`
 to see the verdicts for any device.

@@ -23,6 +23,7 @@ _LAZY = {
     "MLADims": ".core.dims",
     "IndexerDims": ".core.dims",
     "RopeScaling": ".core.dims",
+    "V4Dims": ".core.v4dims",
     "DeviceInfo": ".core.device",
     # one step: metadata, its plan, the cache it writes, the persistent metadata of CUDA-graph decode
     "BatchMetadata": ".step.metadata",
@@ -31,11 +32,13 @@ _LAZY = {
     "StepPlanError": ".step.plan",
     "PlanRequest": ".step.plan",
     "Run": ".step.plan",
+    "RunBatch": ".step.plan",
     "LatentKVCache": ".step.cache",
     "block_table_slots": ".step.cache",
     "DecodeGraphMetadata": ".step.graph",
     # the backend contract (what a kernel author implements and declares)
     "MLABackend": ".backends.contract",
+    "configure_backend": ".backends.contract",
     "BackendContractError": ".backends.contract",
     "Capabilities": ".backends.capabilities",
     "AttentionSpec": ".backends.capabilities",
@@ -46,12 +49,19 @@ _LAZY = {
     "Reason": ".backends.reasons",
     "ReasonKind": ".backends.reasons",
     "RefTorchBackend": ".ref_torch",
+    # dispatch: which requests run absorbed (forward_mqa) and which expanded (forward_mha)
+    "DispatchPolicy": ".backends.dispatch",
+    "PerRequestPolicy": ".backends.dispatch",
+    "PerBatchPolicy": ".backends.dispatch",
+    "ThresholdTable": ".backends.thresholds",
     # plugins and the registry
     "hookimpl": ".plugins.hookspecs",
     "register_backend": ".plugins.loading",
     "get_backend": ".plugins.loading",
     "registered_backends": ".plugins.loading",
     "BackendName": ".plugins.registry",
+    "UnknownBackendError": ".plugins.registry",
+    "RegistrationError": ".plugins.registry",
     # the layer, the shared prefill and its workspace
     "MLAAttention": ".layer.attention",
     "forward_mha": ".layer.prefill",
@@ -60,14 +70,23 @@ _LAZY = {
     "SparseKVCache": ".layer.sparse",
     "Indexer": ".layer.sparse",
     "IndexerKeyCache": ".layer.sparse",
+    # DeepSeek-V4 (docs/v4.md)
+    "V4Attention": ".layer.v4",
+    "V4LayerCache": ".layer.v4",
+    "CompressedKeys": ".backends.v4_inputs",
     # checkpoints
     "Checkpoint": ".loading.checkpoint",
+    "CheckpointError": ".loading.checkpoint",
+    "StateDictError": ".loading.hf",
     "load_attention_layers": ".layer.pretrained",
     # selection
     "select_backend": "selector",
     "Selection": "selector",
+    "SelectionError": "selector",
     "NoBackendError": "selector",
     "BackendNotSupportedError": "selector",
+    # the on/off environment switches (MLA_BACKENDS_VLLM, MLA_BACKENDS_SGLANG ...): a value that is neither
+    "EnvSwitchError": ".core.env_switches",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,5 +1,6 @@
-"""The flat module paths of mla-backends 0.3 (``mla_backends.cache``, ``mla_backends.layer`` ...), kept for one
-release: importing one imports its new home and warns (``DeprecationWarning``) naming it. Removed in 0.5.
+"""The flat module paths of mla-backends 0.3 (``mla_backends.cache``, ``mla_backends.layer`` ...): importing one
+imports its new home and warns (``DeprecationWarning``) naming it. Removed in 0.6, one release later than 0.4.0
+said, since 0.4.0 had dropped seven of them by mistake.
 
 The table is data (:data:`MOVED`); ``tests/test_public_api.py`` checks that every old path resolves to the new
 module and warns. Importing this module imports nothing but the standard library.
@@ -14,7 +15,7 @@ import sys
 import warnings
 from types import ModuleType
 
-__all__ = ["MOVED", "install"]
+__all__ = ["MOVED", "MOVED_NAMES", "install"]
 
 #: old module (below ``mla_backends``) -> its home since 0.4
 MOVED: dict[str, str] = {
@@ -38,6 +39,12 @@ MOVED: dict[str, str] = {
     "costs": "planning.costs", "roofline": "planning.roofline", "deployment": "planning.deployment",
     "reserve": "planning.reserve", "tuning": "planning.tuning",
 }
+#: names an old module gave that live in another module since 0.4: old module -> name -> its home. Importing the
+#: old path (which warns) puts them on the module it aliases, so ``from mla_backends.prefill import
+#: default_workspace_rows`` keeps working
+MOVED_NAMES: dict[str, dict[str, str]] = {
+    "prefill": {"default_workspace_rows": "layer.workspace"},
+}
 # ``mla_backends.layer`` and ``mla_backends.plugins`` are packages now: their old names (``from mla_backends.layer
 # import MLAAttention``, ``from mla_backends.plugins import get_backend``) are served by the packages' own lazy
 # re-exports, not by this table.
@@ -46,8 +53,9 @@ _PREFIX = "mla_backends."
 
 
 class _Alias(importlib.abc.Loader):
-    def __init__(self, new: str) -> None:
+    def __init__(self, new: str, names: dict[str, str]) -> None:
         self.new = new
+        self.names = names
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         module = importlib.import_module(self.new)
@@ -55,8 +63,12 @@ class _Alias(importlib.abc.Loader):
         return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """The new module ran already; give it back its own spec (the import system set the alias's)."""
+        """The new module ran already; give it back its own spec (the import system set the alias's), and the
+        names that left it (:data:`MOVED_NAMES`)."""
         module.__spec__ = self.own_spec
+        for name, home in self.names.items():
+            if not hasattr(module, name):
+                setattr(module, name, getattr(importlib.import_module(_PREFIX + home), name))
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -64,12 +76,13 @@ class _Finder(importlib.abc.MetaPathFinder):
                   target: object = None) -> importlib.machinery.ModuleSpec | None:
         if not fullname.startswith(_PREFIX):
             return None
-        new = MOVED.get(fullname[len(_PREFIX):])
+        old = fullname[len(_PREFIX):]
+        new = MOVED.get(old)
         if new is None:
             return None
         warnings.warn(f"{fullname} moved to mla_backends.{new} in mla-backends 0.4; import the public name from "
-                      "mla_backends (or the new module); the old path goes in 0.5", DeprecationWarning, stacklevel=2)
-        return importlib.machinery.ModuleSpec(fullname, _Alias(_PREFIX + new))
+                      "mla_backends (or the new module); the old path goes in 0.6", DeprecationWarning, stacklevel=2)
+        return importlib.machinery.ModuleSpec(fullname, _Alias(_PREFIX + new, MOVED_NAMES.get(old, {})))
 
 
 def install() -> None:

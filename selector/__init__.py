@@ -12,6 +12,7 @@ _LAZY = {
     "DeviceInfo": "mla_backends.core.device",
     "select_backend": "selector.select",
     "Selection": "selector.select",
+    "SelectionError": "selector.select",
     "NoBackendError": "selector.select",
     "BackendNotSupportedError": "selector.select",
 }

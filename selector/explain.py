@@ -27,9 +27,11 @@ def _request_line(spec: AttentionSpec) -> str:
     kv_text = f"{spec.resolved_kv_cache_dtype} (auto)" if kv == "auto" else kv
     page = "backend's preferred" if spec.block_size is None else str(spec.block_size)
     q = f"max query len {spec.max_query_len}" + ("" if spec.uniform_query_len else " (varying)")
+    v4 = [w for w, on in (("sinks", spec.sinks), ("window", spec.window), ("compressed keys", spec.compressed)) if on]
+    attention = f"DeepSeek-V4 ({', '.join(v4)})" if v4 else ("sparse" if spec.sparse else "dense")
     return (f"{spec.num_heads} heads, kv_lora_rank {spec.kv_lora_rank}, rope {spec.qk_rope_head_dim}, "
             f"dtype {dtype_name(spec.dtype)}, kv cache {kv_text}, page size {page}, "
-            f"{'sparse' if spec.sparse else 'dense'}, {q}" + (", needs LSE" if spec.need_lse else ""))
+            f"{attention}, {q}" + (", needs LSE" if spec.need_lse else ""))
 
 
 def _device_line(device: DeviceInfo) -> str:
@@ -120,7 +122,7 @@ def _request_dict(spec: AttentionSpec) -> dict[str, Any]:
             "kv_cache_dtype": spec.resolved_kv_cache_dtype, "block_size": spec.block_size,
             "sparse": spec.sparse,
             "max_query_len": spec.max_query_len, "uniform_query_len": spec.uniform_query_len,
-            "need_lse": spec.need_lse}
+            "need_lse": spec.need_lse, "sinks": spec.sinks, "window": spec.window, "compressed": spec.compressed}
 
 
 def selection_dict(sel: Selection) -> dict[str, Any]:
@@ -167,7 +169,8 @@ def capability_summary(cls: type) -> dict[str, Any]:
         "num_heads": heads,
         "query_len": caps.query_len.name.lower(),
         "decode_threshold": caps.decode_threshold,
-        "attention": "/".join(k for k, on in (("dense", caps.dense), ("sparse", caps.sparse)) if on),
+        "attention": "/".join(k for k, on in (("dense", caps.dense), ("sparse", caps.sparse)) if on)
+                     + (" + V4" if caps.sinks and caps.window and caps.compressed else ""),
         "returns_lse": caps.returns_lse,
         "requires": list(caps.requires),
         "extra": caps.extra,
@@ -206,6 +209,9 @@ def capability_data(cls: type) -> dict[str, Any]:
         "decode_threshold": caps.decode_threshold,
         "dense": caps.dense,
         "sparse": caps.sparse,
+        "sinks": caps.sinks,
+        "window": caps.window,
+        "compressed": caps.compressed,
         "returns_lse": caps.returns_lse,
         "deterministic": caps.deterministic,
         "requires": list(caps.requires),

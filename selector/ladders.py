@@ -25,6 +25,11 @@ FI = BackendName.FLASHINFER_MLA.value
 CUTLASS = BackendName.FLASHINFER_MLA_CUTLASS.value
 TRTLLM = BackendName.FLASHINFER_MLA_TRTLLM.value
 XQA = BackendName.FLASHINFER_MLA_XQA.value
+#: vLLM's DeepSeek-V4 attention backends (vLLM's names; none is part of this library: the V4 orderings name them,
+#: and they are refused by name until a plugin registers a backend under it; vLLM's ROCm one,
+#: ROCM_FLASHMLA_SPARSE_DSV4, has no family here: the device model knows CUDA GPUs only)
+FLASHMLA_DSV4 = "FLASHMLA_SPARSE_DSV4"
+FLASHINFER_DSV4 = "FLASHINFER_MLA_SPARSE_DSV4"
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class Ladder:
         archs: compute capabilities the family covers (documentation, and the dead-entry test).
         dense / dense_fp8 / sparse / sparse_fp8: backend names, best first.
         why: the kernel facts that justify the order (rendered into ``docs/selection.md``).
+        v4: DeepSeek-V4 attention (sinks, window, compressed keys), best first: the kernels engines run V4 on,
+            by their engine's names, then the reference.
     """
 
     family: str
@@ -45,6 +52,7 @@ class Ladder:
     sparse: tuple[str, ...]
     sparse_fp8: tuple[str, ...]
     why: str
+    v4: tuple[str, ...] = (REF,)
 
     def variant(self, *, fp8: bool, sparse: bool) -> tuple[str, ...]:
         if sparse:
@@ -83,6 +91,8 @@ LADDERS: tuple[Ladder, ...] = (
         sparse_fp8=(TRITON, REF),
         why="FlashInfer fa3 first (Hopper kernel, also reads fp8_e4m3 with a bf16 query); Triton fallback; "
             "the reference last.",
+        # vLLM runs V4 on Hopper with FlashMLA's sparse kernel (SM90, SM100)
+        v4=(FLASHMLA_DSV4, REF),
     ),
     Ladder(
         family="sm100",
@@ -98,6 +108,8 @@ LADDERS: tuple[Ladder, ...] = (
         sparse_fp8=(TRITON, REF),
         why="trtllm-gen first, cutlass second (SM100 kernels); Triton is the fallback (FlashInfer fa2 is "
             "slow on SM100+ and not declared there); fp8 caches: trtllm-gen, Triton; the reference last.",
+        # vLLM: FlashMLA's sparse kernel (SM90/SM100) first, FlashInfer's sparse MLA (SM100/SM120) second
+        v4=(FLASHMLA_DSV4, FLASHINFER_DSV4, REF),
     ),
     Ladder(
         family="sm110",
@@ -121,6 +133,7 @@ LADDERS: tuple[Ladder, ...] = (
         sparse_fp8=(TRITON, REF),
         why="xqa first (single-token decode, bf16 or fp8); Triton for what xqa refuses (prefill-sized "
             "queries, other page sizes, fp16); the reference last.",
+        v4=(FLASHINFER_DSV4, REF),  # vLLM's FlashInfer sparse MLA for V4 (SM100, SM120)
     ),
     Ladder(
         family="sm70",
@@ -173,14 +186,15 @@ def ladder_for(device: DeviceInfo) -> Ladder:
 
 
 def candidates(device: DeviceInfo, *, fp8: bool, sparse: bool,
-               registry: Registry | None = None) -> tuple[str, ...]:
-    """Backend names to try on ``device``, best first: the built-in ordering plus placed plugin backends.
+               registry: Registry | None = None, v4: bool = False) -> tuple[str, ...]:
+    """Backend names to try on ``device``, best first: the built-in ordering (``v4``: the DeepSeek-V4 one)
+    plus placed plugin backends.
 
     A plugin backend placed ``before``/``after`` a built-in enters every applicable ordering that contains
     that built-in; several plugins at the same anchor keep their registration order.
     """
     ladder = ladder_for(device)
-    base = ladder.variant(fp8=fp8, sparse=sparse)
+    base = ladder.v4 if v4 else ladder.variant(fp8=fp8, sparse=sparse)
     if registry is None:
         return base
     before: dict[str, list[str]] = {}

@@ -17,12 +17,12 @@ import torch
 
 from mla_backends.backends.capabilities import environment_snapshot
 from mla_backends.backends.contract import AttentionSpec, MLABackend
-from mla_backends.backends.reasons import Reason, ReasonKind, all_of_kinds, as_reason
+from mla_backends.backends.reasons import Reason, ReasonKind, all_of_kinds, reasons_of
 from mla_backends.core.device import DeviceInfo
 from mla_backends.core.dims import MLADims
 from mla_backends.core.dtypes import FP8_CACHE_DTYPES, canonical_kv_cache_dtype, parse_model_dtype
 from mla_backends.core.env_switches import TRITON_INTERPRET_SWITCH, parse_switch
-from mla_backends.core.errors import USER_CODE_FAILURES, failure_text
+from mla_backends.core.v4dims import V4Dims
 from mla_backends.core.validation import require_int
 from mla_backends.plugins.aliases import alias_note, name_clash_note
 from mla_backends.plugins.loading import get_registry
@@ -173,11 +173,7 @@ class BackendNotSupportedError(SelectionError):
 def evaluate(cls: type[MLABackend], spec: AttentionSpec) -> tuple[Reason, ...]:
     """``cls.not_supported_reasons(spec)`` as :class:`Reason` values (a plugin's plain strings wrapped as kind
     ``OTHER``), with a plugin's crashing check turned into a ``CHECK_FAILED`` reason."""
-    try:
-        return tuple(as_reason(r) for r in cls.not_supported_reasons(spec))
-    except USER_CODE_FAILURES as exc:  # sys.exit() in a plugin's check must not end the caller either
-        return (Reason(ReasonKind.CHECK_FAILED, "capability check", failure_text(exc),
-                       "a check that returns reasons"),)
+    return tuple(reasons_of(cls, spec))  # sys.exit() in a plugin's check must not end the caller either
 
 
 def _verdict(registry: Registry, name: str, spec: AttentionSpec) -> Verdict:
@@ -247,12 +243,12 @@ def clear_cache() -> None:
 
 
 # ---- input checks -----------------------------------------------------------------------------------
-def _dims(dims: object) -> MLADims:
-    if isinstance(dims, MLADims):
+def _dims(dims: object) -> MLADims | V4Dims:
+    if isinstance(dims, (MLADims, V4Dims)):
         return dims
     if isinstance(dims, str):
         return MLADims.preset(dims)
-    raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims or a preset name ('deepseek-v3')")
+    raise TypeError(f"dims: got {type(dims).__name__}; supported MLADims, V4Dims or a preset name ('deepseek-v3')")
 
 
 def _override(backend: object, env_value: str | None) -> tuple[object, str] | None:
@@ -270,7 +266,7 @@ def _override(backend: object, env_value: str | None) -> tuple[object, str] | No
 
 # ---- the entry point --------------------------------------------------------------------------------
 def select_backend(
-    dims: MLADims | str,
+    dims: MLADims | V4Dims | str,
     *,
     dtype: torch.dtype | str = torch.bfloat16,
     kv_cache_dtype: str | torch.dtype = "auto",
@@ -285,7 +281,10 @@ def select_backend(
     """Choose the backend for ``dims`` on ``device``.
 
     Args:
-        dims: the (per-rank) model dims, or a preset name; ``num_heads`` is the per-rank head count.
+        dims: the (per-rank) model dims, or a preset name; ``num_heads`` is the per-rank head count. A
+            :class:`~mla_backends.core.v4dims.V4Dims` asks for DeepSeek-V4 attention: rows of ``head_dim`` with no
+            separate rope slice, any query lengths, sinks, a window and (when the model compresses) compressed
+            keys, from the family's V4 ordering (``sparse`` is then ignored).
         dtype: model (query) dtype. kv_cache_dtype: ``auto`` (= ``dtype``), ``bfloat16``, ``fp8_e4m3`` ...
         block_size: cache page size in tokens; None takes the chosen backend's preferred one.
         sparse: top-k sparse attention (DeepSeek-V3.2). max_query_len / uniform_query_len: the largest
@@ -340,18 +339,27 @@ def _select(registry: Registry, dims: object, dtype: object, kv_cache_dtype: obj
         if not isinstance(flag, bool):
             raise TypeError(f"{flag_name}: got {type(flag).__name__}; supported bool")
     dev = resolve_device(device)
-    spec = AttentionSpec(num_heads=d.num_heads, kv_lora_rank=d.kv_lora_rank,  # type: ignore[arg-type]
-                         qk_rope_head_dim=d.qk_rope_head_dim, dtype=model_dtype, kv_cache_dtype=kv,
-                         block_size=bs, sparse=sparse, max_query_len=mql,
-                         uniform_query_len=uniform_query_len, need_lse=need_lse, device=dev)
+    v4 = isinstance(d, V4Dims)
+    if v4:  # DeepSeek-V4: whole rows, every request absorbed (prefill included), sinks, window, compressed keys
+        spec = AttentionSpec(num_heads=d.num_heads, kv_lora_rank=d.head_dim, qk_rope_head_dim=0, dtype=model_dtype,
+                             kv_cache_dtype=kv, block_size=bs, max_query_len=max(mql, 2), uniform_query_len=False,
+                             need_lse=need_lse, device=dev, sinks=True, window=True,  # type: ignore[arg-type]
+                             compressed=bool(d.ratios))
+        sparse = False
+    else:
+        spec = AttentionSpec(num_heads=d.num_heads, kv_lora_rank=d.kv_lora_rank,  # type: ignore[arg-type]
+                             qk_rope_head_dim=d.qk_rope_head_dim, dtype=model_dtype, kv_cache_dtype=kv,
+                             block_size=bs, sparse=sparse, max_query_len=mql,
+                             uniform_query_len=uniform_query_len, need_lse=need_lse, device=dev)
     problems = registry.problems
     forced = _override(backend, env_backend)
     if forced is not None:
         return _forced(registry, spec, *forced, problems=problems)
 
     fp8 = spec.resolved_kv_cache_dtype in FP8_CACHE_DTYPES
-    names = candidates(dev, fp8=fp8, sparse=sparse, registry=registry)  # type: ignore[arg-type]
-    ladder = f"{ladder_for(dev).family}/{'sparse' if sparse else 'dense'}{', fp8 cache' if fp8 else ''}"
+    names = candidates(dev, fp8=fp8, sparse=sparse, registry=registry, v4=v4)  # type: ignore[arg-type]
+    variant = "deepseek-v4" if v4 else ("sparse" if sparse else "dense")
+    ladder = f"{ladder_for(dev).family}/{variant}{', fp8 cache' if fp8 and not v4 else ''}"
     verdicts = [_verdict(registry, n, spec) for n in names]
     chosen = next((i for i, v in enumerate(verdicts) if v.fits), None)
     if chosen is None:

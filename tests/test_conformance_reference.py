@@ -12,9 +12,9 @@ from mla_backends.backends.contract import Capabilities, MLABackend, QueryLenSup
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.testing import build_matrix
 from mla_backends.testing.cases import declared_reasons
-from mla_backends.testing.tolerances import precision_for, tolerance_for
 from mla_backends.testing.inputs import TRAILING, expected, prepare
 from mla_backends.testing.reference import random_orthogonal, reference_mqa, up_projections
+from mla_backends.testing.tolerances import precision_for, tolerance_for
 
 
 def test_up_projections_are_orthogonal_and_dense() -> None:

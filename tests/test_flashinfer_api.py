@@ -6,7 +6,8 @@
 * the real wrapper, built with a CPU workspace, accepts our ``plan()`` arguments up to the point where it
   needs a GPU ("device must be a cuda device"); the cutlass contract facts we rely on (128 heads, fixed
   scale) are FlashInfer's own checks;
-* plan caching, zero-copy cache views, CSR metadata, block-table alignment, head padding and scale folding,
+* plans made once per step in ``prepare`` on wrappers the step's state holds (a pool per configured backend),
+  zero-copy cache views, CSR metadata, block-table alignment, head padding and scale folding,
   checked with a recording stand-in for the wrapper (the GPU numerics are in test_flashinfer_gpu.py);
 * ``forward_mqa`` rejects bad inputs with errors naming the argument before touching FlashInfer.
 """
@@ -26,7 +27,7 @@ import torch
 from flashinfer_fakes import use_wrapper
 
 from mla_backends.backends import inputs as device_module  # where check_declared_support looks devices up
-from mla_backends.backends.contract import AttentionSpec
+from mla_backends.backends.contract import AttentionSpec, configure_backend, release_configured_backends
 from mla_backends.core.device import device_info_for, simulated_device
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
@@ -71,10 +72,10 @@ def make_batch(*, block_size=16, num_blocks=12, heads=4, dtype=torch.bfloat16, k
 
 @pytest.fixture(autouse=True)
 def fresh_state(monkeypatch):
-    """Each test gets its own workspace and wrapper caches (freed afterwards), with small CPU workspaces."""
+    """Each test gets its own workspaces (freed afterwards), small CPU ones."""
     monkeypatch.setattr(_common, "_WORKSPACES", {})
     monkeypatch.setattr(_common, "WORKSPACE_BYTES", 1 << 20)
-    monkeypatch.setattr(paged, "_SLOTS", {})
+    release_configured_backends()  # (their wrapper pools would hold another test's stand-ins)
 
 
 # ---- lazy import ------------------------------------------------------------------------------------------
@@ -245,31 +246,49 @@ def recording(monkeypatch):
     return use_wrapper(monkeypatch)
 
 
-def test_fa_plans_once_per_batch_and_replans_when_another_batch_intervenes(recording):
+def fa_configured(cache, q, scale=0.1, cls=FlashInferMLABackend):
+    """The configured backend a layer of these shapes holds (configure_backend)."""
+    spec = AttentionSpec(num_heads=q.shape[1], dtype=q.dtype, kv_cache_dtype=cache.kv_cache_dtype,
+                         block_size=cache.block_size, device=device_info_for(cache.device))
+    return configure_backend(cls, spec, scale)
+
+
+def test_each_live_step_holds_its_own_planned_wrapper_and_none_is_replanned(recording):
+    """A step's state takes a wrapper from the configured backend's pool and plans it once, in prepare; a step
+    planned while the first is still alive takes another, so running the first again re-plans nothing; a
+    dropped step's wrapper goes back to the pool and the next step plans it again."""
+    import gc
+
     cache, meta, q, qr = make_batch(q_lens=(1, 4, 2), ctx=(20, 3, 40), heads=8)
-    backend = FlashInferMLABackend()
-    state = backend.prepare(meta)  # the step's state, as plan_step makes it (unconfigured: nothing planned yet)
-    for _ in range(3):  # three layers of one step share it
-        out, lse = backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa2",
-                                   state=state)
-    (wrapper,) = recording.instances
-    assert wrapper.backend == "fa2" and len(wrapper.plans) == 1 and len(wrapper.runs) == 3
-    assert wrapper.workspace is _common.workspace_for(cache.device, "fa")
+    backend = fa_configured(cache, q)
+    plan1 = plan_step(meta, [backend])
+    (w1,) = recording.instances
+    assert len(w1.plans) == 1 and not w1.runs  # planned when the step was planned
+
+    def layer(q, qr, cache, meta, plan):  # (what forward_mqa runs after its checks, which want a GPU here)
+        return backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, state=plan.state(backend, meta))
+
+    for _ in range(3):  # three layers
+        layer(q, qr, cache, meta, plan1)
+    assert len(w1.plans) == 1 and len(w1.runs) == 3
     cache2, meta2, q2, qr2 = make_batch(q_lens=(1, 1, 1), heads=8)
-    backend._launch(q2, qr2, cache2, meta2, scale=0.1, out=None, lse_out=None, fi_backend="fa2")
-    backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa2", state=state)
-    assert len(wrapper.plans) == 3  # meta -> meta2 -> meta again: the wrapper holds one plan at a time
+    plan2 = plan_step(meta2, [backend])  # step 1's plan still alive: another wrapper
+    w2 = recording.instances[1]
+    layer(q2, qr2, cache2, meta2, plan2)
+    out, lse = layer(q, qr, cache, meta, plan1)  # step 1 again: no re-plan
+    assert [len(w.plans) for w in (w1, w2)] == [1, 1] and len(w1.runs) == 4
     assert torch.equal(lse, torch.full_like(lse, 1.5)) and out.dtype == q.dtype
+    del plan1
+    gc.collect()
+    plan_step(meta, [backend])  # the dropped step's wrapper is planned again
+    assert len(recording.instances) == 2 and len(w1.plans) == 2 and backend.resources.made == 2
 
 
 def test_configured_fa_backend_plans_in_prepare_and_forward_only_runs(recording):
-    # the layer configures its backend (heads, dtypes, page size, scale), so the engine's one per-step call
+    # the layer's configured backend (heads, dtypes, page size, scale): the engine's one per-step call
     # plan_step(meta, [backend]) runs plan() outside any capture, and forward_mqa only runs the wrapper
     cache, meta, q, qr = make_batch(q_lens=(1, 4, 2), ctx=(20, 3, 40), heads=8)
-    backend = FlashInferMLABackend()
-    spec = AttentionSpec(num_heads=8, dtype=q.dtype, kv_cache_dtype=cache.kv_cache_dtype,
-                         block_size=cache.block_size, device=device_info_for(cache.device))
-    backend.configure(spec, 0.1)
+    backend = fa_configured(cache, q)
     plan = plan_step(meta, [backend])
     (wrapper,) = recording.instances
     assert len(wrapper.plans) == 1 and not wrapper.runs
@@ -278,6 +297,10 @@ def test_configured_fa_backend_plans_in_prepare_and_forward_only_runs(recording)
                         state=plan.state(backend, meta))
     assert len(wrapper.plans) == 1 and len(wrapper.runs) == 3
     assert backend.prepare_key() != FlashInferMLABackend
+    with pytest.raises(StepPlanError, match="supported the call its step state planned"):
+        backend._launch(q, qr, cache, meta, scale=0.2, out=None, lse_out=None, fi_backend=wrapper.backend,
+                        state=plan.state(backend, meta))  # another scale: refused, not re-planned
+    assert len(wrapper.plans) == 1
 
 
 def test_fa_passes_zero_copy_cache_views_and_csr_metadata(recording):
@@ -339,16 +362,22 @@ def test_pack_query_and_block_table_helpers():
     meta = BatchMetadata.build([1, 1], [0, 40], [[5, -1, -1], [1, 2, 3]], 16)
     table = _common.dense_block_table(meta, align=4)
     assert table.tolist() == [[5, 0, 0, 0], [1, 2, 3, 0]]
-    state = FlashInferXqaMLABackend().step_state(meta)
-    assert state.block_table(meta, align=4) is state.block_table(meta, align=4)
-    assert torch.equal(state.block_table(meta, align=4), table)
+    state = FlashInferXqaMLABackend().step_state(meta)  # prepared: XQA's alignment, 128 / page size 16
+    assert state.block_table(meta, align=8) is state.block_table(meta, align=8)
+    assert torch.equal(state.block_table(meta, align=8), _common.dense_block_table(meta, align=8))
+    assert torch.equal(table[:, :4], state.block_table(meta, align=8)[:, :4])
+    with pytest.raises(StepPlanError, match="aligned to 4"):
+        state.block_table(meta, align=4)  # never built in a layer call
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.call = ()  # type: ignore[misc]
 
 
-def test_flashinfer_step_state_is_prepared_once_per_step_and_shared_by_instances():
-    """The prepare hook: every layer's backend instance of a class gets the step's one FlashInferStep; a new
-    step (or a dataclasses.replace copy) gets a fresh one; another class prepares its own."""
+def test_flashinfer_step_state_is_prepared_once_per_step_and_shared_by_instances(recording):
+    """The prepare hook: every layer's configured backend (one object for one configuration) gets the step's
+    one FlashInferStep; a new step (or a dataclasses.replace copy) gets a fresh one; another class prepares its
+    own."""
     cache, meta, q, qr = make_batch(q_lens=(1, 4, 2), ctx=(20, 3, 40), heads=8)
-    layers = [FlashInferMLABackend() for _ in range(4)]
+    layers = [fa_configured(cache, q) for _ in range(4)]
     xqa = FlashInferXqaMLABackend()
     plan = plan_step(meta, [*layers, xqa])  # what an engine calls before the first layer
     state = plan.state(layers[0], meta)
@@ -450,8 +479,8 @@ def test_dense_only_backends_refuse_topk_indices(cls, on_declared_device):
                               "supported dense only"
 
 
-def test_cutlass_refuses_a_non_contiguous_cache(on_declared_device):
-    on_declared_device(FlashInferCutlassMLABackend)
+def test_cutlass_refuses_a_non_contiguous_cache(on_declared_device, recording):
+    on_declared_device(FlashInferCutlassMLABackend)  # (the stand-in wrapper plans the call's step on the CPU)
     cache, meta, q, qr = make_batch(block_size=64, heads=16)
     cache.data = torch.zeros(cache.num_blocks, 2 * cache.block_size, 576, dtype=cache.data.dtype)[:, ::2]
     with pytest.raises(ValueError, match=r"^cache.data: got a non-contiguous tensor; supported a contiguous"):

@@ -19,7 +19,7 @@ import pytest
 import torch
 from flashinfer_fakes import RecordingWrapper, use_wrapper
 
-from mla_backends.backends.contract import AttentionSpec
+from mla_backends.backends.contract import AttentionSpec, configure_backend, release_configured_backends
 from mla_backends.backends.reasons import ReasonKind
 from mla_backends.core.device import DeviceInfo
 from mla_backends.core.dims import MLADims
@@ -165,7 +165,6 @@ def test_an_over_capacity_batch_is_planned_and_run_per_request_group(monkeypatch
 
     monkeypatch.setattr(_common, "_WORKSPACES", {})
     monkeypatch.setattr(_common, "WORKSPACE_BYTES", 1 << 16)
-    monkeypatch.setattr(paged, "_SLOTS", {})
     use_wrapper(monkeypatch, Recorder)
     monkeypatch.setattr(fa_limits, "FA_MAX_WORK_ITEMS", 1)  # 16 heads x 8 tokens: one 128-row tile
     q_lens, ctx = [8, 0, 8, 8], [5, 9, 20, 0]
@@ -175,8 +174,12 @@ def test_an_over_capacity_batch_is_planned_and_run_per_request_group(monkeypatch
     T = meta.num_tokens
     q = torch.randn(T, 16, 512).to(torch.bfloat16)
     qr = torch.randn(T, 16, 64).to(torch.bfloat16)
-    backend = FlashInferMLABackend()
-    state = backend.prepare(meta)  # the step's state, as plan_step makes it
+    monkeypatch.setattr(paged, "fa_backend_for", lambda device: "fa3")
+    release_configured_backends()  # a fresh pool: its wrappers are this test's stand-ins
+    spec = AttentionSpec(num_heads=16, dtype=torch.bfloat16, block_size=16)
+    backend = configure_backend(FlashInferMLABackend, spec, 0.1)
+    state = backend.prepare(meta)  # the step's state, as plan_step makes it: every group planned here
+    assert all(len(w.plans) == 1 and not w.runs for w in Recorder.instances)
     for _ in range(2):  # two layers of one step: each group planned once
         out, lse = backend._launch(q, qr, cache, meta, scale=0.1, out=None, lse_out=None, fi_backend="fa3",
                                    state=state)

@@ -13,6 +13,8 @@ import math
 import pytest
 import torch
 
+from mla_backends import AttentionSpec, configure_backend, plan_step
+from mla_backends.core.device import device_info_for
 from mla_backends.core.dims import MLADims
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
@@ -126,16 +128,22 @@ def test_fa_varlen_matches_reference(dtype, page):
 
 
 def test_fa_reuses_one_plan_across_layers_and_fills_given_buffers():
+    """A configured backend plans its wrapper once per step, in plan_step; every layer only runs it."""
     dev = _require(FlashInferMLABackend)
     cache, meta, q, qr = build(dev, q_lens=(1, 1, 1), ctx=(40, 7, 300), heads=128, block_size=64)
-    backend = FlashInferMLABackend()
+    spec = AttentionSpec(num_heads=128, dtype=q.dtype, kv_cache_dtype=cache.kv_cache_dtype, block_size=64,
+                         device=device_info_for(dev))
+    backend = configure_backend(FlashInferMLABackend, spec, V3_SCALE)
+    plan = plan_step(meta, [backend])
+    ((_, wrapper),) = plan.state(backend, meta).planned
+    calls = []
+    real_plan = wrapper.plan
+    wrapper.plan = lambda *a, **k: calls.append(1) or real_plan(*a, **k)  # a re-plan would show here
     out = torch.full_like(q, float("nan"))
     lse = torch.full(q.shape[:2], float("nan"), device=dev)
-    first, _ = backend.forward_mqa(q, qr, cache, meta, scale=V3_SCALE)
-    slot = paged.wrapper_slot(dev, paged.fa_backend_for(dev))
-    made = slot.plans_made
-    got_out, got_lse = backend.forward_mqa(q, qr, cache, meta, scale=V3_SCALE, out=out, lse_out=lse)
-    assert got_out is out and got_lse is lse and slot.plans_made == made
+    first, _ = backend.forward_mqa(q, qr, cache, meta, scale=V3_SCALE, plan=plan)
+    got_out, got_lse = backend.forward_mqa(q, qr, cache, meta, scale=V3_SCALE, out=out, lse_out=lse, plan=plan)
+    assert got_out is out and got_lse is lse and not calls
     assert torch.equal(out, first)
     ref_out, ref_lse = reference(q, qr, cache, meta, V3_SCALE)
     assert_close(out, ref_out, what="out", **BF16)

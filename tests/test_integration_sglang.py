@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_backends import BatchMetadata
+from mla_backends import BatchMetadata, configure_backend
 from mla_backends.integrations import sglang as plugin_pkg
 from mla_backends.integrations.sglang.selection import (
     SGLangSelectionError,
@@ -161,7 +161,6 @@ def test_wrap_pool_buffer_shares_memory_and_refuses_bad_layouts() -> None:
 
 
 def _decode(pool: torch.Tensor, req_to_token: torch.Tensor, lens: list[int], page: int) -> torch.Tensor:
-    backend = RefTorchBackend()
     sel = request_from_runner(HF, tp_size=1, dtype=torch.float32, kv_cache_dtype="auto", page_size=page,
                               device="cpu")
     from mla_backends.core.dims import MLADims
@@ -170,7 +169,7 @@ def _decode(pool: torch.Tensor, req_to_token: torch.Tensor, lens: list[int], pag
     from mla_backends import select_backend
 
     spec = select_backend(sel.dims, dtype=torch.float32, block_size=page, device="cpu", backend="REF_TORCH").spec
-    backend.configure(spec, dims.softmax_scale)
+    backend = configure_backend(RefTorchBackend, spec, dims.softmax_scale)
     meta = decode_metadata(req_to_token, torch.arange(len(lens)), torch.tensor(lens, dtype=torch.int32), lens, page)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(len(lens), 4, R + ROPE, generator=g)

@@ -169,8 +169,8 @@ class _Recorder:
         monkeypatch.setattr(layer_mod, "forward_mha", mha)
 
 
-def _step(layer, qlens, ctx, decode_threshold=1):
-    cache = layer.allocate_cache(64, 4)
+def _step(layer, qlens, ctx, decode_threshold=1, cache=None):
+    cache = layer.allocate_cache(64, 4) if cache is None else cache
     bt = torch.arange(64, dtype=torch.int32).view(4, 16)[: len(qlens)]
     meta = BatchMetadata.build(qlens, ctx, bt, 4, decode_threshold=decode_threshold)
     x = torch.randn(sum(qlens), 32, dtype=torch.float64)
@@ -190,8 +190,9 @@ def _step(layer, qlens, ctx, decode_threshold=1):
 def test_layer_routes_requests(monkeypatch, dispatch, qlens, ctx, mqa, mha):
     layer = MLAAttention.from_hf_config(tiny_config(), dtype=torch.float64, dispatch=dispatch)
     layer.load_hf_state_dict(random_hf_state_dict(layer.dims, dtype=torch.float64))
+    cache = layer.allocate_cache(64, 4)  # (configures the layer's backend with the page size: spied after)
     rec = _Recorder(monkeypatch, layer)
-    out = _step(layer, qlens, ctx)
+    out = _step(layer, qlens, ctx, cache=cache)
     assert out.shape == (sum(qlens), 32) and torch.isfinite(out).all()
     assert rec.mqa_rows == mqa and rec.mha_rows == mha
 

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 
+from mla_backends import AttentionSpec, configure_backend
 from mla_backends.ref_torch import RefTorchBackend, plans
 from mla_backends.ref_torch import backend as ref_backend
 from mla_backends.step.cache import LatentKVCache
@@ -52,6 +53,13 @@ def stored_rows(cache, block_row, length):
     pos = torch.arange(length)
     slots = block_row.long()[pos // BS] * BS + pos % BS
     return cache.data.reshape(-1, r + R)[slots].double() * float(cache.scale.item())
+
+
+def configured(model_dtype=torch.float32, kv_cache_dtype="auto"):
+    """REF_TORCH configured for this file's shapes (what a layer or an engine hands ``plan_step``)."""
+    spec = AttentionSpec(num_heads=H, kv_lora_rank=r, qk_rope_head_dim=R, dtype=model_dtype,
+                         kv_cache_dtype=kv_cache_dtype, block_size=BS)
+    return configure_backend(RefTorchBackend, spec, SCALE)
 
 
 def make_step(query_lens, context_lens, *, model_dtype=torch.float32, kv_cache_dtype="auto", scale=1.0,
@@ -118,8 +126,9 @@ def test_mixed_query_lengths_and_an_empty_request():
 
 
 def test_plan_is_made_once_per_step_and_reused(monkeypatch):
-    """Every layer of a step reuses the step's groups (page ids, masks): built on the first call only, and
-    the second call computes exactly the same numbers."""
+    """Every layer of a step reuses the step's groups (page ids, masks): built once, when the step is planned,
+    never in a layer call, and the second call computes exactly the same numbers. An unconfigured backend
+    prepares inside each call instead."""
     built = []
     inner = plans.dense_groups
 
@@ -130,16 +139,24 @@ def test_plan_is_made_once_per_step_and_reused(monkeypatch):
     monkeypatch.setattr(plans, "dense_groups", spy)
     cache, meta, q = make_step([1] * 4, [3, BS, 2 * BS - 1, 7])
     ql, qr = q[..., :r].contiguous(), q[..., r:].contiguous()
-    layers = [RefTorchBackend(), RefTorchBackend()]  # two layers' instances of one class share the state
+    layers = [configured(), configured()]  # two layers configured alike: one configured backend, one state
+    assert layers[0] is layers[1]
     plan = plan_step(meta, layers)
+    assert built == [(r + R, H, ref_backend.GROUP_ELEMENT_BUDGET)]  # at plan time
     first, lse1 = layers[0].forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
     second, lse2 = layers[1].forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
-    assert built == [(r + R, H, ref_backend.GROUP_ELEMENT_BUDGET)]
+    assert len(built) == 1  # the layers only read the plan
     assert torch.equal(first, second) and torch.equal(lse1, lse2)
     check(cache, meta, q, 2e-5, 1e-6)  # and they are right
     next_step = BatchMetadata.build([1] * 4, [3, BS, 2 * BS - 1, 7], meta.block_table, BS)
     layers[0].forward_mqa(ql, qr, cache, next_step, scale=SCALE, plan=plan_step(next_step, layers))
     assert len(built) >= 3  # a new step builds its own (check() above ran a step of its own too)
+    bare = RefTorchBackend()
+    bare_plan = plan_step(meta, [bare])
+    before = len(built)
+    bare.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=bare_plan)
+    bare.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=bare_plan)
+    assert len(built) == before + 2  # unconfigured: nothing to prepare with when planned, so each call does
 
 
 def test_group_page_ids_replace_entries_past_the_last_page():
@@ -148,14 +165,15 @@ def test_group_page_ids_replace_entries_past_the_last_page():
     assert ids.tolist() == [5, 0, 0, 7, 11, 0, 4, 8, 6]
 
 
-def test_prepared_step_makes_no_host_sync():
+@pytest.mark.parametrize("make", [configured, RefTorchBackend], ids=["configured", "unconfigured"])
+def test_prepared_step_makes_no_host_sync(make):
     cache, meta, q = make_step([1, 2, 1], [BS + 1, 4, 30])
-    backend = RefTorchBackend()
+    backend = make()
     plan = plan_step(meta, [backend])  # the engine's once-per-step call
     ql, qr = q[..., :r].contiguous(), q[..., r:].contiguous()
     with no_host_sync():
-        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)  # the first layer fills its groups
-        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)  # later layers reuse them
+        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)  # every layer reads the plan
+        backend.forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
 
 
 @pytest.mark.parametrize("model_dtype, kv_cache_dtype, scale, tol", [
@@ -164,13 +182,14 @@ def test_prepared_step_makes_no_host_sync():
     (torch.float32, "fp8_e4m3", 0.37, 2e-5),
 ])
 def test_step_buffers_are_shared_by_the_layers_of_a_step(model_dtype, kv_cache_dtype, scale, tol):
-    """The gathered rows and scores live in the step's buffers: the first layer's call makes them (under
-    inference_mode: still normal tensors), every later call reuses them (outside inference_mode too), and
-    the results are the same numbers, right against the float64 reference."""
+    """The gathered rows and scores live in the configured backend's buffers of the calling thread: made by
+    the plan or the first layer's call (under inference_mode: still normal tensors), every later call reuses
+    them (outside inference_mode too), and the results are the same numbers, right against the float64
+    reference."""
     cache, meta, q = make_step([1] * len(RAGGED), RAGGED, model_dtype=model_dtype, kv_cache_dtype=kv_cache_dtype,
                                scale=scale)
     ql, qr = q[..., :r].contiguous(), q[..., r:].contiguous()
-    layers = [RefTorchBackend(), RefTorchBackend()]
+    layers = [configured(model_dtype, kv_cache_dtype), configured(model_dtype, kv_cache_dtype)]
     with torch.inference_mode():
         plan = plan_step(meta, layers)
         first, lse1 = layers[0].forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
@@ -213,7 +232,7 @@ def test_streamed_buffers_are_shared_by_the_layers_of_a_step(monkeypatch):
     ctxs = [0, BS - 2, BS - 1, BS, 5 * BS + 3]
     cache, meta, q = make_step([1] * len(ctxs), ctxs, kv_cache_dtype="fp8_e4m3", scale=0.37)
     ql, qr = q[..., :r].contiguous(), q[..., r:].contiguous()
-    layers = [RefTorchBackend(), RefTorchBackend()]
+    layers = [configured(kv_cache_dtype="fp8_e4m3"), configured(kv_cache_dtype="fp8_e4m3")]
     plan = plan_step(meta, layers)
     assert layers[0].dense_parts(meta, (r + R) * 4) == [(True, 0, len(ctxs))]
     first, lse1 = layers[0].forward_mqa(ql, qr, cache, meta, scale=SCALE, plan=plan)
@@ -227,8 +246,8 @@ def test_streamed_buffers_are_shared_by_the_layers_of_a_step(monkeypatch):
 
 
 def test_step_buffers_are_one_per_name_grown_to_the_largest_request():
-    """However many groups or runs ask, a step keeps one buffer per name (and dtype): a larger request grows it,
-    a smaller one gets a view of its start; shapes are what was asked."""
+    """However many groups or runs ask, a thread keeps one buffer per name (and dtype): a larger request grows
+    it, a smaller one gets a view of its start; shapes are what was asked."""
     step = plans.RefStep()
     a = step.buffer("x", (2, 3), torch.float32, torch.device("cpu"))
     b = step.buffer("x", (4, 5), torch.float32, torch.device("cpu"))

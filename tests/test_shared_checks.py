@@ -196,7 +196,7 @@ def test_declared_support_is_derived_when_planned_and_looked_up(monkeypatch):
     """A configured backend's combination is asked of its declarations once, when the step is planned; the
     calls of every layer then look it up in the plan. Other combinations (an LSE asked for) are asked in full,
     and a rejection is never recorded."""
-    from mla_backends.backends.contract import AttentionSpec
+    from mla_backends.backends.contract import AttentionSpec, configure_backend
     from mla_backends.backends.inputs import check_declared_support
     from mla_backends.ref_torch import RefTorchBackend
     from mla_backends.step.plan import plan_step
@@ -210,8 +210,8 @@ def test_declared_support_is_derived_when_planned_and_looked_up(monkeypatch):
         return inner(cls, spec)
 
     monkeypatch.setattr(RefTorchBackend, "not_supported_reasons", classmethod(spy))
-    backend = RefTorchBackend()
-    backend.configure(AttentionSpec(num_heads=16, dtype=torch.bfloat16, block_size=64), 0.1)
+    backend = configure_backend(RefTorchBackend, AttentionSpec(num_heads=16, dtype=torch.bfloat16, block_size=64),
+                                0.1)
     plan = plan_step(meta, [backend])
     assert calls == [False] and plan.accepted
     for _ in range(3):  # three layers of one step

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import enum
+import math
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -76,10 +77,21 @@ class Tolerance:
     """An explicit error band a backend declares against the float64 reference: ``|x - ref| <= atol + rtol *
     |ref|`` element-wise (the LSE within the same band, but never tighter than float32's). The conformance suite
     judges a case by a declared band *instead of* its measured-rounding criteria (``docs/conformance.md``):
-    declare one only for arithmetic the suite cannot emulate (fp8 query products, TF32 dots)."""
+    declare one only for arithmetic the suite cannot emulate (fp8 query products, TF32 dots).
+
+    Both bounds are finite and non-negative, checked on construction (so ``dataclasses.replace`` checks them
+    too): a negative bound would fail every case, an infinite or NaN one would pass every case."""
 
     atol: float
     rtol: float
+
+    def __post_init__(self) -> None:
+        for name in ("atol", "rtol"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name}: got {type(value).__name__} {value!r}; supported a float")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: got {value!r}; supported a finite float >= 0")
 
 
 #: the element-wise bands of mla-backends 0.4, per judged dtype (16-bit dtypes 8 epsilons). The suite no longer
@@ -143,6 +155,9 @@ class Capabilities:
     ``num_heads`` lists the exact head counts, or ``max_num_heads`` bounds them (None: any).
     ``fp8_min_compute_capability`` is an extra lower bound that applies only to fp8 caches.
     ``requires`` names importable modules; ``extra`` is the pip extra that provides them.
+    ``sinks`` / ``window`` / ``compressed``: DeepSeek-V4 attention (:mod:`mla_backends.backends.v4_inputs`): a
+    per-head sink logit in the softmax denominator, a sliding window over the cache's positions, and a second
+    key set (compressed entries in a cache of their own, chosen per token).
     ``host_sync_free``: once ``BatchMetadata.build`` ran (and ``plan_step(meta, ...)``), a dense
     ``forward_mqa`` makes no device-to-host sync (the conformance suite runs it under
     :func:`mla_backends.core.host_sync.no_host_sync`). ``cuda_graphs``: it also replays correctly under a captured
@@ -169,6 +184,9 @@ class Capabilities:
     decode_threshold: int = 1
     dense: bool = True
     sparse: bool = False
+    sinks: bool = False
+    window: bool = False
+    compressed: bool = False
     returns_lse: bool = True
     deterministic: bool = True
     requires: tuple[str, ...] = ()
@@ -262,7 +280,8 @@ class AttentionSpec:
     """What a caller asks a backend to run: the question every capability check answers.
 
     ``block_size`` None means "the backend's preferred page size". ``kv_cache_dtype`` is a canonical cache
-    dtype name or ``auto`` (resolved against ``dtype``).
+    dtype name or ``auto`` (resolved against ``dtype``). ``sinks`` / ``window`` / ``compressed``: the caller
+    needs DeepSeek-V4's per-head sinks, a sliding window, a second (compressed) key set.
     """
 
     num_heads: int
@@ -276,6 +295,35 @@ class AttentionSpec:
     uniform_query_len: bool = True
     need_lse: bool = False
     device: DeviceInfo = CPU_DEVICE
+    sinks: bool = False
+    window: bool = False
+    compressed: bool = False
+
+    def __post_init__(self) -> None:
+        """Every field's type and range, on construction and on ``dataclasses.replace``. A cache dtype *name*
+        that is no cache dtype is not refused here: it is a reason of the selection
+        (:meth:`~mla_backends.backends.contract.MLABackend.not_supported_reasons`), as a dtype a backend does
+        not take is."""
+        for name, minimum in (("num_heads", 0), ("kv_lora_rank", 0), ("qk_rope_head_dim", 0), ("max_query_len", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name}: got {type(value).__name__} {value!r}; supported int")
+            if value < minimum:
+                raise ValueError(f"{name}: got {value}; supported >= {minimum}")
+        if self.block_size is not None and (isinstance(self.block_size, bool) or not isinstance(self.block_size, int)
+                                            or self.block_size < 1):
+            raise ValueError(f"block_size: got {self.block_size!r}; supported an int >= 1 or None (the backend's "
+                             "preferred page size)")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype: got {type(self.dtype).__name__}; supported a torch dtype")
+        if not isinstance(self.kv_cache_dtype, str) or not self.kv_cache_dtype.strip():
+            raise TypeError(f"kv_cache_dtype: got {self.kv_cache_dtype!r}; supported a cache dtype name "
+                            f"({', '.join(KV_CACHE_DTYPES)})")
+        for name in ("sparse", "uniform_query_len", "need_lse"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: got {getattr(self, name)!r}; supported True or False")
+        if not isinstance(self.device, DeviceInfo):
+            raise TypeError(f"device: got {type(self.device).__name__}; supported DeviceInfo")
 
     @property
     def resolved_kv_cache_dtype(self) -> str:

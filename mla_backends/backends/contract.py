@@ -22,18 +22,22 @@ argument) is still called, with a ``DeprecationWarning``, for one release.
 
 from __future__ import annotations
 
+import collections
 import importlib.util
+import itertools
+import threading
 import warnings
+import weakref
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from ..core.attention_math import distinct_topk
-from ..core.device import DeviceInfo
+from ..core.device import DeviceInfo, device_info_for
 from ..core.dtypes import FP8_CACHE_DTYPES, dtype_name, lse_dtype
-from ..core.errors import USER_CODE_FAILURES
+from ..core.errors import USER_CODE_FAILURES, plugin_call, plugin_error
 from ..step.cache import LatentKVCache
-from ..step.plan import PlanRequest, Run, StepPlan, StepPlanError, plan_step, require_plan
+from ..step.plan import WHOLE_STEP_ABSORBED, PlanRequest, Run, StepPlan, StepPlanError, plan_step, require_plan
 from .capabilities import (
     DEFAULT_TOLERANCES,
     AttentionSpec,
@@ -43,14 +47,17 @@ from .capabilities import (
     Tolerance,
     env_switch_on,
 )
+from .dispatch import resolve_policy, runs_key, step_runs
 from .inputs import check_declared_support, check_mqa_inputs, planned_declarations
-from .reasons import Reason, ReasonKind, as_reason
+from .reasons import Reason, ReasonKind, as_reason, returned_reasons
+from .v4_inputs import CompressedKeys, V4Keys, check_v4_inputs, v4_flags
 
 if TYPE_CHECKING:
     from ..step.metadata import BatchMetadata
 
 __all__ = ["QueryLenSupport", "Capabilities", "AttentionSpec", "MLABackend", "Tolerance", "DEFAULT_TOLERANCES",
-           "Precision", "BackendContractError", "contract_problems"]
+           "Precision", "BackendContractError", "contract_problems", "configure_backend",
+           "release_configured_backends", "ConfigurationKey"]
 
 
 class BackendContractError(RuntimeError):
@@ -78,6 +85,131 @@ def contract_problems(cls: type) -> list[str]:
     return problems
 
 
+class ConfigurationKey:
+    """What a configured backend was configured for: ``(class, options, spec, scale)``, hashed once (every layer
+    call looks its prepared state up by it). Equal keys share prepared states in a step plan."""
+
+    __slots__ = ("parts", "_hash", "token")
+    _tokens = itertools.count(1)
+
+    def __init__(self, parts: tuple[Hashable, ...]) -> None:
+        self.parts = parts
+        self._hash = hash(parts)
+        #: a small int naming this key object (the plan records accepted declarations under it)
+        self.token = next(ConfigurationKey._tokens)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, ConfigurationKey) and self._hash == other._hash
+                                 and self.parts == other.parts)
+
+    def __repr__(self) -> str:
+        cls, _options, spec, scale = self.parts
+        return f"{getattr(cls, 'name', cls)} configured for {spec!r}, scale {scale!r}"
+
+
+#: the configured backends alive now, by configuration (:func:`configure_backend`): one object per
+#: configuration, shared by every layer and engine part that asks for it, dropped when none holds it
+_CONFIGURED: weakref.WeakValueDictionary[Hashable, MLABackend] = weakref.WeakValueDictionary()
+_CONFIGURED_LOCK = threading.RLock()
+#: the most recently configured backends, held strongly, so that bare calls of an unconfigured instance (each
+#: configures the backend its inputs describe) reuse one configured backend and its resources
+_RECENT: collections.OrderedDict[Hashable, MLABackend] = collections.OrderedDict()
+RECENT_CONFIGURATIONS = 8
+_LEGACY_WARNED_CONFIGURE: set[type] = set()
+#: attributes fixed once an instance is configured
+_CONFIG_ATTRS = frozenset({"layer_spec", "layer_scale", "resources", "_configuration", "_options", "_kv_resolved"})
+
+
+def _check_configuration(spec: object, scale: object) -> float:
+    if not isinstance(spec, AttentionSpec):
+        raise TypeError(f"spec: got {type(spec).__name__}; supported AttentionSpec")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0 or scale == float("inf"):
+        raise ValueError(f"scale: got {scale!r}; supported a positive finite float (the unabsorbed softmax scale)")
+    return float(scale)
+
+
+def configure_backend(backend: type[MLABackend] | MLABackend, spec: AttentionSpec, scale: float) -> MLABackend:
+    """The one configured instance of ``backend`` for ``spec`` and the softmax ``scale``: configure once.
+
+    ``backend`` is an :class:`MLABackend` subclass (built with no arguments) or an instance (its options, e.g.
+    ``TritonMLABackend(num_kv_splits=4)``, are kept: a copy is configured; the instance itself is left as it
+    was). While any part of the program holds it, every call with an equal ``(class, options, spec, scale)``
+    returns the *same* object: the layers of a model configured alike, or an engine's metadata builder and
+    each of its attention layers, share one configured backend by identity, and with it one prepared state per
+    step and the resources it owns (:meth:`MLABackend.make_resources`: FlashInfer's planned wrappers,
+    REF_TORCH's scratch arenas). A configured backend is immutable: its ``layer_spec``, ``layer_scale`` and
+    ``resources`` cannot be set again (another configuration is another object), and it refuses calls with
+    other heads, widths, dtypes or scale (:class:`~mla_backends.step.plan.StepPlanError`).
+
+    Args:
+        backend: the backend class or an instance of it.
+        spec: what the caller runs: heads, widths, dtype, cache dtype and page size (None / ``"auto"``: taken
+            from each step's metadata and the model dtype), sparse, LSE, device.
+        scale: the softmax scale every call passes (the unabsorbed ``MLADims.softmax_scale``).
+
+    Raises:
+        TypeError / ValueError: ``backend``, ``spec`` or ``scale`` malformed (before anything is built).
+    """
+    if isinstance(backend, type):
+        if not issubclass(backend, MLABackend):
+            raise TypeError(f"backend: got class {backend.__name__}; supported an MLABackend subclass or instance")
+    elif not isinstance(backend, MLABackend):
+        raise TypeError(f"backend: got {type(backend).__name__}; supported an MLABackend subclass or instance")
+    scale = _check_configuration(spec, scale)
+    cls = backend if isinstance(backend, type) else type(backend)
+    with _CONFIGURED_LOCK:
+        made: MLABackend | None = None
+        if isinstance(backend, type):
+            with plugin_call(cls, "__init__()"):  # sys.exit() in a plugin's code there is PluginCodeError
+                made = cls()
+            options = made.options_key()
+        else:
+            options = backend.options_key()
+        parts = (cls, options if options is not None else ("instance", id(made if made is not None else backend)),
+                 spec, scale)
+        found = _CONFIGURED.get(parts) if options is not None else None
+        if found is not None:
+            if parts in _RECENT:
+                _RECENT.move_to_end(parts)
+            return found
+        if made is None:  # the options alone (not what was set on the instance since, e.g. a spy)
+            made = _rebuilt(cls, dict(options) if options is not None else {
+                k: v for k, v in vars(backend).items() if k not in _CONFIG_ATTRS})
+        made._set_configuration(spec, scale, ConfigurationKey(parts), options)
+        if options is not None:
+            _CONFIGURED[parts] = made
+            _RECENT[parts] = made
+            while len(_RECENT) > RECENT_CONFIGURATIONS:
+                _RECENT.popitem(last=False)
+        return made
+
+
+def _rebuilt(cls: type[MLABackend], options: dict[str, object]) -> MLABackend:
+    """An unconfigured ``cls`` instance holding ``options`` as its attributes (its constructor not run again)."""
+    made = cls.__new__(cls)
+    made.__dict__.update(options)
+    return made
+
+
+def _configured_again(cls: type[MLABackend], options: dict[str, object], spec: AttentionSpec,
+                      scale: float) -> MLABackend:
+    """What a pickled or copied configured backend becomes: :func:`configure_backend` of the same class, options,
+    spec and scale (the same object while the original is alive in this process; its own resources elsewhere)."""
+    return configure_backend(_rebuilt(cls, options), spec, scale)
+
+
+def release_configured_backends() -> None:
+    """Forget the configured backends :func:`configure_backend` keeps for reuse (the recent ones it holds; those
+    still held elsewhere stay alive, and with them their resources). For tests, and to free the resources of
+    configurations no longer used."""
+    with _CONFIGURED_LOCK:
+        _RECENT.clear()
+        _CONFIGURED.clear()
+
+
 class MLABackend:
     """Base class of every MLA decode backend.
 
@@ -100,7 +232,8 @@ class MLABackend:
         missing = []
         for mod in cls.capabilities.requires:
             try:  # "pkg.sub" imports pkg, whose code may raise anything (or call sys.exit())
-                found = importlib.util.find_spec(mod) is not None
+                with plugin_call(cls, f"importing {mod} (capabilities.requires)"):
+                    found = importlib.util.find_spec(mod) is not None
             except USER_CODE_FAILURES:
                 found = False
             if not found:
@@ -193,9 +326,12 @@ class MLABackend:
             reasons.append(Reason(ReasonKind.ATTENTION, "attention", "sparse (top-k indices)", "dense only"))
         if not spec.sparse and not caps.dense:
             reasons.append(Reason(ReasonKind.ATTENTION, "attention", "dense", "sparse only (top-k indices)"))
+        for flag, what in _V4_FEATURES:  # DeepSeek-V4: sinks, a sliding window, compressed keys
+            if getattr(spec, flag) and not getattr(caps, flag):
+                reasons.append(Reason(ReasonKind.ATTENTION, what, "required", "none"))
         if spec.need_lse and not caps.returns_lse:
             reasons.append(Reason(ReasonKind.LSE, "LSE", "a request for it", "output only (no LSE)"))
-        reasons += [as_reason(r) for r in cls.backend_reasons(spec)]
+        reasons += returned_reasons(cls.backend_reasons(spec))  # a str, None or coroutine is a TypeError
         return reasons
 
     @classmethod
@@ -203,50 +339,153 @@ class MLABackend:
         """True when the packages it needs are importable (says nothing about the device)."""
         return not cls.missing_requirements()
 
-    # ---- per-step preparation ------------------------------------------------------------------------------
-    #: what the layer running this instance asks for (:meth:`configure`); None until configured
+    # ---- configuration (once) -----------------------------------------------------------------------------
+    #: what this instance was configured for (:func:`configure_backend`); None on an unconfigured instance
     layer_spec: AttentionSpec | None = None
-    #: the layer's softmax scale (:meth:`configure`); None until configured
+    #: the softmax scale it was configured for; None until configured
     layer_scale: float | None = None
+    #: what :meth:`make_resources` made for this configuration (None until configured, or when nothing)
+    resources: object | None = None
+    _configuration: ConfigurationKey | None = None
+    _options: Hashable | None = None
+    #: whether :meth:`prepare` needs the configuration (heads, dtypes, scale) to build a complete step state.
+    #: An unconfigured instance of such a class does not run its kernel on an incomplete state: each call
+    #: runs on the configured backend its inputs describe, prepared for that call (built-in backends: True)
+    prepare_needs_configuration: ClassVar[bool] = False
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in _CONFIG_ATTRS and self.__dict__.get("_configuration") is not None:
+            raise AttributeError(f"{name}: {self.name} is configured ({self._configuration!r}) and a configured "
+                                 "backend is immutable; supported configure_backend(backend, spec, scale), which "
+                                 "returns the configured backend of another configuration")
+        object.__setattr__(self, name, value)
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        """A configured backend pickles (and copies, deep or not) as its configuration: unpickled it is
+        :func:`configure_backend` of it again, which shares the one configured object (and its resources, never
+        pickled) instead of duplicating them. An unconfigured instance pickles as usual."""
+        if self._configuration is None:
+            return super().__reduce_ex__(protocol)  # type: ignore[arg-type]
+        options = self.options_key()
+        state = dict(options) if isinstance(options, tuple) else {
+            k: v for k, v in vars(self).items() if k not in _CONFIG_ATTRS}
+        return (_configured_again, (type(self), state, self.layer_spec, self.layer_scale))
+
+    def _set_configuration(self, spec: AttentionSpec, scale: float, key: ConfigurationKey,
+                           options: Hashable | None) -> None:
+        """Configure this (fresh, unconfigured) instance: a 0.4 plugin's own ``configure`` override first (once
+        per configuration, with a ``DeprecationWarning`` per class), then the spec and scale, its resources and
+        the key that fixes them."""
+        if type(self).configure is not MLABackend.configure:
+            if type(self) not in _LEGACY_WARNED_CONFIGURE:
+                _LEGACY_WARNED_CONFIGURE.add(type(self))
+                warnings.warn(f"{type(self).__qualname__} overrides MLABackend.configure, deprecated since 0.5: "
+                              "configure_backend calls it once per configuration; per-configuration resources "
+                              "belong in make_resources()", DeprecationWarning, stacklevel=4)
+            with warnings.catch_warnings(), plugin_call(self, "configure()"):
+                warnings.simplefilter("ignore", DeprecationWarning)
+                self.configure(spec, scale)  # (its super().configure configures in place; overwritten below)
+            object.__setattr__(self, "_configuration", None)
+        self._apply_configuration(spec, scale, key, options)
+
+    def _apply_configuration(self, spec: AttentionSpec, scale: float, key: ConfigurationKey,
+                             options: Hashable | None) -> None:
+        object.__setattr__(self, "_options", options)
+        try:
+            kv: str | None = spec.resolved_kv_cache_dtype
+        except (ValueError, TypeError):
+            kv = None
+        object.__setattr__(self, "_kv_resolved", kv)
+        object.__setattr__(self, "layer_spec", spec)
+        object.__setattr__(self, "layer_scale", scale)
+        object.__setattr__(self, "resources", None)
+        with plugin_call(self, "make_resources()"):
+            object.__setattr__(self, "resources", self.make_resources())
+        object.__setattr__(self, "_configuration", key)
+
+    @property
+    def configured(self) -> bool:
+        """Whether this instance is configured (:func:`configure_backend`; fixed from then on)."""
+        return self._configuration is not None
+
+    def options_key(self) -> Hashable | None:
+        """What distinguishes this instance's construction (its options, such as ``TritonMLABackend``'s
+        ``num_kv_splits``): part of its configuration's key. Default: its attributes other than the
+        configuration, by name; None when one cannot be hashed (then every :func:`configure_backend` of it
+        makes a new object). A configured instance keeps the names of the options it was configured with (not
+        attributes set on it since)."""
+        if self._configuration is not None:  # the options it was configured with, as they are now
+            mine = vars(self)
+            return None if self._options is None else tuple((k, mine.get(k, v)) for k, v in self._options)
+        items = tuple(sorted(((k, v) for k, v in vars(self).items() if k not in _CONFIG_ATTRS), key=lambda kv: kv[0]))
+        try:
+            hash(items)
+        except TypeError:
+            return None
+        return items
+
+    def make_resources(self) -> object | None:
+        """What this configured instance owns for its whole life, made once by :func:`configure_backend`
+        (an override point; default None): scratch arenas, planned-wrapper pools, workspaces. ``prepare``
+        takes what a step needs from it; nothing here is made per step."""
+        return None
 
     def configure(self, spec: AttentionSpec, scale: float) -> None:
-        """Tell this instance what its layer runs: ``spec`` (heads, dims, dtypes, page size once the cache
-        is allocated) and the softmax ``scale``. ``MLAAttention`` calls it when it builds the backend and
-        again in ``allocate_cache``. Lets :meth:`prepare` do work that needs more than the metadata
-        (FlashInfer's ``plan()`` needs heads, dtypes and the scale) once per step, outside any capture."""
-        if not isinstance(spec, AttentionSpec):
-            raise TypeError(f"spec: got {type(spec).__name__}; supported AttentionSpec")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
-            raise ValueError(f"scale: got {scale!r}; supported a positive float (the unabsorbed softmax scale)")
-        self.layer_spec, self.layer_scale = spec, float(scale)
+        """Deprecated since 0.5 (it mutated the instance; a re-configuration changed ``prepare_key`` under a
+        plan): use :func:`configure_backend`, which returns the one configured backend of a configuration.
+        Still works, with a ``DeprecationWarning``, on an unconfigured instance (configured in place, then
+        immutable); the same configuration again is a no-op; another one is refused."""
+        warnings.warn("MLABackend.configure(spec, scale) is deprecated and removed in 0.6; use "
+                      "configure_backend(backend, spec, scale), which returns the configured backend",
+                      DeprecationWarning, stacklevel=2)
+        scale = _check_configuration(spec, scale)
+        if self._configuration is not None:
+            if (spec, scale) == (self.layer_spec, self.layer_scale):
+                return
+            raise ValueError(f"spec: got another configuration for {self.name}, configured as "
+                             f"{self._configuration!r}; supported configure_backend(backend, spec, scale), which "
+                             "returns the configured backend of that configuration (a configured backend is "
+                             "immutable)")
+        options = self.options_key()
+        self._apply_configuration(spec, scale, ConfigurationKey(
+            (type(self), options if options is not None else ("instance", id(self)), spec, scale)), options)
 
     def prepare_key(self) -> object:
-        """Which instances share one prepared state per step: its class, plus its configuration when
-        configured (layers asking for the same thing share; a layer configured otherwise prepares its own)."""
-        if self.layer_spec is None:
-            return type(self)
-        return (type(self), self.layer_spec, self.layer_scale)
+        """Which instances share one prepared state per step: its class when unconfigured, else its
+        :class:`ConfigurationKey` (the configured backend of a configuration is one object; equal keys share)."""
+        key = self._configuration
+        return type(self) if key is None else key
 
     def prepare(self, meta: BatchMetadata) -> object | None:
         """Work this backend does once per step, before any layer runs it; returns its per-step state.
 
         An override point. :func:`~mla_backends.step.plan.plan_step` calls it, never a layer: once per
-        :meth:`prepare_key` and batch the step hands this backend (every layer's instance of a class,
-        configured alike, shares the result), before the first layer and outside any CUDA-graph capture, so
-        it may read the device. It must depend only on ``meta`` and the configuration and be free of side
-        effects a second step could trip over. :meth:`forward_mqa` passes the state back to
-        :meth:`forward_mqa_kernel` as ``state``. Default: nothing to prepare (None). FlashInfer's backends keep
-        their dense block tables and ``plan()`` tokens here; REF_TORCH its page ids and masks.
+        :meth:`prepare_key` and batch the step hands this backend (the layers configured alike share the
+        result), before the first layer and outside any CUDA-graph capture, so it may read the device. It must
+        depend only on ``meta`` and the configuration and be free of side effects a second step could trip
+        over. The state is the step's complete, frozen state: :meth:`forward_mqa` passes it back to
+        :meth:`forward_mqa_kernel` as ``state`` on every layer, possibly from several threads at once, and the
+        kernel only reads it (no lazy fill, no re-plan; per-call scratch comes from the call or from
+        :attr:`resources`). Default: nothing to prepare (None). FlashInfer's backends keep their planned
+        wrappers and dense block tables here; REF_TORCH its page ids, masks and scratch sizes; TRITON_MLA its
+        launch configuration and split sizes.
 
         Args:
             meta: a batch of the step (its :class:`~mla_backends.step.metadata.BatchMetadata` or a sub-batch).
         """
         return None
 
-    def plan_request(self, meta: BatchMetadata) -> PlanRequest:
-        """What this backend runs when an engine hands it a whole step (``plan_step(meta, [backend])``): every
-        request absorbed, as one batch."""
-        return PlanRequest(runs_key=None, runs=(Run(True, 0, meta.num_requests),), backend=self)
+    def plan_request(self, meta: BatchMetadata, *, dispatch: object = None) -> PlanRequest:
+        """What this backend runs when an engine hands it a step (``plan_step(meta, [backend], dispatch=...)``):
+        without ``dispatch`` every request absorbed, as one batch; with a dispatch policy (or its name,
+        ``"per-request"`` / ``"per-batch"``) the runs that policy cuts for this backend's declarations, the ones
+        a layer with that policy gets (:func:`~mla_backends.backends.dispatch.step_runs`). Not an override
+        point."""
+        if dispatch is None:
+            return PlanRequest(runs_key=WHOLE_STEP_ABSORBED, runs=(Run(True, 0, meta.num_requests),), backend=self)
+        policy = resolve_policy(dispatch)
+        caps = self.capabilities
+        return PlanRequest(runs_key=runs_key(policy, caps), runs=step_runs(meta, policy, caps), backend=self)
 
     def planned_declarations(self, meta: BatchMetadata, *, sparse: bool = False) -> frozenset:
         """The input combination this configured instance's declarations accept on ``meta``, recorded in the
@@ -267,6 +506,9 @@ class MLABackend:
         out: torch.Tensor | None = None,
         lse_out: torch.Tensor | None = None,
         plan: StepPlan | None = None,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
+        compressed: CompressedKeys | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Absorbed (MQA-shaped) attention over the paged latent cache. Defined once, here; backends implement
         :meth:`forward_mqa_kernel`.
@@ -278,7 +520,8 @@ class MLABackend:
             meta: :class:`BatchMetadata` whose tokens are exactly the rows of ``q_latent``.
             scale: softmax scale (the unabsorbed ``MLADims.softmax_scale``).
             topk_indices: sparse attention only: ``[tokens, topk]`` positions in each token's sequence,
-                ``-1`` for padding.
+                ``-1`` for padding. Each entry is one key: a repeated position counts once per repeat, as in
+                FlashMLA's sparse kernels (``distinct_topk`` first for once per position; docs/sparse.md).
             out / lse_out: optional preallocated ``[tokens, heads, kv_lora_rank]`` (query dtype) /
                 ``[tokens, heads]`` (float32; float64 for float64 queries) buffers; ``lse_out`` only for
                 backends that return an LSE.
@@ -286,6 +529,9 @@ class MLABackend:
                 backend's prepared state for ``meta``; what layers and engines pass. Without it the call is a
                 step of its own, planned here for this backend alone (refused while a CUDA graph is being
                 captured, since ``prepare`` may read the device).
+            sinks / window / compressed: DeepSeek-V4 only (:mod:`mla_backends.backends.v4_inputs`): per-head sink
+                logits ``[H]``, the sliding window in positions, and the compressed key set; backends declaring
+                ``Capabilities.sinks`` / ``window`` / ``compressed`` receive them as one ``v4=V4Keys(...)``.
 
         Returns:
             ``(out [tokens, heads, kv_lora_rank], lse [tokens, heads])``: the output in latent space, in the
@@ -305,31 +551,96 @@ class MLABackend:
             plan = require_plan(plan, "forward_mqa")
         check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
                          lse_out=lse_out, check_values=not capturing, plan=plan)
-        check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out,
-                               plan=plan)
+        check_v4_inputs(q_latent, cache, meta, sinks=sinks, window=window, compressed=compressed,
+                        topk_indices=topk_indices, check_values=not capturing)
+        v4 = v4_flags(sinks, window, compressed)
+        T, H, r = q_latent.shape
+        planned = plan.state(self, meta) if plan is not None and T else None  # bound to the plan's batches
+        key = self._configuration
+        if key is not None:  # a configured backend runs what it was configured for
+            self._check_configured_call(q_latent, cache, topk_indices, scale, v4)
+        if not (plan is not None and key is not None and lse_out is None and (key.token, id(meta)) in plan.accepted
+                and cache.kv_cache_dtype == self._kv_name):  # (else: what the configuration did not vouch for)
+            check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out,
+                                   plan=plan, v4=v4)
+        runner: MLABackend = self
+        if key is None and type(self).prepare_needs_configuration:  # an unconfigured built-in: per call
+            runner = self._call_configuration(q_latent, cache, topk_indices, lse_out, scale, v4)
         if plan is None:
             if capturing:
                 raise StepPlanError("plan: got none while a CUDA graph is being captured; supported the step's "
                                     "plan (plan_step(meta, [backend]) before the capture)")
-            plan = plan_step(meta, [self])  # a call of its own is a step of its own
-        if topk_indices is not None:  # a position selected twice counts once (on the device, no sync)
-            topk_indices = distinct_topk(topk_indices)
-        T, H, r = q_latent.shape
+            plan = plan_step(meta, [runner])  # a call of its own is a step of its own
+            planned = plan.state(runner, meta) if T else None
+        elif runner is not self and T:  # a plan made with this unconfigured instance: prepared for this call
+            with plugin_call(runner, "prepare()"):
+                planned = runner.prepare(meta)
         if out is None:
             out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
         if lse_out is None and self.capabilities.returns_lse:
             lse_out = torch.empty(T, H, dtype=lse_dtype(q_latent.dtype), device=q_latent.device)
         if T == 0:
             return out, lse_out
-        state = plan.state(self, meta)
-        if _legacy_kernel(type(self)):
-            returned = self._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale,
-                                              topk_indices=topk_indices, out=out, lse_out=lse_out)
-        else:
-            returned = self.forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale,
-                                               topk_indices=topk_indices, out=out, lse_out=lse_out, state=state)
+        extra = {"v4": V4Keys(sinks, window, compressed)} if any(v4) else {}  # only kernels declaring V4
+        try:  # plugin_call's rule (sys.exit() in a kernel becomes PluginCodeError), free while nothing is raised
+            if _legacy_kernel(type(self)):
+                returned = runner._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale,
+                                                    topk_indices=topk_indices, out=out, lse_out=lse_out)
+            else:
+                returned = runner.forward_mqa_kernel(q_latent, q_rope, cache, meta, scale=scale,
+                                                     topk_indices=topk_indices, out=out, lse_out=lse_out,
+                                                     state=planned, **extra)
+        except BaseException as exc:
+            error = plugin_error(exc, self, "forward_mqa_kernel()")
+            if error is exc:
+                raise
+            raise error from exc
         self._check_result(returned, out, lse_out, (T, H, r), q_latent)
         return out, lse_out
+
+    @property
+    def _kv_name(self) -> str | None:
+        """The cache dtype name the configuration resolves to (None: unconfigured or unresolvable)."""
+        return self.__dict__.get("_kv_resolved")
+
+    def _check_configured_call(self, q_latent: torch.Tensor, cache: LatentKVCache,
+                               topk_indices: torch.Tensor | None, scale: float,
+                               v4: tuple[bool, bool, bool] = (False, False, False)) -> None:
+        """A configured backend's calls carry its configuration: heads, widths, query dtype, softmax scale,
+        sparse or dense, the DeepSeek-V4 inputs (``v4``: sinks, window, compressed keys given), and the page size
+        / cache dtype when the configuration names them; anything else is a :class:`StepPlanError` (its
+        prepared states and resources were made for the configuration)."""
+        spec = self.layer_spec
+        assert spec is not None
+        got = (q_latent.shape[1], q_latent.dtype, cache.kv_lora_rank, cache.qk_rope_head_dim, float(scale),
+               topk_indices is not None, tuple(v4))
+        want = (spec.num_heads, spec.dtype, spec.kv_lora_rank, spec.qk_rope_head_dim, self.layer_scale, spec.sparse,
+                (spec.sinks, spec.window, spec.compressed))
+        cache_ok = ((spec.block_size is None or spec.block_size == cache.block_size)
+                    and (spec.kv_cache_dtype == "auto" or cache.kv_cache_dtype == self._kv_name))
+        if got != want or not cache_ok:
+            names = ("heads", "dtype", "kv_lora_rank", "qk_rope_head_dim", "scale", "sparse",
+                     "V4 inputs (sinks, window, compressed)")
+            diff = [f"{n} {g!r} (configured {w!r})" for n, g, w in zip(names, got, want, strict=True) if g != w]
+            if not cache_ok:
+                diff.append(f"a cache of page size {cache.block_size} and dtype {cache.kv_cache_dtype} (configured "
+                            f"{spec.block_size}, {spec.kv_cache_dtype})")
+            raise StepPlanError(f"{self.name}: got a call with {', '.join(diff)}; supported the configuration this "
+                                "backend was made for (configure_backend(backend, spec, scale) returns the backend "
+                                "of another configuration)")
+
+    def _call_configuration(self, q_latent: torch.Tensor, cache: LatentKVCache, topk_indices: torch.Tensor | None,
+                            lse_out: torch.Tensor | None, scale: float,
+                            v4: tuple[bool, bool, bool] = (False, False, False)) -> MLABackend:
+        """The configured backend a call on this unconfigured instance describes (its options kept)."""
+        sinks, window, compressed = v4
+        spec = AttentionSpec(num_heads=q_latent.shape[1], kv_lora_rank=cache.kv_lora_rank,
+                             qk_rope_head_dim=cache.qk_rope_head_dim, dtype=q_latent.dtype,
+                             kv_cache_dtype=cache.kv_cache_dtype, block_size=cache.block_size,
+                             sparse=topk_indices is not None, need_lse=lse_out is not None,
+                             device=device_info_for(cache.device), sinks=sinks, window=window,
+                             compressed=compressed)
+        return configure_backend(self, spec, scale)
 
     def forward_mqa_kernel(
         self,
@@ -391,6 +702,9 @@ class MLABackend:
         if problems:
             raise BackendContractError(f"{self.name} broke the forward_mqa contract: " + "; ".join(problems))
 
+
+#: the DeepSeek-V4 features a spec may need and a backend may declare: (field, what the reason names)
+_V4_FEATURES = (("sinks", "sinks"), ("window", "sliding window"), ("compressed", "compressed keys"))
 
 _LEGACY_WARNED: set[type] = set()
 

@@ -14,7 +14,7 @@ from ..step.checks import require_graph_support, require_whole_sequences
 from ..step.metadata import BatchMetadata
 from ..step.plan import StepPlan
 from .capabilities import AttentionSpec, QueryLenSupport
-from .reasons import Reason, ReasonKind, all_of_kinds, without_kinds
+from .reasons import Reason, ReasonKind, all_of_kinds, reasons_of, without_kinds
 
 __all__ = ["check_mqa_inputs", "check_declared_support", "declaration_key", "declared_reasons",
            "planned_declarations"]
@@ -85,26 +85,29 @@ def check_mqa_inputs(
 
 def declaration_key(backend_cls: type, dtype: torch.dtype, num_heads: int, kv_cache_dtype: str,
                     block_size: int, kv_lora_rank: int, qk_rope_head_dim: int, device: torch.device, *,
-                    sparse: bool, need_lse: bool, meta: BatchMetadata) -> Hashable:
+                    sparse: bool, need_lse: bool, meta: BatchMetadata,
+                    v4: tuple[bool, bool, bool] = (False, False, False)) -> Hashable:
     """What :func:`check_declared_support` asks, as one hashable key: the backend, its inputs' dtypes, heads,
-    cache layout and device, sparse or dense, an LSE or not, and the step's query-length facts."""
+    cache layout and device, sparse or dense, an LSE or not, the step's query-length facts and the DeepSeek-V4
+    inputs it passes (``v4``: sinks, window, compressed keys)."""
     caps = backend_cls.capabilities
     lens = meta.query_lens_list
     empty = caps.query_len != QueryLenSupport.VARLEN and meta.num_tokens > 0 and 0 in lens
     return (backend_cls, caps, dtype, num_heads, kv_cache_dtype, block_size, kv_lora_rank, qk_rope_head_dim,
             device, bool(sparse), bool(need_lse), meta.max_query_len, meta.is_uniform_query_len,
-            tuple(sorted(set(lens))) if empty else None)
+            tuple(sorted(set(lens))) if empty else None, tuple(v4))
 
 
 def declared_reasons(key: Hashable) -> list[Reason]:
     """Every reason the backend of ``key`` (:func:`declaration_key`) refuses those inputs, missing packages
     left out (importing the kernel reports them). Empty: accepted."""
     (backend_cls, caps, dtype, heads, kv_dtype, block_size, rank, rope, device, sparse, need_lse, max_q,
-     uniform, empty) = key  # type: ignore[misc]
+     uniform, empty, (sinks, window, compressed)) = key  # type: ignore[misc]
     spec = AttentionSpec(num_heads=heads, kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=dtype,
                          kv_cache_dtype=kv_dtype, block_size=block_size, sparse=sparse, max_query_len=max_q,
-                         uniform_query_len=uniform, need_lse=need_lse, device=device_info_for(device))
-    reasons = without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
+                         uniform_query_len=uniform, need_lse=need_lse, device=device_info_for(device),
+                         sinks=sinks, window=window, compressed=compressed)
+    reasons = without_kinds(reasons_of(backend_cls, spec), ReasonKind.PACKAGE)
     if empty is not None:
         reasons.append(Reason(ReasonKind.QUERY_LEN, "meta.query_lens", str(list(empty)),
                               f">= 1 token in every request ({caps.query_len.name.lower()} query lengths)"))
@@ -112,22 +115,31 @@ def declared_reasons(key: Hashable) -> list[Reason]:
 
 
 def planned_declarations(backend: object, meta: BatchMetadata, *, sparse: bool = False) -> frozenset[Hashable]:
-    """The declaration keys a step plan records as accepted for ``backend`` on ``meta``: the one its layer's
-    configuration (``backend.layer_spec``: heads, dims, dtypes, page size) describes, when the backend
-    accepts it; empty for an unconfigured backend (its calls are then checked in full)."""
+    """What a step plan records as accepted for ``backend`` on ``meta``, asked of the declarations once, when the
+    step is planned: the combination its configuration (``backend.layer_spec``: heads, dims, dtypes; the page
+    size, ``meta``'s when the configuration leaves it open) describes, when the backend accepts it, as its
+    declaration key and as ``(configuration token, id(meta))``, which a configured backend's ``forward_mqa``
+    looks up without rebuilding the key. Empty for an unconfigured backend (its calls are then checked in
+    full) or a refused combination."""
     spec = getattr(backend, "layer_spec", None)
-    if not isinstance(spec, AttentionSpec) or spec.block_size is None:
+    if not isinstance(spec, AttentionSpec):
         return frozenset()
     try:
         kv = spec.resolved_kv_cache_dtype
     except (ValueError, TypeError):
         return frozenset()
-    key = declaration_key(type(backend), spec.dtype, spec.num_heads, kv, spec.block_size, spec.kv_lora_rank,
-                          spec.qk_rope_head_dim, meta.device, sparse=sparse, need_lse=False, meta=meta)
+    block_size = meta.block_size if spec.block_size is None else spec.block_size
+    sparse = spec.sparse if getattr(backend, "_configuration", None) is not None else sparse  # calls carry it
+    key = declaration_key(type(backend), spec.dtype, spec.num_heads, kv, block_size, spec.kv_lora_rank,
+                          spec.qk_rope_head_dim, meta.device, sparse=sparse, need_lse=False, meta=meta,
+                          v4=(spec.sinks, spec.window, spec.compressed))
     try:
-        return frozenset() if declared_reasons(key) else frozenset({key})
+        if declared_reasons(key):
+            return frozenset()
     except TypeError:  # a declaration that cannot be hashed (a plugin's own field type): checked per call
         return frozenset()
+    token = getattr(getattr(backend, "_configuration", None), "token", None)
+    return frozenset({key} if token is None or block_size != meta.block_size else {key, (token, id(meta))})
 
 
 def check_declared_support(
@@ -139,6 +151,7 @@ def check_declared_support(
     topk_indices: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
     plan: StepPlan | None = None,
+    v4: tuple[bool, bool, bool] = (False, False, False),
 ) -> None:
     """Raise when the declarations of ``backend_cls`` (an ``MLABackend`` subclass) reject these ``forward_mqa``
     inputs, listing every reason. Run after :func:`check_mqa_inputs`.
@@ -159,7 +172,7 @@ def check_declared_support(
     require_graph_support(backend_cls, meta)  # DecodeGraphMetadata: only backends declaring cuda_graphs
     key = declaration_key(backend_cls, q_latent.dtype, q_latent.shape[1], cache.kv_cache_dtype, cache.block_size,
                           cache.kv_lora_rank, cache.qk_rope_head_dim, cache.device,
-                          sparse=topk_indices is not None, need_lse=lse_out is not None, meta=meta)
+                          sparse=topk_indices is not None, need_lse=lse_out is not None, meta=meta, v4=v4)
     try:
         if plan is not None and key in plan.accepted:
             return

@@ -14,11 +14,15 @@ backends may still return plain strings from their hook: :func:`as_reason` wraps
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ReasonKind", "Reason", "as_reason", "reason_texts", "without_kinds", "all_of_kinds"]
+from ..core.errors import USER_CODE_FAILURES, failure_text, plugin_call
+
+__all__ = ["ReasonKind", "Reason", "as_reason", "reason_texts", "without_kinds", "all_of_kinds", "returned_reasons",
+           "reasons_of"]
 
 
 class ReasonKind(enum.StrEnum):
@@ -122,3 +126,30 @@ def all_of_kinds(reasons: Iterable[Reason | str], *kinds: ReasonKind) -> bool:
     """True when there is at least one reason and every one has a kind among ``kinds``."""
     wrapped = [as_reason(r) for r in reasons]
     return bool(wrapped) and all(r.kind in kinds for r in wrapped)
+
+
+def returned_reasons(returned: object, hook: str = "backend_reasons") -> list[Reason]:
+    """What a backend's ``hook`` returned, as :class:`Reason` values: any iterable (a list, a tuple, a generator)
+    of reasons or non-empty strings. A string, a coroutine (an ``async def`` hook, closed here unawaited), None
+    or another non-iterable raises ``TypeError`` naming the hook and what is supported."""
+    if inspect.iscoroutine(returned):
+        returned.close()
+        raise TypeError(f"{hook}: returned a coroutine (an async def method), which never ran; supported a plain "
+                        "def returning a list of Reason values (empty when the request fits)")
+    if isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
+        raise TypeError(f"{hook}: returned {type(returned).__name__}; supported a list of Reason values (or "
+                        "non-empty str), empty when the request fits")
+    return [as_reason(r) for r in returned]
+
+
+def reasons_of(cls: Any, spec: Any) -> list[Reason]:
+    """``cls.not_supported_reasons(spec)`` as :class:`Reason` values, asked safely: the one way the selector, the
+    layer, ``forward_mqa``'s declaration check and ``tune`` ask a backend (a plugin's class included) whether a
+    request fits. A check that raises anything but Ctrl-C (an exception, ``sys.exit()``, a wrong return) gives
+    one reason of kind ``CHECK_FAILED`` naming what it raised; the caller's process and selection go on."""
+    try:
+        with plugin_call(cls, "not_supported_reasons()"):
+            return returned_reasons(cls.not_supported_reasons(spec), "not_supported_reasons")
+    except USER_CODE_FAILURES as exc:
+        return [Reason(ReasonKind.CHECK_FAILED, "capability check", failure_text(exc),
+                       "a check that returns reasons")]

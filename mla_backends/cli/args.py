@@ -11,35 +11,41 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["load_model_dims", "load_model_config", "per_rank_dims", "int_list", "int_list_at_least", "int_at_least",
-           "add_model_args", "csv_text", "check_output_file"]
+__all__ = ["load_model_dims", "refuse_v4", "load_model_config", "per_rank_dims", "int_list", "int_list_at_least",
+           "int_at_least", "add_model_args", "csv_text", "check_output_file"]
 
 
 def load_model_dims(spec: str) -> Any:
-    """``--model``: an existing config.json (or a folder holding one) or a preset name."""
+    """``--model``: an existing config.json (or a folder holding one) or a preset name; a DeepSeek-V4 config or
+    preset gives :class:`~mla_backends.core.v4dims.V4Dims`."""
     from ..core.dims import PRESET_NAMES, MLADims
+    from ..core.v4dims import V4_PRESET_NAMES, V4Dims, is_v4_config
 
+    names = ", ".join((*PRESET_NAMES, *V4_PRESET_NAMES))
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(
-            f"--model: got {spec!r}; supported a preset ({', '.join(PRESET_NAMES)}) or a config.json"
-        )
+        raise ValueError(f"--model: got {spec!r}; supported a preset ({names}) or a config.json")
     if os.path.exists(spec):
         try:
-            return MLADims.from_hf_config(spec)
+            return V4Dims.from_hf_config(spec) if is_v4_config(spec) else MLADims.from_hf_config(spec)
         except (ValueError, TypeError) as exc:  # the config's own error, under the option that named it
             raise type(exc)(f"--model: {exc}") from None
     if spec.endswith(".json") or os.sep in spec:
-        raise ValueError(
-            f"--model: got {spec!r}, which does not exist; supported a preset "
-            f"({', '.join(PRESET_NAMES)}) or an existing config.json"
-        )
+        raise ValueError(f"--model: got {spec!r}, which does not exist; supported a preset ({names}) or an existing "
+                         "config.json")
     try:
-        return MLADims.preset(spec)
+        return V4Dims.preset(spec) if V4Dims.is_preset(spec) else MLADims.preset(spec)
     except ValueError:
-        raise ValueError(
-            f"--model: got {spec!r}; supported a preset ({', '.join(PRESET_NAMES)}) "
-            f"or a path to a config.json"
-        ) from None
+        raise ValueError(f"--model: got {spec!r}; supported a preset ({names}) or a path to a config.json") from None
+
+
+def refuse_v4(dims: Any, command: str) -> None:
+    """``--model`` of a DeepSeek-V4 model where ``command`` models V2/V3 MLA only: a ValueError saying so."""
+    from ..core.v4dims import V4Dims
+
+    if isinstance(dims, V4Dims):
+        raise ValueError(f"--model: got DeepSeek-V4 ({dims.name}) for `mla-backends {command}`; supported a "
+                         "DeepSeek-V2/V3-style MLA model (V4 runs every request through one absorbed path; "
+                         "`mla-backends kv-cache` sizes its pools)")
 
 
 def load_model_config(spec: str) -> dict[str, Any] | None:

@@ -11,8 +11,9 @@ import argparse
 import json
 from typing import Any
 
+from ..core.v4dims import V4Dims
 from ..planning import reserve
-from .args import add_model_args, csv_text, int_at_least, int_list, load_model_dims, per_rank_dims
+from .args import add_model_args, csv_text, int_at_least, int_list, load_model_dims, per_rank_dims, refuse_v4
 
 __all__ = ["register", "load_model_dims", "per_rank_dims", "run_kv_cache", "run_crossover", "model_label"]
 
@@ -24,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Size the latent KV cache of a model: bytes per token (per layer and over all "
                                    "layers, plus the V3.2 indexer cache), against expanded K/V and Llama-3-70B's "
                                    "GQA cache, and how many tokens fit in --cache-memory (or on --gpu). "
+                                   "A DeepSeek-V4 model (deepseek-v4-flash, or its config.json) gets every pool "
+                                   "of its layers instead, per page, per token and per request (docs/v4.md). "
                                    "See docs/cost-model.md.")
     add_model_args(p)
     p.add_argument(
@@ -47,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "overrides --gpu's, which is what the driver reports (nvidia-smi's total)")
     p.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None, metavar="T",
                    help="tokens one engine step runs, which sizes the activation reserve (default "
-                        f"{reserve.DEFAULT_MAX_NUM_BATCHED_TOKENS:,}, vLLM's; needs --gpu or --gpu-memory)")
+                        f"{reserve.DEFAULT_MAX_NUM_BATCHED_TOKENS:,}, vLLM's; needs --gpu or --gpu-memory); for "
+                        "DeepSeek-V4 the tokens in flight that windowed pools hold beyond their window")
     p.add_argument("--reserve", default=None, metavar="SIZE",
                    help="memory per rank the engine holds back before the cache (activations, MoE buffers, "
                         "CUDA graphs, NCCL), replacing the modelled terms: e.g. the figures an engine logs "
@@ -123,6 +127,8 @@ def run_kv_cache(args: argparse.Namespace) -> int:
     dims = load_model_dims(args.model)
     per_rank_dims(dims, args.tp)  # checks --tp; the cost functions take the whole model and tp
     tp = args.tp
+    if isinstance(dims, V4Dims):
+        return _run_v4_kv_cache(args, dims)
     cache_bytes = None
     if args.cache_memory is not None:
         from ..planning.deployment import parse_memory
@@ -206,6 +212,7 @@ def run_crossover(args: argparse.Namespace) -> int:
     from . import reports
 
     dims = load_model_dims(args.model)
+    refuse_v4(dims, "crossover")
     per_rank_dims(dims, args.tp)  # checks --tp; the cost functions take the whole model and tp
     tp = args.tp
     kwargs: dict[str, Any] = {"tp": tp, "causal": args.causal}
@@ -239,6 +246,68 @@ def run_crossover(args: argparse.Namespace) -> int:
         f"  asymptotic query threshold: {rep['asymptotic_query_threshold']:.2f} "
         f"(absorbed is cheaper for Q below it as the context grows)"
     )
+    return 0
+
+
+#: kv-cache options a DeepSeek-V4 report does not take (the deployment sizing models V2/V3 weights)
+_V4_REFUSED = (("--gpu", "gpu"), ("--gpu-memory", "gpu_memory"), ("--reserve", "reserve"),
+               ("--weights-dtype", "weights_dtype"))
+#: --kv-cache-dtype spellings -> V4 row layouts (vLLM's: plain bf16 rows or 584-byte fp8_ds_mla records)
+_V4_CACHE_NAMES = {"auto": "bfloat16", "bfloat16": "bfloat16", "bf16": "bfloat16", "fp8": "fp8_ds_mla",
+                   "fp8_ds_mla": "fp8_ds_mla", "fp8_e4m3": "fp8_ds_mla"}
+
+
+def _run_v4_kv_cache(args: argparse.Namespace, dims: V4Dims) -> int:
+    """``kv-cache`` of a DeepSeek-V4 model: :func:`mla_backends.planning.v4_costs.v4_report` per ``--context``."""
+    from ..planning.v4_costs import v4_report
+
+    for flag, attr in _V4_REFUSED:
+        if getattr(args, attr) is not None:
+            raise ValueError(f"{flag}: got {getattr(args, attr)} for DeepSeek-V4; supported only for V2/V3-style "
+                             "models (the V4 report sizes its cache pools: use --cache-memory)")
+    for flag, value, off in (("--dcp", args.dcp, 1), ("--dp-attention", args.dp_attention, False)):
+        if value != off:
+            raise ValueError(f"{flag}: got {value} for DeepSeek-V4; supported {off} (its caches are replicated)")
+    layout = _V4_CACHE_NAMES.get(str(args.kv_cache_dtype).lower())
+    if layout is None:
+        raise ValueError(f"--kv-cache-dtype: got {args.kv_cache_dtype!r} for DeepSeek-V4; supported "
+                         f"{', '.join(_V4_CACHE_NAMES)} (plain bfloat16 rows or 584-byte fp8_ds_mla records)")
+    cache_bytes = None
+    if args.cache_memory is not None:
+        from ..planning.deployment import parse_memory
+
+        cache_bytes = parse_memory(args.cache_memory, "--cache-memory")
+    in_flight = args.max_num_batched_tokens or reserve.DEFAULT_MAX_NUM_BATCHED_TOKENS
+    reps = [v4_report(dims, kv_cache_dtype=layout, max_model_len=s or dims.max_position_embeddings,
+                      in_flight_tokens=in_flight, cache_memory_bytes=cache_bytes)
+            for s in (args.context or [None])]
+    rep = reps[0]
+    rep["model"] = model_label(args.model, dims)
+    if args.context:
+        rep["sequences"] = [{k: r[k] for k in ("max_model_len", "bytes_per_request", "requests_that_fit") if k in r}
+                            for r in reps]
+    if args.json:
+        print(json.dumps(rep, indent=2))
+        return 0
+    short = {"sliding_attention": "window-only", "compressed_sparse_attention": "CSA",
+             "heavily_compressed_attention": "HCA"}
+    counts = ", ".join(f"{n} {short[k]}" for k, n in rep["layers"].items() if n)
+    print(f"{rep['model']}: DeepSeek-V4, {layout} rows, {rep['num_layers']} layers ({counts}), window "
+          f"{rep['sliding_window']}, same on every TP rank (TP={args.tp}); per request: max_model_len "
+          f"{rep['max_model_len']:,}, {rep['in_flight_tokens']:,} tokens in flight")
+    print(f"  {'pool':<14} {'layer kind':<29} {'layers':>6} {'page tok':>8} {'page B':>8} {'B/token':>9} "
+          f"{'B/request':>14}")
+    for p in rep["pools"]:
+        kept = "window" if p["window"] is not None else "sequence"
+        print(f"  {p['name']:<14} {p['kind']:<29} {p['layers']:>6} {p['page_tokens']:>8} {p['page_bytes']:>8,} "
+              f"{p['bytes_per_token_per_layer'] * p['layers']:>9,.1f} {p['bytes_per_request']:>14,}  ({kept})")
+    print(f"  total: {rep['bytes_per_token']:,.1f} B per token, {rep['bytes_per_request_fixed'] / 2**20:,.1f} MiB "
+          f"per request in windowed pools, {rep['bytes_per_request'] / 2**20:,.1f} MiB per request in all")
+    for seq in rep.get("sequences", [])[1:]:
+        print(f"  max_model_len {seq['max_model_len']:,}: {seq['bytes_per_request'] / 2**20:,.1f} MiB per request")
+    if "requests_that_fit" in rep:
+        print(f"  {_size_label(args.cache_memory)} holds {rep['requests_that_fit']:,} requests of "
+              f"{rep['max_model_len']:,} tokens")
     return 0
 
 

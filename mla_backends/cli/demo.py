@@ -54,6 +54,7 @@ def decode_comparison(args: argparse.Namespace) -> int:
 
     from ..backends.naive import expanded_decode
     from ..core.dims import MLADims
+    from ..core.errors import plugin_call
     from ..plugins.loading import get_backend
     from ..step.cache import LatentKVCache, block_table_slots
     from ..step.metadata import BatchMetadata
@@ -75,7 +76,8 @@ def decode_comparison(args: argparse.Namespace) -> int:
     w_uv = torch.randn(H, r, V) * r**-0.5
     q_nope, q_pe = torch.randn(B, H, P), torch.randn(B, H, R)
     backend_cls = getattr(args, "backend_cls", None) or get_backend("REF_TORCH")
-    backend = backend_cls()
+    with plugin_call(backend_cls, "__init__()"):  # a plugin's sys.exit() is an error the CLI reports
+        backend = backend_cls()
 
     def absorbed():
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, r]

@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from ..core.errors import USER_CODE_FAILURES, failure_text
+from ..core.errors import USER_CODE_FAILURES, failure_text, plugin_call
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +56,8 @@ def _configurations(cls: type) -> list[dict[str, object]] | None:
     if not callable(fn):
         return None
     try:
-        return list(fn())
+        with plugin_call(cls, "configurations()"):
+            return list(fn())
     except USER_CODE_FAILURES as exc:  # a plugin's table must not break (or end) the listing
         return [{"archs": "?", "heads": "?", "operands": "?", "attention": "?", "option": "",
                  "candidates": [f"error: {failure_text(exc)}"]}]
@@ -75,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     shown = list(reg.problems)
     for e in reg.entries():
         try:  # a plugin's class that breaks while being described is shown as its problem, never raised
-            described.append((e, _row(e, device), capability_summary(e.cls)))
+            with plugin_call(e.cls, "being described"):
+                described.append((e, _row(e, device), capability_summary(e.cls)))
         except USER_CODE_FAILURES as exc:
             if e.source == "builtin":
                 raise

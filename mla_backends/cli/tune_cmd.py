@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Any
 
-from .args import add_model_args, check_output_file, csv_text, int_list, load_model_dims, per_rank_dims
+from .args import add_model_args, check_output_file, csv_text, int_list, load_model_dims, per_rank_dims, refuse_v4
 
 __all__ = ["register", "run_tune", "DEFAULT_TP"]
 
@@ -90,6 +90,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
     check_output_file("--output", args.output)  # before minutes of measuring, not after
     dims = load_model_dims(args.model)
+    refuse_v4(dims, "tune")
     for name in ("block_size", "repeats", "threads"):
         _positive("--" + name.replace("_", "-"), getattr(args, name))
     tp_defaulted = args.tp is None

@@ -78,8 +78,10 @@ def padded_groups(seq_lens: Sequence[int], query_lens: Sequence[int], per_pos: i
 
 def distinct_topk(topk_indices: torch.Tensor) -> torch.Tensor:
     """``topk_indices [T, K]`` with every repeated position of a row replaced by ``-1`` (padding), so that a
-    position selected twice is attended once. On the device, without a host sync: the row is sorted and an
-    entry equal to its left neighbour is dropped (the order of a row's positions does not matter to attention).
+    position selected twice is attended once. ``forward_mqa`` counts every entry (a repeat once per repeat, as
+    FlashMLA's sparse kernels do); a caller who builds its own lists and wants each position once passes them
+    through this first. On the device, without a host sync: the row is sorted and an entry equal to its left
+    neighbour is dropped (the order of a row's positions does not matter to attention).
     """
     if topk_indices.shape[-1] < 2:
         return topk_indices

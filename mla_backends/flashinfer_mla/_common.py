@@ -1,5 +1,6 @@
-"""Pieces shared by the four FlashInfer backends: selection-time reasons, per-device workspaces, the per-step
-state (:class:`FlashInferStep`: ``plan()`` tokens and dense block tables), query packing/padding and
+"""Pieces shared by the four FlashInfer backends: selection-time reasons, per-device workspaces, the wrapper pool
+a configured backend owns (:class:`WrapperPool`), the per-step state (:class:`FlashInferStep`: the wrappers
+planned for the step and its dense block tables, made once in ``prepare``), query packing/padding and
 block-table preparation. Imports no flashinfer.
 """
 
@@ -7,8 +8,10 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
@@ -17,13 +20,14 @@ from ..backends.contract import AttentionSpec, MLABackend
 from ..backends.reasons import Reason, ReasonKind
 from ..core.dtypes import FP8_CACHE_DTYPES, FP8_E4M3_MAX, dtype_name
 from ..step.metadata import BatchMetadata
-from . import _install
+from ..step.plan import StepPlanError
+from . import _install, api
 from .api import WORKSPACE_BYTES
 
 __all__ = [
     "FlashInferBackendBase",
     "workspace_for",
-    "PlanSlot",
+    "WrapperPool",
     "FlashInferStep",
     "pack_query",
     "live_pages",
@@ -54,53 +58,96 @@ def workspace_for(device: torch.device, path: str) -> torch.Tensor:
         return ws
 
 
-@dataclass
-class PlanSlot:
-    """One FlashInfer wrapper and the batch plan it currently holds (a wrapper holds one plan at a time)."""
+class WrapperPool:
+    """The ``BatchMLAPagedAttentionWrapper`` s of one configured FlashInfer backend (its
+    :attr:`~mla_backends.MLABackend.resources`), lent to the steps it prepares.
 
-    wrapper: Any
-    current: object | None = None
-    plans_made: int = 0
+    A wrapper holds one ``plan()`` at a time, so each prepared step state takes its own wrappers from the pool
+    and plans them once; they come back when the state is dropped (``weakref.finalize``), for a later step to
+    plan again. Two steps alive at once (an engine planning step N + 1 while step N's plan is still held) hold
+    different wrappers: no step's plan is ever replaced under it, and nothing is planned in a layer call. The
+    pool grows to the most steps alive at once (usually one or two); every wrapper of a path shares the
+    device's one workspace (:func:`workspace_for`; their runs follow one another on a stream).
+    """
+
+    def __reduce__(self) -> tuple[type[WrapperPool], tuple[()]]:
+        return (WrapperPool, ())  # wrappers hold device buffers and plans: a copy starts empty
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[str, str], list[Any]] = {}
+        self._lock = threading.RLock()  # (a finalizer may give back while this thread holds it)
+        #: wrappers made so far (each made once, then lent again and again)
+        self.made = 0
+
+    def take(self, device: torch.device, fi_backend: str) -> Any:
+        """A wrapper of ``fi_backend`` (``fa2``, ``fa3``, ``cutlass``) on ``device``: a free one, else a new one."""
+        key = (str(device), fi_backend)
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                return free.pop()
+        path = "cutlass" if fi_backend == "cutlass" else "fa"
+        wrapper = api.load_wrapper_class()(**api.wrapper_init_kwargs(workspace_for(device, path), fi_backend))
+        with self._lock:
+            self.made += 1
+        return wrapper
+
+    def give_back(self, device: torch.device, fi_backend: str, wrappers: tuple[Any, ...]) -> None:
+        """Return ``wrappers`` to the pool (their plans are no one's any more)."""
+        with self._lock:
+            self._free.setdefault((str(device), fi_backend), []).extend(wrappers)
+
+    def lend(self, owner: object, device: torch.device, fi_backend: str, wrappers: tuple[Any, ...]) -> None:
+        """Give ``wrappers`` back when ``owner`` (the step state planned with them) is dropped."""
+        weakref.finalize(owner, self.give_back, device, fi_backend, wrappers)
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class FlashInferStep:
-    """A FlashInfer backend's state for one step: what its :meth:`~FlashInferBackendBase.prepare` returns.
+    """A FlashInfer backend's complete state for one step: what its ``prepare`` returns, frozen.
 
-    ``plan_step`` makes it once per step and ``forward_mqa`` hands it to every layer's kernel call, so the
-    work it keeps is done once per step: the dense block table of each alignment (:meth:`block_table`) and
-    one ``plan()`` per wrapper configuration (:meth:`ensure_planned`).
+    ``plan_step`` makes it once per step and ``forward_mqa`` hands it to every layer's kernel call, which only
+    reads it: the dense block tables are made and the wrappers planned here, never in a layer.
 
     Attributes:
         block_tables: alignment -> ``[B, W]`` int32 table from :func:`dense_block_table`.
-        plan_tokens: plan key -> the token a :class:`PlanSlot` holds while its wrapper is planned for this step.
+        planned: ``(requests, wrapper)`` per request group, each wrapper planned for those requests of this
+            step (empty when the backend plans no wrapper, or was not configured).
+        call: what the wrappers were planned for: ``(path, heads, query dtype, cache dtype, page size,
+            kv_lora_rank, rope, scale)`` (a call with anything else is a :class:`StepPlanError`).
     """
 
-    block_tables: dict[int, torch.Tensor] = field(default_factory=dict)
-    plan_tokens: dict[tuple, object] = field(default_factory=dict)
+    block_tables: Mapping[int, torch.Tensor] = field(default_factory=lambda: MappingProxyType({}))
+    planned: tuple[tuple[tuple[int, ...], Any], ...] = ()
+    call: tuple[Any, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_tables, MappingProxyType):
+            object.__setattr__(self, "block_tables", MappingProxyType(dict(self.block_tables)))
 
     def block_table(self, meta: BatchMetadata, *, align: int = 1) -> torch.Tensor:
-        """:func:`dense_block_table` of ``meta`` (the step this state was prepared for), built on first use."""
+        """The prepared :func:`dense_block_table` of ``meta`` (the step this state was prepared for).
+
+        Raises:
+            StepPlanError: no table of that alignment was prepared.
+        """
         table = self.block_tables.get(align)
         if table is None:
-            table = dense_block_table(meta, align=align)
-            self.block_tables[align] = table
+            raise StepPlanError(f"FlashInfer: got a call needing the block table aligned to {align}; supported the "
+                                f"alignments its step state was prepared with ({sorted(self.block_tables)})")
         return table
 
-    def ensure_planned(self, key: tuple, slot: PlanSlot, make_plan: Callable[[], None]) -> None:
-        """Run ``make_plan()`` unless ``slot``'s wrapper already holds this step's plan for ``key``.
+    def require_call(self, call: tuple[Any, ...], name: str) -> None:
+        """Raise :class:`StepPlanError` unless the wrappers were planned for ``call``."""
+        if call != self.call:
+            raise StepPlanError(f"{name}: got a call for {call}; supported the call its step state planned "
+                                f"FlashInfer's wrapper for ({self.call}): a configured backend runs what it was "
+                                "configured for, with the cache the configuration names")
 
-        If another step re-planned the shared wrapper in between, the token no longer matches and the plan is
-        redone; ``slot.plans_made`` counts the ``plan()`` calls.
-        """
-        token = self.plan_tokens.get(key)
-        if token is not None and slot.current is token:
-            return
-        make_plan()
-        token = token if token is not None else object()
-        self.plan_tokens[key] = token
-        slot.current = token
-        slot.plans_made += 1
+
+def prepared_tables(meta: BatchMetadata, *aligns: int) -> dict[int, torch.Tensor]:
+    """:func:`dense_block_table` of ``meta`` for each alignment (once each)."""
+    return {a: dense_block_table(meta, align=a) for a in dict.fromkeys(aligns)}
 
 
 def pack_query(q_latent: torch.Tensor, q_rope: torch.Tensor, *, num_heads: int, dtype: torch.dtype,
@@ -216,17 +263,41 @@ class FlashInferBackendBase(MLABackend):
                                       f"a release that defines it ({_install.TESTED_RANGE_TEXT})"))
         return reasons
 
-    def prepare(self, meta: BatchMetadata) -> FlashInferStep:
-        """A fresh :class:`FlashInferStep` for ``meta``'s step (filled on first use by each layer's call)."""
+    def prepare(self, meta: BatchMetadata) -> FlashInferStep | None:
+        """This step's complete :class:`FlashInferStep` (subclasses plan and build their tables here)."""
         return FlashInferStep()
 
     def step_state(self, meta: BatchMetadata, state: object | None = None) -> FlashInferStep:
         """This step's :class:`FlashInferStep`: ``state`` (what :meth:`prepare` returned when the step was
-        planned, handed to ``forward_mqa_kernel``), or a fresh ``prepare(meta)`` for a launch outside a step."""
+        planned, handed to ``forward_mqa_kernel``), or, for a launch outside a step, one made for this call."""
         if state is None:
             state = self.prepare(meta)
         if not isinstance(state, FlashInferStep):
             raise TypeError(f"{self.name}.prepare: got {type(state).__name__}; supported FlashInferStep")
+        return state
+
+    def wrapper_pool(self) -> WrapperPool:
+        """The configuration's :class:`WrapperPool`; a fresh one (this call's) on an unconfigured instance."""
+        return self.resources if isinstance(self.resources, WrapperPool) else WrapperPool()
+
+    def planned_step(self, meta: BatchMetadata, call: tuple[Any, ...], groups: list[list[int]],
+                     plan: Callable[[Any, list[int] | None], None], tables: dict[int, torch.Tensor]) -> FlashInferStep:
+        """A :class:`FlashInferStep` with one wrapper of path ``call[0]`` per request group of ``groups``, each
+        taken from :meth:`wrapper_pool` and planned with ``plan(wrapper, requests or None)`` (None: the whole
+        batch), lent to the state until it is dropped."""
+        pool, device, path = self.wrapper_pool(), meta.device, call[0]
+        taken: list[Any] = []
+        try:
+            for requests in groups:
+                wrapper = pool.take(device, path)
+                taken.append(wrapper)
+                whole = len(groups) == 1 and len(requests) == meta.num_requests
+                plan(wrapper, None if whole else requests)
+        except BaseException:
+            pool.give_back(device, path, tuple(taken))
+            raise
+        state = FlashInferStep(tables, tuple((tuple(g), w) for g, w in zip(groups, taken, strict=True)), call)
+        pool.lend(state, device, path, tuple(taken))
         return state
 
     # ---- helpers for subclasses --------------------------------------------------------------------------

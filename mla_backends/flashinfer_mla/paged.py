@@ -1,8 +1,9 @@
 """``FLASHINFER_MLA`` (fa2/fa3) and ``FLASHINFER_MLA_CUTLASS``: FlashInfer's paged MLA wrapper.
 
-One wrapper per (device, FlashInfer backend) and one 128 MiB workspace per (device, path), created on first
-use. ``plan()`` runs once per step (its token is kept in the step's prepared state, made by ``plan_step``)
-and ``run()`` once per layer.
+Each configured backend owns a pool of wrappers (:class:`~mla_backends.flashinfer_mla._common.WrapperPool`,
+its resources); one 128 MiB workspace per (device, path) is shared by all. ``plan()`` runs once per step, in
+``prepare`` (``plan_step``, outside any capture), on wrappers the step's state holds until it is dropped, and
+``run()`` once per layer: nothing is planned in a layer call.
 The cache is passed as the two strided views ``cache.latent [blocks, page, 512]`` and ``cache.rope [blocks,
 page, 64]`` of the one 576-wide tensor; FlashInfer reads their strides (fa2/fa3) or recognises them as
 adjacent halves of one packed row (cutlass), so nothing is copied.
@@ -11,8 +12,7 @@ adjacent halves of one packed row (cutlass), so nothing is copied.
 from __future__ import annotations
 
 import math
-import threading
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -26,15 +26,15 @@ from . import api
 from ._common import (
     FlashInferBackendBase,
     FlashInferStep,
-    PlanSlot,
+    WrapperPool,
     deliver_outputs,
     dense_block_table,
     live_pages,
     output_buffers,
     pack_query,
+    prepared_tables,
     run_padded_heads,
     scale_ratio,
-    workspace_for,
 )
 from .fa_limits import fa_request_groups, fa_spec_reasons
 
@@ -47,33 +47,11 @@ __all__ = [
     "plan_fa",
     "plan_cutlass",
     "cutlass_fixed_scale",
-    "wrapper_slot",
 ]
 
 _DIMS = frozenset({(512, 64)})
-_SLOTS: dict[tuple, PlanSlot] = {}
-_SLOTS_LOCK = threading.Lock()
 _SM_COUNTS: dict[str, int] = {}
 _ENTRY_POINTS = (("mla/_core.py", "BatchMLAPagedAttentionWrapper"), ("mla/_core.py", "MLAPlanMetadata"))
-
-
-def wrapper_slot(device: torch.device, fi_backend: str, group: int = 0) -> PlanSlot:
-    """The shared ``BatchMLAPagedAttentionWrapper`` of ``fi_backend`` on ``device`` (built on first use).
-
-    ``group``: the request group of a split call (:func:`~.fa_limits.fa_request_groups`); each group keeps
-    its own wrapper, so every layer of the step reuses every group's plan. All share the path's workspace
-    (their runs are consecutive on one stream).
-    """
-    key = (str(device), fi_backend) if group == 0 else (str(device), fi_backend, group)
-    with _SLOTS_LOCK:
-        slot = _SLOTS.get(key)
-        if slot is None:
-            path = "cutlass" if fi_backend == "cutlass" else "fa"
-            wrapper_cls = api.load_wrapper_class()
-            wrapper = wrapper_cls(**api.wrapper_init_kwargs(workspace_for(device, path), fi_backend))
-            slot = PlanSlot(wrapper)
-            _SLOTS[key] = slot
-        return slot
 
 
 def fa_sm_count(device: torch.device) -> int:
@@ -194,68 +172,70 @@ class FlashInferMLABackend(FlashInferBackendBase):
                                    spec.device.sm_count)
         return reasons
 
+    prepare_needs_configuration: ClassVar[bool] = True  # plan() needs heads, dtypes and the scale
+
+    def make_resources(self) -> WrapperPool:
+        """The configuration's :class:`~mla_backends.flashinfer_mla._common.WrapperPool`."""
+        return WrapperPool()
+
     def forward_mqa_kernel(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
                            meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
                            out: torch.Tensor, lse_out: torch.Tensor | None, state: object | None) -> None:
-        """Plan (once per batch) and run the paged wrapper; see :meth:`_launch`."""
+        """Run the step's planned wrappers; see :meth:`_launch`."""
         self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, lse_out=lse_out, state=state)
 
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                 *, scale: float, out: torch.Tensor | None, lse_out: torch.Tensor | None,
                 fi_backend: str | None = None, state: object | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Plan (once per batch) and run into ``out`` / ``lse_out`` (fresh buffers when None; returned);
-        inputs already validated. ``fi_backend`` overrides fa2/fa3."""
+        """Run the wrappers ``state`` planned (:meth:`prepare`; a launch without a planned state plans its own,
+        for this call) into ``out`` / ``lse_out`` (fresh buffers when None; returned); inputs already validated.
+        ``fi_backend`` overrides fa2/fa3."""
         T, H, r = q_latent.shape
         dev = cache.device
         result, lse = output_buffers(q_latent, out, lse_out)
         if T:
-            fi_backend = fi_backend or fa_backend_for(dev)
+            call = (fi_backend or fa_backend_for(dev), H, q_latent.dtype, cache.data.dtype, cache.block_size, r,
+                    cache.qk_rope_head_dim, float(scale))
+            step = state if isinstance(state, FlashInferStep) and state.planned else self._fa_step(meta, call)
+            step.require_call(call, self.name)
             fp8_scale = cache.scale_value if cache.is_fp8 else None  # the host copy set_scale keeps: no sync
             q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
             starts = meta.query_starts_list
-            planned = self._plan_step(self.step_state(meta, state), meta, fi_backend=fi_backend, num_heads=H,
-                                      kv_lora_rank=r, rope_dim=cache.qk_rope_head_dim, page_size=cache.block_size,
-                                      scale=scale, q_dtype=q_latent.dtype, kv_dtype=cache.data.dtype)
-            for requests, slot in planned:  # one plan/run per group: most batches are one group
+            for requests, wrapper in step.planned:  # one run per request group: most batches are one group
                 rows = slice(starts[requests[0]], starts[requests[-1] + 1])
                 whole = rows == slice(0, T)  # the caller's buffers themselves, not views of them
-                slot.wrapper.run(**api.fa_run_kwargs(
+                wrapper.run(**api.fa_run_kwargs(
                     q_latent if whole else q_latent[rows], q_rope if whole else q_rope[rows], cache.latent,
                     cache.rope, out=result if whole else result[rows], lse=lse if whole else lse[rows],
                     fp8_scale=fp8_scale))
         return deliver_outputs(result, lse, out, lse_out)
 
-    def _plan_step(self, state: FlashInferStep, meta: BatchMetadata, *, fi_backend: str, num_heads: int,
-                   kv_lora_rank: int, rope_dim: int, page_size: int, scale: float, q_dtype: torch.dtype,
-                   kv_dtype: torch.dtype) -> list[tuple[list[int], PlanSlot]]:
-        """``(requests, wrapper slot)`` per request group of the batch (:func:`fa_request_groups`: most batches
-        are one group), each slot of ``fi_backend`` on the batch's device planned for this step (once)."""
+    def _fa_step(self, meta: BatchMetadata, call: tuple[Any, ...]) -> FlashInferStep:
+        """A :class:`~mla_backends.flashinfer_mla._common.FlashInferStep` with one wrapper of ``call``'s path
+        planned per request group of the batch (:func:`fa_request_groups`: most batches are one group)."""
+        fi_backend, num_heads, q_dtype, kv_dtype, page_size, rank, rope, scale = call
         groups = fa_request_groups(meta.query_lens_list, num_heads, fa_sm_count(meta.device))
-        planned = []
-        for g, requests in enumerate(groups):
-            slot = wrapper_slot(meta.device, fi_backend, g)
-            key = (self.name, fi_backend, g, num_heads, q_dtype, kv_dtype, page_size, kv_lora_rank, rope_dim,
-                   float(scale))
-            subset = None if len(groups) == 1 and len(requests) == meta.num_requests else requests
-            state.ensure_planned(key, slot, lambda slot=slot, subset=subset: plan_fa(
-                slot.wrapper, meta, num_heads=num_heads, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim,
-                page_size=page_size, scale=scale, q_dtype=q_dtype, kv_dtype=kv_dtype, requests=subset))
-            planned.append((requests, slot))
-        return planned
 
-    def prepare(self, meta: BatchMetadata) -> FlashInferStep:
-        """This step's state; when the layer configured this instance (:meth:`configure`, with its cache's
-        page size and dtype), ``plan()`` runs here, once per step and outside any capture, so ``forward_mqa``
-        only runs the wrapper."""
-        state = FlashInferStep()
+        def plan(wrapper: Any, requests: list[int] | None) -> None:
+            plan_fa(wrapper, meta, num_heads=num_heads, kv_lora_rank=rank, rope_dim=rope, page_size=page_size,
+                    scale=scale, q_dtype=q_dtype, kv_dtype=kv_dtype, requests=requests)
+
+        return self.planned_step(meta, call, groups, plan, {})
+
+    def prepare(self, meta: BatchMetadata) -> FlashInferStep | None:
+        """This step's state: ``plan()`` of the configured backend's wrappers for ``meta``'s request groups
+        (heads, dtypes and scale from its configuration; the page size the configuration names, else the
+        step's), once per step and outside any capture, so ``forward_mqa`` only runs them. None when
+        unconfigured (each call then plans its own)."""
         spec, scale = self.layer_spec, self.layer_scale
-        if spec is None or scale is None or spec.block_size != meta.block_size or not meta.num_tokens:
-            return state
-        kv_name = spec.resolved_kv_cache_dtype
-        self._plan_step(state, meta, fi_backend=fa_backend_for(meta.device), num_heads=spec.num_heads,
-                        kv_lora_rank=spec.kv_lora_rank, rope_dim=spec.qk_rope_head_dim, page_size=meta.block_size,
-                        scale=scale, q_dtype=spec.dtype, kv_dtype=kv_cache_torch_dtype(kv_name, spec.dtype))
-        return state
+        if spec is None or scale is None:
+            return None
+        if not meta.num_tokens:
+            return FlashInferStep()
+        kv_dtype = kv_cache_torch_dtype(spec.resolved_kv_cache_dtype, spec.dtype)
+        call = (fa_backend_for(meta.device), spec.num_heads, spec.dtype, kv_dtype, meta.block_size,
+                spec.kv_lora_rank, spec.qk_rope_head_dim, float(scale))
+        return self._fa_step(meta, call)
 
 
 class FlashInferCutlassMLABackend(FlashInferBackendBase):
@@ -288,18 +268,48 @@ class FlashInferCutlassMLABackend(FlashInferBackendBase):
     def backend_reasons(cls, spec: AttentionSpec) -> list[Reason | str]:
         return super().backend_reasons(spec) + cls._kv_matches_query_reason(spec)
 
+    prepare_needs_configuration: ClassVar[bool] = True  # plan() needs the query dtype
+
+    def make_resources(self) -> WrapperPool:
+        """The configuration's :class:`~mla_backends.flashinfer_mla._common.WrapperPool`."""
+        return WrapperPool()
+
     def forward_mqa_kernel(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
                            meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,
                            out: torch.Tensor, lse_out: torch.Tensor | None, state: object | None) -> None:
-        """Pad, plan (once per batch) and run; the kernel reads the cache as one packed tensor."""
+        """Pad and run the step's planned wrapper; the kernel reads the cache as one packed tensor."""
         if not cache.data.is_contiguous():
             raise ValueError("cache.data: got a non-contiguous tensor; supported a contiguous "
                              "[blocks, page, 576] tensor")
         self._launch(q_latent, q_rope, cache, meta, scale=scale, out=out, state=state)
 
+    def _cutlass_step(self, meta: BatchMetadata, call: tuple[Any, ...]) -> FlashInferStep:
+        """The wrapper of ``call`` (``("cutlass", dtype, page size, kv_lora_rank, rope)``) planned for ``meta``
+        with its aligned table (FlashInfer's rule: a width multiple of ``128 / page_size``)."""
+        _, dtype, page_size, rank, rope = call
+        tables = prepared_tables(meta, 128 // page_size)
+
+        def plan(wrapper: Any, requests: list[int] | None) -> None:
+            plan_cutlass(wrapper, meta, kv_lora_rank=rank, rope_dim=rope, page_size=page_size, dtype=dtype,
+                         table=tables[128 // page_size])
+
+        return self.planned_step(meta, call, [list(range(meta.num_requests))], plan, tables)
+
+    def prepare(self, meta: BatchMetadata) -> FlashInferStep | None:
+        """This step's state: the aligned table and the configured backend's wrapper planned for ``meta``
+        (once per step, outside any capture). None when unconfigured (each call then plans its own)."""
+        spec = self.layer_spec
+        if spec is None:
+            return None
+        if not meta.num_tokens:
+            return FlashInferStep()
+        return self._cutlass_step(meta, ("cutlass", spec.dtype, meta.block_size, spec.kv_lora_rank,
+                                         spec.qk_rope_head_dim))
+
     def _launch(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata,
                 *, scale: float, out: torch.Tensor | None, state: object | None = None) -> tuple[torch.Tensor, None]:
-        """Pad, plan (once per batch) and run into ``out`` (returned, with None); inputs already validated."""
+        """Pad and run the planned wrapper (a launch without a planned state plans its own, for this call) into
+        ``out`` (returned, with None); inputs already validated."""
         r = q_latent.shape[2]
         rope = cache.qk_rope_head_dim
         heads = self.capabilities.max_num_heads  # the kernel's fixed head count; fewer heads are padded
@@ -307,12 +317,10 @@ class FlashInferCutlassMLABackend(FlashInferBackendBase):
         def launch(full: torch.Tensor) -> None:
             query = pack_query(q_latent, q_rope, num_heads=heads, dtype=q_latent.dtype,
                                multiplier=scale_ratio(scale, cutlass_fixed_scale(rope)))
-            slot = wrapper_slot(cache.device, "cutlass")
-            key = (self.name, q_latent.dtype, cache.block_size, r, rope)
-            step = self.step_state(meta, state)
-            step.ensure_planned(key, slot, lambda: plan_cutlass(
-                slot.wrapper, meta, kv_lora_rank=r, rope_dim=rope, page_size=cache.block_size,
-                dtype=q_latent.dtype, table=step.block_table(meta, align=128 // cache.block_size)))
-            slot.wrapper.run(**api.cutlass_run_kwargs(query, cache.latent, cache.rope, out=full))
+            call = ("cutlass", q_latent.dtype, cache.block_size, r, rope)
+            step = state if isinstance(state, FlashInferStep) and state.planned else self._cutlass_step(meta, call)
+            step.require_call(call, self.name)
+            for _, wrapper in step.planned:
+                wrapper.run(**api.cutlass_run_kwargs(query, cache.latent, cache.rope, out=full))
 
         return run_padded_heads(q_latent, out, heads, launch), None

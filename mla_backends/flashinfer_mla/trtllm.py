@@ -20,7 +20,16 @@ from ..backends.reasons import Reason, ReasonKind
 from ..step.cache import LatentKVCache
 from ..step.metadata import BatchMetadata
 from . import api
-from ._common import FlashInferBackendBase, deliver_outputs, fp8_query_scale, output_buffers, pack_query, workspace_for
+from ._common import (
+    FlashInferBackendBase,
+    FlashInferStep,
+    deliver_outputs,
+    fp8_query_scale,
+    output_buffers,
+    pack_query,
+    prepared_tables,
+    workspace_for,
+)
 
 __all__ = ["FlashInferTrtllmMLABackend"]
 
@@ -59,6 +68,10 @@ class FlashInferTrtllmMLABackend(FlashInferBackendBase):
         if spec.num_heads <= cls.capabilities.max_num_heads and not cls.heads_ok(spec.num_heads):
             reasons.append(Reason(ReasonKind.NUM_HEADS, "num_heads", str(spec.num_heads), cls.HEADS_TEXT))
         return reasons
+
+    def prepare(self, meta: BatchMetadata) -> FlashInferStep:
+        """This step's state: its dense block table, made once per step (from host lengths; no configuration needed)."""
+        return FlashInferStep(prepared_tables(meta, 1))
 
     def forward_mqa_kernel(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
                            meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,

@@ -20,7 +20,15 @@ from ..backends.contract import Capabilities, QueryLenSupport
 from ..step.cache import LatentKVCache
 from ..step.metadata import BatchMetadata
 from . import api
-from ._common import FlashInferBackendBase, fp8_query_scale, pack_query, run_padded_heads, workspace_for
+from ._common import (
+    FlashInferBackendBase,
+    FlashInferStep,
+    fp8_query_scale,
+    pack_query,
+    prepared_tables,
+    run_padded_heads,
+    workspace_for,
+)
 
 __all__ = ["FlashInferXqaMLABackend"]
 
@@ -44,6 +52,11 @@ class FlashInferXqaMLABackend(FlashInferBackendBase):
         requires=("flashinfer",),
         extra="flashinfer",
     )
+
+    def prepare(self, meta: BatchMetadata) -> FlashInferStep:
+        """This step's state: its dense block table, its width a multiple of ``128 / page_size``, made once per
+        step (from host lengths; no configuration needed)."""
+        return FlashInferStep(prepared_tables(meta, max(1, 128 // meta.block_size)))
 
     def forward_mqa_kernel(self, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
                            meta: BatchMetadata, *, scale: float, topk_indices: torch.Tensor | None,

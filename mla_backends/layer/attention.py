@@ -30,11 +30,13 @@ from typing import Any
 
 import torch
 
-from ..backends.contract import AttentionSpec, Capabilities, MLABackend
-from ..backends.reasons import Reason, ReasonKind, without_kinds
+from ..backends.contract import AttentionSpec, Capabilities, MLABackend, configure_backend
+from ..backends.dispatch import DispatchPolicy, decode_threshold, layer_policy, runs_key, step_runs
+from ..backends.reasons import Reason, ReasonKind, reasons_of, without_kinds
+from ..backends.thresholds import ThresholdTable
 from ..core.device import cuda_device_index, device_info_for
 from ..core.dims import MLADims, read_config_json
-from ..core.dtypes import dtype_name, parse_model_dtype
+from ..core.dtypes import dtype_name, parse_model_dtype, resolve_kv_cache_dtype
 from ..core.rope import RotaryEmbedding
 from ..core.validation import require_device, require_int, require_tensor
 from ..loading import checkpoint
@@ -47,11 +49,9 @@ from ..step.metadata import BatchMetadata
 from ..step.plan import PlanRequest, Run, StepPlan, require_plan
 from . import dcp as parallel
 from .dcp import absorbed_attention as dcp_absorbed_attention
-from .dispatch import DispatchPolicy, decode_threshold, layer_policy, runs_key, step_runs
 from .prefill import forward_mha
 from .projections import linear, rms_norm
-from .sparse.layer_support import SparseKVCache, build_indexer
-from .thresholds import ThresholdTable
+from .sparse.layer_support import DEFAULT_INDEXER_STORAGE, SparseKVCache, build_indexer, layer_indexer_storage
 from .weights import add_attention_weights, load_hf_weights
 from .workspace import PrefillWorkspace, default_workspace_rows, shared_workspace
 
@@ -109,7 +109,7 @@ def _choose_backend(backend: Any, dims: MLADims, dtype: torch.dtype, device: tor
 def _blocking_reasons(backend_cls: type[MLABackend], spec: AttentionSpec) -> list[Reason]:
     """Why ``backend_cls`` cannot run ``spec``, less missing packages (those fail when the backend runs);
     a refused LSE (the layer asks for one only under DCP) is worded as DCP's need."""
-    reasons = without_kinds(backend_cls.not_supported_reasons(spec), ReasonKind.PACKAGE)
+    reasons = without_kinds(reasons_of(backend_cls, spec), ReasonKind.PACKAGE)  # a crashing check: CHECK_FAILED
     return [parallel.LSE_REASON if r.kind is ReasonKind.LSE else r for r in reasons]
 
 
@@ -191,8 +191,10 @@ class MLAAttention(torch.nn.Module):
             raise ValueError(f"backend: got {backend_cls.name}, which cannot run this layer: "
                              + "; ".join(map(str, reasons)))
         self.backend_cls = backend_cls
-        self.backend = backend_cls()
-        self.backend.configure(self._spec(), self.scale)  # what prepare(meta) sets up per step
+        #: the configured backend (configure_backend: shared by every layer configured alike; a plugin's code
+        #: there runs under plugin_call); allocate_cache completes it with the cache's page size and dtype
+        self.backend: MLABackend = configure_backend(backend_cls, self._spec(), self.scale)
+        self._planned = False  # set once the layer takes part in a plan: its configuration is fixed from then on
         # the policy named by `dispatch`, or a measured threshold table's (argument or the environment)
         self.dispatch: DispatchPolicy = layer_policy(dispatch, threshold_table, backend_cls.name)
 
@@ -267,7 +269,8 @@ class MLAAttention(torch.nn.Module):
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], *, prefix: str = "",
                            sharded: bool = False) -> None:
         """Load transformers-named attention weights; see :func:`~mla_backends.layer.weights.load_hf_weights`
-        (full tensors, this rank's slice taken; ``sharded=True``: already this rank's slices)."""
+        (full tensors, this rank's slice taken; ``sharded=True``: already this rank's slices; ``prefix``, such as
+        ``"model.layers.3.self_attn."``, selects this layer's keys from a whole checkpoint's dict)."""
         load_hf_weights(self, state_dict, prefix=prefix, sharded=sharded)
         self._loaded = True
 
@@ -279,23 +282,40 @@ class MLAAttention(torch.nn.Module):
         return self.backend_cls.capabilities.preferred_page_size
 
     def allocate_cache(self, num_blocks: int, block_size: int | None = None,
-                       kv_cache_dtype: str | torch.dtype = "auto", *, scale: float = 1.0) -> LatentKVCache:
+                       kv_cache_dtype: str | torch.dtype = "auto", *, scale: float = 1.0,
+                       indexer_storage: str | torch.dtype = DEFAULT_INDEXER_STORAGE) -> LatentKVCache:
         """A zeroed :class:`LatentKVCache` for this layer (model dtype, device), after checking that the
         backend takes ``block_size`` (None: :attr:`preferred_block_size`) and ``kv_cache_dtype``. Under DCP it
-        holds this rank's pages only."""
+        holds this rank's pages only.
+
+        ``indexer_storage`` (DeepSeek-V3.2 layers, whose cache is a ``SparseKVCache``): how the indexer keys are
+        stored. ``"fp8_e4m3"`` (default): 132 bytes a token, as vLLM and SGLang store them; ``"auto"``: the
+        layer's dtype, exact keys as transformers' ``DeepseekV32`` keeps them (its top-k then agrees; fp8 keys
+        change the top-k of some tokens, docs/sparse.md); or a float dtype. A dense layer takes only the default.
+        """
+        storage = layer_indexer_storage(self.dims, self.dtype, indexer_storage)  # checked before allocating
         require_int("num_blocks", num_blocks, minimum=1)
         block_size = self.preferred_block_size if block_size is None else block_size
         require_int("block_size", block_size, minimum=1)
-        reasons = _blocking_reasons(self.backend_cls, self._spec(
-            kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype), block_size))
+        kv_name = kv_cache_dtype if isinstance(kv_cache_dtype, str) else dtype_name(kv_cache_dtype)
+        reasons = _blocking_reasons(self.backend_cls, self._spec(kv_name, block_size))
         if reasons:
             raise ValueError(f"allocate_cache: backend {self.backend_cls.name} cannot use this cache: "
                              + "; ".join(map(str, reasons)))
+        spec = self._spec(resolve_kv_cache_dtype(kv_name, self.dtype), block_size)
+        if spec != self.backend.layer_spec and self._planned:
+            raise ValueError(
+                f"allocate_cache: got page size {block_size} and cache dtype {spec.kv_cache_dtype} for layer "
+                f"{self.layer_idx}, whose backend is configured for page size {self.backend.layer_spec.block_size} "
+                f"and cache dtype {self.backend.layer_spec.kv_cache_dtype} and has taken part in a step plan; "
+                "supported the configuration it planned with (a layer is configured once: build another layer "
+                "for another cache)")
         cache_cls = LatentKVCache if self.dims.indexer is None else SparseKVCache  # V3.2: + indexer keys
-        extra = {} if self.dims.indexer is None else {"layer_idx": self.layer_idx}
+        extra = {} if self.dims.indexer is None else {"layer_idx": self.layer_idx, "indexer_storage": storage}
         cache = cache_cls.allocate(self.dims, num_blocks, block_size, kv_cache_dtype, model_dtype=self.dtype,
                                    device=self.device, scale=scale, **extra)
-        self.backend.configure(self._spec(cache.kv_cache_dtype, block_size), self.scale)  # now fully known
+        if spec != self.backend.layer_spec:  # the configuration completed: page size and cache dtype
+            self.backend = configure_backend(self.backend, spec, self.scale)
         return cache
 
     def workspace_rows(self, block_size: int) -> int:
@@ -343,13 +363,22 @@ class MLAAttention(torch.nn.Module):
     def plan_key(self) -> Hashable:
         """Layers with equal keys make equal :meth:`plan_request` s, so :func:`plan_step` asks only one of
         them: the same dispatch (``runs_key``), a backend prepared alike (``prepare_key``), the same DCP place."""
+        if not self.__dict__["_planned"]:  # plan_step asks every participant this first: the configuration is
+            self.__dict__["_planned"] = True  # fixed now (a plain attribute: nn.Module's __setattr__ costs 1 us)
         dcp = None if self.dcp is None else (self.dcp.rank, self.dcp.size)
         return ("MLAAttention", self.runs_key(), self.backend.prepare_key(), dcp, self.dims.is_sparse)
 
-    def plan_request(self, meta: BatchMetadata) -> PlanRequest:
+    def plan_request(self, meta: BatchMetadata, *, dispatch: object = None) -> PlanRequest:
         """What this layer runs in the step of ``meta``, for :func:`~mla_backends.step.plan.plan_step`: its
         runs, its backend (prepared for every absorbed batch: the run's sub-batch, or under DCP the rank's
-        local decode metadata of it) and its DCP place."""
+        local decode metadata of it) and its DCP place. A layer dispatches by its own policy: ``dispatch`` is
+        refused."""
+        self.__dict__["_planned"] = True
+        if dispatch is not None:
+            raise ValueError(f"dispatch: got {dispatch!r} with layer {self.layer_idx} among the participants; "
+                             f"supported None for layers (a layer dispatches by its own policy, here "
+                             f"{self.dispatch.name}; dispatch= is for backends an engine calls itself)")
+        parallel.check_dcp_metadata(self.dcp, meta)  # once per step (every layer alike has this DCP place)
         dcp = None if self.dcp is None else (self.dcp.rank, self.dcp.size)
         return PlanRequest(runs_key=self.runs_key(), runs=self.runs(meta), backend=self.backend, dcp=dcp,
                            sparse=self.dims.is_sparse)
@@ -357,22 +386,32 @@ class MLAAttention(torch.nn.Module):
     # ---- forward -------------------------------------------------------------------------------------------
     def _check_inputs(self, hidden_states: torch.Tensor, positions: torch.Tensor | None, cache: LatentKVCache,
                       plan: StepPlan, topk_indices: torch.Tensor | None) -> tuple[Run, ...]:
-        """Every check of a step before anything is written; returns this layer's runs from ``plan``."""
+        """Every check of a layer call before anything is written; returns this layer's runs from ``plan``.
+
+        What the step shares was checked once, when it was planned (the metadata against this layer's DCP place,
+        the backend's declarations, its prepared states): a layer the plan names only checks its own tensors,
+        the cache against the step (a host comparison) and finds its runs by identity. A layer alike to one the
+        plan names (not named itself) is checked in full."""
         if not self._loaded:
             raise RuntimeError("MLAAttention: weights not loaded; call load_hf_state_dict(state_dict) first")
         meta = plan.meta
         check_step_inputs(self.dims, self.dtype, self.weight_device, hidden_states, positions, cache, meta,
                           topk_indices, reuses_topk=self.indexer is None, layer_idx=self.layer_idx)
-        parallel.check_dcp_metadata(self.dcp, meta)
-        runs = plan.runs_for(self.runs_key(), f"layer {self.layer_idx} (its dispatch {self.dispatch.name})")
-        for absorbed, b0, b1 in runs:  # the backend this layer runs was planned for its batches
-            if absorbed and meta.query_starts_list[b0] < meta.query_starts_list[b1]:
-                if self.dcp is None:
-                    plan.state(self.backend, plan.batch(b0, b1))
-                else:
-                    plan.local_decode(b0, b1, self.dcp.rank, self.dcp.size)
-        check_graph_step(meta, self.backend_cls, lambda: runs,
-                         indexer=self.indexer is not None and topk_indices is None)  # DecodeGraphMetadata
+        key = plan.members.get(id(self))
+        if key is not None:
+            runs = plan.runs[key]
+        else:
+            parallel.check_dcp_metadata(self.dcp, meta)
+            runs = plan.runs_for(self.runs_key(), f"layer {self.layer_idx} (its dispatch {self.dispatch.name})")
+            for absorbed, b0, b1 in runs:  # the backend this layer runs was planned for its batches
+                if absorbed and meta.query_starts_list[b0] < meta.query_starts_list[b1]:
+                    if self.dcp is None:
+                        plan.state(self.backend, plan.batch(b0, b1))
+                    else:
+                        plan.local_decode(b0, b1, self.dcp.rank, self.dcp.size)
+        if meta.graph_static:  # DecodeGraphMetadata
+            check_graph_step(meta, self.backend_cls, lambda: runs,
+                             indexer=self.indexer is not None and topk_indices is None)
         plan.check_cache(cache)  # the whole step against this cache, before anything is written (host only)
         return runs
 

@@ -18,6 +18,7 @@ from ..core.progress import ProgressBar
 from ..core.validation import require_int
 from ..loading.checkpoint import Checkpoint, check_load_arguments
 from .attention import MLAAttention
+from .v4 import V4Attention
 
 __all__ = ["load_attention_layers", "from_pretrained"]
 
@@ -36,8 +37,9 @@ def load_attention_layers(
     tp_size: int = 1,
     progress: bool = True,
     **options: Any,
-) -> dict[int, MLAAttention]:
-    """``{layer_idx: MLAAttention}`` for ``layers`` (default: all of the config's ``num_hidden_layers``).
+) -> dict[int, MLAAttention | V4Attention]:
+    """``{layer_idx: MLAAttention}`` for ``layers`` (default: all of the config's ``num_hidden_layers``);
+    :class:`~mla_backends.layer.v4.V4Attention` layers for a DeepSeek-V4 checkpoint.
 
     The arguments are checked before the checkpoint is opened (``dtype``, ``tp_rank``/``tp_size``, option
     names, ``device``: :func:`~mla_backends.loading.checkpoint.check_load_arguments`), every layer's keys and shards
@@ -62,16 +64,20 @@ def load_attention_layers(
     check_load_arguments(MLAAttention.from_hf_config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
                          options=options)  # before the checkpoint is opened
     ckpt = Checkpoint(path)  # config.json and the index, no tensors
+    layer_cls: Any = V4Attention if ckpt.is_v4 else MLAAttention
+    if ckpt.is_v4:  # V4 layers take fewer options: a V2/V3-only one is refused by name before any read
+        check_load_arguments(V4Attention.from_hf_config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
+                             options=options)
     if wanted is None:
         wanted = list(range(ckpt.num_layers))
     for idx in wanted:  # keys and shards of every layer checked before any layer is built or read
         ckpt.layer_files(idx)
     out_dtype = ckpt.resolve_dtype(dtype)
     bar = ProgressBar(len(wanted), enabled=progress)
-    result: dict[int, MLAAttention] = {}
+    result: dict[int, MLAAttention | V4Attention] = {}
     for idx in wanted:  # the layer first: a backend= or option that fails for this model fails before a read
-        layer = MLAAttention.from_hf_config(ckpt.config, dtype=out_dtype, tp_rank=tp_rank, tp_size=tp_size,
-                                            layer_idx=idx, **options)
+        layer = layer_cls.from_hf_config(ckpt.config, dtype=out_dtype, tp_rank=tp_rank, tp_size=tp_size,
+                                         layer_idx=idx, **options)
         state = ckpt.read_attention_layer(idx, tp_rank=tp_rank, tp_size=tp_size, dtype=out_dtype)
         layer.load_hf_state_dict(state, sharded=True)
         del state

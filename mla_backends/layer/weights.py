@@ -8,6 +8,8 @@ buffers derived from ``kv_b_proj`` on every load.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from ..core.dims import MLADims
@@ -22,7 +24,7 @@ from ..loading.hf import (
 )
 from .sparse.layer_support import take_indexer_weights
 
-__all__ = ["add_attention_weights", "weight_targets", "load_hf_weights"]
+__all__ = ["add_attention_weights", "weight_targets", "load_hf_weights", "staged_value"]
 
 
 def add_attention_weights(module: torch.nn.Module, dims: MLADims, attention_bias: bool, *,
@@ -70,21 +72,38 @@ def weight_targets(module: torch.nn.Module, dims: MLADims, attention_bias: bool)
     return out
 
 
+def staged_value(key: str, part: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``part`` converted to ``target``'s device and dtype, before anything is written; a value that cannot be
+    is a :class:`~mla_backends.loading.hf.StateDictError` naming ``key``."""
+    try:
+        return part.to(device=target.device, dtype=target.dtype)
+    except (RuntimeError, TypeError) as exc:
+        raise StateDictError([], [], [f"{key} (got {part.dtype} on {part.device}, which cannot be converted to "
+                                      f"{target.dtype} on {target.device}: {type(exc).__name__}: {exc})"]) from None
+
+
 @torch.no_grad()
 def load_hf_weights(layer: torch.nn.Module, state_dict: dict[str, torch.Tensor], *, prefix: str = "",
                     sharded: bool = False) -> None:
     """Load transformers-named attention weights into ``layer`` (full, unsharded tensors; this rank's slice is
-    taken; with ``sharded=True`` they are already this rank's slices, see ``hf_loading.rank_hf_shapes``).
+    taken; with ``sharded=True`` they are already this rank's slices, see ``loading.hf.rank_hf_shapes``).
 
     All or nothing: every key is checked before anything is written (missing, unexpected, misshaped and ``meta``
     tensors raise a :class:`~mla_backends.loading.hf.StateDictError` listing all of them), then every value is
     sliced and converted to its parameter's dtype and device, and ``kv_b_proj`` is folded into ``W_UK_T`` /
     ``W_UV`` from the new value; only when all of that succeeded are the parameters, the folds and the indexer
     written, so a failure leaves the layer as it was. Tensors are copied in place, so their storage (and
-    pointers) stay put. ``prefix`` (e.g. ``"model.layers.3.self_attn."``) is stripped from the keys. Block-
-    quantised fp8 checkpoints (DeepSeek's releases: float8 ``X.weight`` plus ``X.weight_scale_inv``) are
-    dequantised first, block by ``layer.weight_block_size`` (see :mod:`mla_backends.loading.fp8`).
+    pointers) stay put. ``prefix`` (e.g. ``"model.layers.3.self_attn."``) selects this layer's keys, so a whole
+    checkpoint's dict can be given: keys outside the prefix (other layers, embeddings) are not this layer's and
+    are passed over; a key under the prefix that the layer does not take is unexpected, and every key the layer
+    needs must be there under the prefix. Without a prefix every key must be the layer's. Block-quantised fp8
+    checkpoints (DeepSeek's releases: float8 ``X.weight`` plus ``X.weight_scale_inv``) are dequantised first
+    (this layer's keys only), block by ``layer.weight_block_size`` (see :mod:`mla_backends.loading.fp8`).
     """
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix: got {type(prefix).__name__}; supported str (e.g. 'model.layers.3.self_attn.')")
+    if prefix and isinstance(state_dict, Mapping):  # a whole checkpoint: only this layer's keys are read
+        state_dict = {k: v for k, v in state_dict.items() if isinstance(k, str) and k.startswith(prefix)}
     dims, bias = layer.dims, layer.attention_bias
     state_dict = dequantize_fp8_checkpoint(state_dict, layer.weight_block_size, dtype=layer.dtype)
     state_dict, load_indexer = take_indexer_weights(layer.indexer, state_dict, prefix)  # V3.2 indexer.*
@@ -94,12 +113,7 @@ def load_hf_weights(layer: torch.nn.Module, state_dict: dict[str, torch.Tensor],
     staged = {}  # everything converted first: a value that fails here leaves the layer untouched
     for name, value in found.items():
         part = value if sharded else shard_hf_tensor(name, value, dims, layer.tp_rank)
-        try:
-            staged[name] = part.to(device=targets[name].device, dtype=targets[name].dtype)
-        except (RuntimeError, TypeError) as exc:
-            raise StateDictError([], [], [f"{prefix}{name} (got {part.dtype} on {part.device}, which cannot be "
-                                          f"converted to {targets[name].dtype} on {targets[name].device}: "
-                                          f"{type(exc).__name__}: {exc})"]) from None
+        staged[name] = staged_value(f"{prefix}{name}", part, targets[name])
     w_uk_t, w_uv = fold_kv_b(staged["kv_b_proj.weight"], dims.num_heads, dims.qk_nope_head_dim, dims.v_head_dim)
     for name, value in staged.items():
         targets[name].copy_(value)

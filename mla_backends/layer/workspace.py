@@ -11,7 +11,8 @@ derives, :func:`default_workspace_rows`) and is never shrunk, so what the layers
 beyond their weights does not grow with the number of layers.
 
 Streams: two streams may run layers at the same time, so each CUDA stream gets its own workspace (the
-stream current when the layer runs). CPU work has one ``stream`` (None). An engine that wants its own
+stream current when the layer runs). CPU work runs in the calling thread, so on the CPU each thread gets its
+own (layers in several threads under one step plan never share a chunk buffer). An engine that wants its own
 buffers passes ``MLAAttention(..., workspace=PrefillWorkspace(rows))``; that workspace is then used for every
 call of that layer, whatever the stream (ordering them is the engine's job).
 """
@@ -103,15 +104,16 @@ _SHARED: dict[Hashable, PrefillWorkspace] = {}
 
 def workspace_key(device: str | torch.device, dtype: torch.dtype, rows: int) -> tuple[Hashable, ...]:
     """``(device, dtype, stream, rows)``: the key of the shared workspace a layer on ``device`` uses now
-    (``stream`` is the current CUDA stream's id on CUDA devices, None elsewhere). ``device`` is checked by
+    (``stream`` is the current CUDA stream's id on CUDA devices; elsewhere ``("thread", id)`` of the calling
+    thread, where the work runs). ``device`` is checked by
     :func:`~mla_backends.core.validation.require_device` (a CUDA index past the last device is a ValueError)."""
     device = require_device("device", device)
     if device.type == "cuda":
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        stream: int | None = torch.cuda.current_stream(device).stream_id
+        stream: Hashable = torch.cuda.current_stream(device).stream_id
     else:
-        stream = None
+        stream = ("thread", threading.get_ident())
     return (str(device), dtype, stream, rows)
 
 

@@ -29,9 +29,11 @@ import torch
 from ..core.config_fields import load_json_file
 from ..core.dims import MLADims, hf_config_value, read_config_json
 from ..core.dtypes import parse_model_dtype
+from ..core.v4dims import V4Dims, is_v4_config
 from ..core.validation import require_device, require_int
 from .fp8 import SCALE_SUFFIX, dequantize_block_fp8, weight_block_size_from_config
 from .hf import expected_hf_shapes, hf_attention_bias, hf_shard_range
+from .v4 import deepseek_name, v4_expected_shapes, v4_layer_prefixes, v4_shard_range
 
 __all__ = ["Checkpoint", "CheckpointError", "read_layer", "INDEX_FILE", "SINGLE_FILE", "attention_prefix",
            "check_load_arguments", "load_layer"]
@@ -69,7 +71,9 @@ class Checkpoint:
     """A checkpoint folder: its config, its tensor -> shard map, and per-layer attention reads.
 
     Attributes:
-        path: the folder. config: the parsed ``config.json``. dims: the full (unsharded) :class:`MLADims`.
+        path: the folder. config: the parsed ``config.json``. dims: the full (unsharded) :class:`MLADims`, or
+            :class:`~mla_backends.core.v4dims.V4Dims` for DeepSeek-V4 (``is_v4``), whose layers are read under
+            transformers' names (``model.layers.{L}.self_attn.``) or DeepSeek's (``layers.{L}.attn.``, renamed).
         weight_map: tensor name -> shard file name (None for a single ``model.safetensors`` until it is
             opened for its keys).
     """
@@ -84,8 +88,10 @@ class Checkpoint:
         if not os.path.isfile(os.path.join(self.path, "config.json")):
             raise CheckpointError(f"{self.path}: no config.json; supported a checkpoint folder holding one")
         self.config: dict[str, Any] = read_config_json(self.path)
+        self.is_v4 = is_v4_config(self.config)
+        self.dims: MLADims | V4Dims
         try:
-            self.dims = MLADims.from_hf_config(self.config)
+            self.dims = V4Dims.from_hf_config(self.config) if self.is_v4 else MLADims.from_hf_config(self.config)
         except (ValueError, TypeError) as err:
             raise CheckpointError(f"{self.path}: not an MLA model ({err})") from err
         index = os.path.join(self.path, INDEX_FILE)
@@ -132,19 +138,38 @@ class Checkpoint:
         return self.dims.num_layers
 
     # ---- keys ----------------------------------------------------------------------------------------------
+    def _expected(self, dims: Any, layer_idx: int) -> dict[str, tuple[int, ...]]:
+        """Full shapes of layer ``layer_idx``'s attention tensors under transformers' names."""
+        if self.is_v4:
+            return v4_expected_shapes(dims, layer_idx)
+        return expected_hf_shapes(dims, hf_attention_bias(self.config))
+
+    def _shard_range(self, name: str, dims: Any, tp_rank: int) -> tuple[int, int, int] | None:
+        return v4_shard_range(name, dims, tp_rank) if self.is_v4 else hf_shard_range(name, dims, tp_rank)
+
+    def _prefix(self, layer_idx: int) -> tuple[str, Callable[[str], str]]:
+        """``(prefix, rename)``: where layer ``layer_idx``'s attention tensors live and how a name after the
+        prefix becomes transformers' (DeepSeek-V4 checkpoints in DeepSeek's own naming are renamed)."""
+        if not self.is_v4:
+            return attention_prefix(layer_idx), str
+        ours, *theirs = v4_layer_prefixes(layer_idx)
+        keys = self.weight_map or {}
+        found = next((p for p in (ours, *theirs) if any(k.startswith(p) for k in keys)), ours)
+        return found, (str if found == ours else deepseek_name)
+
     def layer_files(self, layer_idx: int) -> dict[str, str]:
         """``tensor name -> shard file name`` of layer ``layer_idx``'s attention (full names)."""
         require_int("layer_idx", layer_idx, minimum=0)
         if layer_idx >= self.num_layers:
             raise ValueError(f"layer_idx: got {layer_idx}; supported 0..{self.num_layers - 1} "
                              f"({self.path} has {self.num_layers} layers)")
-        prefix = attention_prefix(layer_idx)
         if self.weight_map is None:
             with _safe_open(os.path.join(self.path, SINGLE_FILE)) as f:
                 self.weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+        prefix, rename = self._prefix(layer_idx)
         out = {k: v for k, v in self.weight_map.items() if k.startswith(prefix)}
-        expected = expected_hf_shapes(self.dims, hf_attention_bias(self.config))
-        missing = [prefix + n for n in expected if prefix + n not in out]
+        held = {rename(k[len(prefix):]) for k in out}
+        missing = [prefix + n for n in self._expected(self.dims, layer_idx) if n not in held]
         if missing:
             where = INDEX_FILE if os.path.isfile(os.path.join(self.path, INDEX_FILE)) else SINGLE_FILE
             raise CheckpointError(f"{self.path}: layer {layer_idx} has no {missing} (in its {where})")
@@ -159,7 +184,7 @@ class Checkpoint:
         """Layer ``layer_idx``'s attention tensors for rank ``tp_rank`` of ``tp_size``, names without the
         ``model.layers.{L}.self_attn.`` prefix, in ``dtype`` (default :meth:`resolve_dtype`), on the CPU.
 
-        Sliced tensors have the rank's shapes (``hf_loading.rank_hf_shapes``); fp8 weights come back
+        Sliced tensors have the rank's shapes (``mla_backends.loading.hf.rank_hf_shapes``); fp8 weights come back
         dequantised and their ``weight_scale_inv`` are consumed. Raises :class:`CheckpointError`.
         """
         out_dtype = self.resolve_dtype(dtype)
@@ -168,8 +193,10 @@ class Checkpoint:
         if tp_rank >= tp_size:
             raise ValueError(f"tp_rank: got {tp_rank}; supported 0..{tp_size - 1} (tp_size {tp_size})")
         files = self.layer_files(layer_idx)
-        prefix = attention_prefix(layer_idx)
-        expected = expected_hf_shapes(dims, hf_attention_bias(self.config))
+        prefix, rename = self._prefix(layer_idx)
+        expected = self._expected(dims, layer_idx)
+        names = {key: rename(key[len(prefix):]) for key in files}  # transformers' names
+        scales = {name: key for key, name in names.items() if name.endswith(SCALE_SUFFIX)}
         block = weight_block_size_from_config(self.config)
         by_shard: dict[str, list[str]] = defaultdict(list)
         for key, shard in files.items():
@@ -183,12 +210,12 @@ class Checkpoint:
                 if lost:
                     raise CheckpointError(f"{file}: does not hold {lost}, which the index puts there")
                 for key in keys:
-                    name = key[len(prefix):]
+                    name = names[key]
                     if name.endswith(SCALE_SUFFIX):
                         continue  # read with its weight
-                    scale_key = key[: -len("weight")] + SCALE_SUFFIX if key.endswith("weight") else None
+                    scale_key = scales.get(name[: -len("weight")] + SCALE_SUFFIX) if name.endswith("weight") else None
                     out[name] = self._read(f, file, key, name, expected.get(name), dims, tp_rank, block,
-                                           out_dtype, scale_key if scale_key in files else None, files)
+                                           out_dtype, scale_key, files)
         return out
 
     def _read(self, f: Any, file: str, key: str, name: str, want: tuple[int, ...] | None, dims: MLADims,
@@ -207,7 +234,7 @@ class Checkpoint:
         fp8 = stored in _FP8_NAMES
         if fp8 and scale_key is None:
             raise CheckpointError(f"{file}: {key} is {sl.get_dtype()} without its {SCALE_SUFFIX}")
-        rng = hf_shard_range(name, dims, tp_rank)
+        rng = self._shard_range(name, dims, tp_rank)
         dim, start, stop = rng if rng is not None else (0, 0, shape[0])
         if not fp8:
             return (sl[start:stop] if dim == 0 else sl[:, start:stop]).to(dtype)

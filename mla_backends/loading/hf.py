@@ -36,6 +36,7 @@ from ..core.dtypes import accumulate_dtype
 from ..core.validation import require_int
 
 __all__ = ["expected_hf_shapes", "check_hf_state_dict", "shard_hf_tensor", "hf_shard_range", "rank_hf_shapes",
+           "sliced_shapes",
            "fold_kv_b", "hf_attention_bias", "random_hf_state_dict", "randomise_parameters", "StateDictError"]
 
 
@@ -146,16 +147,23 @@ def hf_shard_range(name: str, dims: MLADims, tp_rank: int) -> tuple[int, int, in
     return dim, tp_rank * w, (tp_rank + 1) * w
 
 
-def rank_hf_shapes(dims: MLADims, attention_bias: bool = False, tp_rank: int = 0) -> dict[str, tuple[int, ...]]:
-    """Shapes of rank ``tp_rank``'s slices of :func:`expected_hf_shapes` (replicated tensors unchanged)."""
+def sliced_shapes(shapes: Mapping[str, tuple[int, ...]],
+                  shard_range: Any) -> dict[str, tuple[int, ...]]:
+    """``shapes`` with each tensor's sliced dimension cut to ``shard_range(name)`` (``(dim, start, stop)``, or
+    None for a replicated tensor): the shapes one tensor-parallel rank holds."""
     out = {}
-    for name, shape in expected_hf_shapes(dims, attention_bias).items():
-        rng = hf_shard_range(name, dims, tp_rank)
+    for name, shape in shapes.items():
+        rng = shard_range(name)
         if rng is not None:
             dim, start, stop = rng
             shape = tuple(stop - start if i == dim else n for i, n in enumerate(shape))
         out[name] = shape
     return out
+
+
+def rank_hf_shapes(dims: MLADims, attention_bias: bool = False, tp_rank: int = 0) -> dict[str, tuple[int, ...]]:
+    """Shapes of rank ``tp_rank``'s slices of :func:`expected_hf_shapes` (replicated tensors unchanged)."""
+    return sliced_shapes(expected_hf_shapes(dims, attention_bias), lambda name: hf_shard_range(name, dims, tp_rank))
 
 
 def shard_hf_tensor(name: str, tensor: torch.Tensor, dims: MLADims, tp_rank: int) -> torch.Tensor:

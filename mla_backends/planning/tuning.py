@@ -1,7 +1,7 @@
 """The measurement tool above the layer: the absorbed/expanded crossover ``mla-backends tune`` measures.
 
 It uses the layer only through its public methods; the table it writes is defined in
-:mod:`mla_backends.layer.thresholds` and read by :mod:`mla_backends.layer.dispatch` (the layer never imports this
+:mod:`mla_backends.backends.thresholds` and read by :mod:`mla_backends.backends.dispatch` (the layer never imports this
 module).
 
 The cost model (:mod:`mla_backends.planning.costs`) says where the two paths of an MLA layer cost the same FLOPs; the
@@ -12,7 +12,7 @@ the folds) and once forced to the expanded path (``forward_mha``), and finds the
 same. The projections and RoPE are identical on both runs, so they add to both times without moving the
 crossover.
 
-The result is a :class:`~mla_backends.layer.thresholds.ThresholdTable`, written as JSON::
+The result is a :class:`~mla_backends.backends.thresholds.ThresholdTable`, written as JSON::
 
     {"format": "mla-backends/threshold-table/v1", "date": "...", "device": {...}, "versions": {...},
      "model": {...}, "grid": {"query_lens": [...], "contexts": [...]},
@@ -40,6 +40,8 @@ from typing import Any
 import torch
 
 from ..backends.contract import AttentionSpec
+from ..backends.reasons import reasons_of
+from ..backends.thresholds import ContextThresholds, ThresholdTable
 from ..core.device import device_info_for
 from ..core.dims import MLADims
 from ..core.dtypes import dtype_name, parse_model_dtype
@@ -47,7 +49,6 @@ from ..core.memory import require_fits
 from ..core.progress import ProgressBar
 from ..core.validation import require_device, require_int
 from ..layer.attention import MLAAttention
-from ..layer.thresholds import ContextThresholds, ThresholdTable
 from ..loading.hf import random_hf_state_dict
 from ..plugins.loading import get_backend, registered_backends
 from ..step.metadata import BatchMetadata
@@ -179,7 +180,7 @@ def tunable_backends(
     classes = {n: get_backend(n) for n in names} if names else registered_backends()
     out: dict[str, str] = {}
     for cls in classes.values():
-        reasons = cls.not_supported_reasons(spec)
+        reasons = reasons_of(cls, spec)  # a plugin's crashing check is a reason, not the end of `tune`
         if names or not reasons:
             out[cls.name] = "; ".join(map(str, reasons))
     return out
@@ -350,7 +351,7 @@ def tune(
     on_timing: Callable[[str, Timing], None] | None = None,
     quick: bool = False,
 ) -> ThresholdTable:
-    """Measure every backend over the grid and build the :class:`~mla_backends.layer.thresholds.ThresholdTable`.
+    """Measure every backend over the grid and build the :class:`~mla_backends.backends.thresholds.ThresholdTable`.
 
     Args:
         dims: the layer's :class:`~mla_backends.core.dims.MLADims`; a tensor-parallel view

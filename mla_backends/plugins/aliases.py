@@ -85,6 +85,10 @@ NOT_PROVIDED: dict[str, str] = {
     "flashmla": "SGLang's DeepSeek FlashMLA kernel",
     "fa3": "SGLang's FlashAttention-3 backend",
     "nsa": "SGLang's native sparse attention backend for DeepSeek-V3.2",
+    "FLASHMLA_SPARSE_DSV4": "vLLM's DeepSeek-V4 FlashMLA sparse kernel (SM90, SM100; named by the V4 ladders)",
+    "FLASHINFER_MLA_SPARSE_DSV4": "vLLM's DeepSeek-V4 FlashInfer sparse MLA kernel (SM100, SM120; named by the "
+                                  "V4 ladders)",
+    "ROCM_FLASHMLA_SPARSE_DSV4": "vLLM's DeepSeek-V4 AITER sparse kernel for AMD GPUs",
     "aiter": "SGLang's AMD AITER backend",
 }
 

@@ -3,8 +3,10 @@
 Order: the built-ins first (so no plugin can take a built-in name), then entry points sorted by name.
 Each plugin gets its own pluggy ``PluginManager`` call; its registrations are staged and committed only when
 its hook returns, so a plugin that raises half-way registers nothing. Everything a third-party plugin gets
-wrong (import error, hook raising, duplicate name, malformed capabilities, bad placement) becomes a
-:class:`~mla_backends.plugins.registry.PluginProblem`; a broken *built-in* raises, because that is a bug here.
+wrong (import error, hook raising or calling ``sys.exit()``, a hook that returns something (an ``async def`` or
+generator hook, classes returned instead of registered), duplicate name, malformed capabilities, bad placement)
+becomes a :class:`~mla_backends.plugins.registry.PluginProblem`; a broken *built-in* raises, because that is a
+bug here. Plugin code runs under :func:`mla_backends.core.errors.plugin_call`: only Ctrl-C passes through.
 
 ``MLA_BACKENDS_DISABLE_PLUGIN_AUTOLOAD=1`` skips the entry points (the built-ins still load).
 
@@ -20,6 +22,7 @@ during the hook: a later call raises and is recorded. Two plugins claiming one b
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import threading
 from collections.abc import Iterator
@@ -32,7 +35,7 @@ import pluggy
 
 from ..backends.contract import MLABackend, contract_problems
 from ..core.env_switches import AUTOLOAD_OFF_SWITCH, switch_on
-from ..core.errors import USER_CODE_FAILURES, failure_text
+from ..core.errors import USER_CODE_FAILURES, failure_text, plugin_call
 from .hookspecs import PROJECT_NAME, MLABackendsSpec
 from .registry import BackendName, PluginProblem, RegisteredBackend, RegistrationError, Registry
 
@@ -128,6 +131,23 @@ class _Staged:
     archs: Any
 
 
+def returned_by_hook(value: object) -> str:
+    """The problem of a ``register_mla_backends`` hook that returned ``value`` (anything but None): an ``async
+    def`` or generator hook never ran its body (the coroutine or generator is closed here, unawaited), and a
+    returned class or list of classes is not a registration."""
+    must = "supported a plain def that calls register(backend, ...) for each backend and returns None"
+    if inspect.iscoroutine(value) or inspect.isgenerator(value):
+        value.close()  # never started: closing it runs none of its code and silences "never awaited"
+        kind = "a coroutine (an async def hook)" if inspect.iscoroutine(value) else "a generator (a hook with yield)"
+        return f"register_mla_backends: returned {kind}, so its body never ran and nothing was registered; {must}"
+    if inspect.isasyncgen(value):
+        return ("register_mla_backends: returned an async generator (an async def hook with yield), so its body "
+                f"never ran and nothing was registered; {must}")
+    shown = value.__name__ if isinstance(value, type) else type(value).__name__
+    return (f"register_mla_backends: returned {shown}, which is ignored (returning backends does not register "
+            f"them); {must}")
+
+
 def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: bool = False) -> bool:
     """Run one plugin's ``register_mla_backends`` hook into ``registry``; True when it loaded cleanly.
 
@@ -146,7 +166,8 @@ def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: 
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(MLABackendsSpec)
     try:
-        pm.register(plugin, name=plugin_name)
+        with plugin_call(f"plugin {plugin_name!r}", "its hook being read"):  # pluggy reads the object's attributes
+            pm.register(plugin, name=plugin_name)
     except USER_CODE_FAILURES as exc:  # pluggy.PluginValidationError: wrong hook signature ...
         return fail("hook", exc)
     if not pm.hook.register_mla_backends.get_hookimpls():
@@ -166,17 +187,20 @@ def run_plugin(registry: Registry, plugin_name: str, plugin: object, *, strict: 
         staged.append(_Staged(backend, name, before, after, archs))
 
     try:
-        with _plugin_code(registry):
-            pm.hook.register_mla_backends(register=register)
+        with _plugin_code(registry), plugin_call(f"plugin {plugin_name!r}", "register_mla_backends hook"):
+            returned = pm.hook.register_mla_backends(register=register)
     except USER_CODE_FAILURES as exc:  # a hook calling sys.exit() must not end the caller either
         return fail("hook", exc)
     finally:
         hook_running = False
 
     clean = True
+    for value in returned:  # pluggy collects what the hook returned when it is not None
+        clean = fail("hook", returned_by_hook(value))
     for item in staged:
         try:
-            cls = _resolve(item.backend)
+            with plugin_call(f"plugin {plugin_name!r}", f"importing {item.backend!r}"):
+                cls = _resolve(item.backend)
             if not strict and _settle_clash(registry, plugin_name, plugin, cls):
                 clean = False
                 continue
@@ -248,7 +272,7 @@ def load_registry(*, autoload: bool | None = None) -> Registry:
         return registry
     for ep in _entry_points():
         try:
-            with _plugin_code(registry):
+            with _plugin_code(registry), plugin_call(f"plugin {ep.name!r}", "import"):
                 plugin = ep.load()
         except USER_CODE_FAILURES as exc:
             error = failure_text(exc)

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from ..backends.contract import Capabilities, MLABackend
-from ..core.errors import USER_CODE_FAILURES, failure_text
+from ..core.errors import USER_CODE_FAILURES, failure_text, plugin_call
 from .aliases import alias_names, alias_target, not_provided_note
 
 __all__ = [
@@ -142,7 +142,8 @@ def validate_backend_class(cls: object) -> list[str]:
         problems.append(f"capabilities: got {type(caps).__name__}; supported a Capabilities instance")
     else:
         try:
-            problems += [f"capabilities: {p}" for p in caps.problems()]
+            with plugin_call(cls, "capabilities.problems()"):  # a Capabilities subclass may run its own code
+                problems += [f"capabilities: {p}" for p in caps.problems()]
         except USER_CODE_FAILURES as exc:  # a declaration so broken its own checks fail
             problems.append(f"capabilities: unreadable ({failure_text(exc)})")
     base = MLABackend
@@ -305,7 +306,8 @@ class Registry:
         if not mod_name or not attr:
             raise ValueError(f"backend: got {text!r}; supported {supported}")
         try:
-            obj = getattr(importlib.import_module(mod_name), attr)
+            with plugin_call(f"import path {text!r}", "import"):
+                obj = getattr(importlib.import_module(mod_name), attr)
         except USER_CODE_FAILURES as exc:  # ImportError, AttributeError, sys.exit(), whatever the module raises
             raise ValueError(f"backend: got {text!r}, which cannot be imported ({failure_text(exc)})"
                              f"{_not_found_hint(exc, mod_name)}; supported {supported}") from exc

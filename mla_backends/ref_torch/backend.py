@@ -22,12 +22,14 @@ from typing import ClassVar
 import torch
 
 from ..backends.contract import Capabilities, MLABackend, QueryLenSupport
+from ..backends.v4_inputs import V4Keys
 from ..core.attention_math import GROUP_ELEMENT_BUDGET, softmax_with_lse
-from ..core.dtypes import KV_CACHE_DTYPES, accumulate_dtype
+from ..core.dtypes import KV_CACHE_DTYPES, accumulate_dtype, kv_cache_torch_dtype
 from ..core.validation import require_int
 from ..step.cache import LatentKVCache, position_slots
 from ..step.metadata import BatchMetadata
-from .plans import EXP_FLOOR, HIDDEN_SCORE, RefStep
+from .plans import EXP_FLOOR, HIDDEN_SCORE, RefStep, ScratchArena, prepare_step
+from .v4 import v4_attention
 
 __all__ = ["RefTorchBackend", "stream_chunk_pages", "stream_min_rows"]
 
@@ -188,10 +190,21 @@ class RefTorchBackend(MLABackend):
         decode_threshold=1,
         dense=True,
         sparse=True,
+        sinks=True,  # DeepSeek-V4: sinks, sliding window, compressed keys (mla_backends/ref_torch/v4.py)
+        window=True,
+        compressed=True,
         returns_lse=True,
         host_sync_free=True,  # dense calls; shapes come from the metadata's host lists
         cuda_graphs=False,  # those host lists size the work: a captured graph would not follow new lengths
     )
+    #: prepare needs the heads and widths (its padded groups are cut by them): unconfigured, a call prepares
+    #: for itself on the configured backend its inputs describe
+    prepare_needs_configuration: ClassVar[bool] = True
+
+    def make_resources(self) -> ScratchArena:
+        """The configuration's :class:`~mla_backends.ref_torch.plans.ScratchArena`: working buffers, one set
+        per thread, reused by every layer and step."""
+        return ScratchArena()
 
     def forward_mqa_kernel(
         self,
@@ -205,17 +218,23 @@ class RefTorchBackend(MLABackend):
         out: torch.Tensor,
         lse_out: torch.Tensor | None,
         state: object | None,
+        v4: V4Keys | None = None,
     ) -> None:
-        """Dense (streamed or padded groups) or sparse attention into ``out`` / ``lse_out`` (see
+        """Dense (streamed or padded groups), sparse or DeepSeek-V4 attention into ``out`` / ``lse_out`` (see
         :meth:`MLABackend.forward_mqa`, which validated the inputs); ``state`` is this step's
-        :class:`~mla_backends.ref_torch.plans.RefStep` (:meth:`prepare`)."""
+        :class:`~mla_backends.ref_torch.plans.RefStep` (:meth:`prepare`); ``v4`` the V4 inputs
+        (:func:`~mla_backends.ref_torch.v4.v4_attention`)."""
         assert lse_out is not None  # returns_lse: forward_mqa always provides it
         cdt = accumulate_dtype(q_latent.dtype)
-        step = state if isinstance(state, RefStep) else RefStep()  # a subclass's own state: made per call
         T, H, r = q_latent.shape
+        if not isinstance(state, RefStep):  # a subclass's own state (or none): prepared for this call only
+            state = self._prepare_for(meta, r + q_rope.shape[-1], H, cdt, None, dense=v4 is None)
+        step = state
         q = step.buffer("q", (T, H, r + q_rope.shape[-1]), cdt, q_latent.device)  # [T, H, 576]
         q[..., :r], q[..., r:] = q_latent, q_rope  # one copy each (and conversion), into the step's buffer
-        if topk_indices is not None:
+        if v4 is not None:
+            v4_attention(q, cache, meta, scale, v4, out, lse_out)
+        elif topk_indices is not None:
             self._sparse(q, cache, meta, topk_indices, scale, out, lse_out)
         else:
             self._dense_dispatch(q, cache, meta, scale, out, lse_out, step)
@@ -253,8 +272,8 @@ class RefTorchBackend(MLABackend):
         """The runs of :meth:`dense_parts`: streamed ones through :meth:`_stream`, the others through
         :meth:`_dense` (padded groups from ``step``)."""
         seqs = meta.seq_lens_list
-        parts = self.dense_parts(meta, q.shape[-1] * q.element_size())
-        if parts == [(False, 0, meta.num_requests)]:
+        parts = step.parts if step.parts is not None else self.dense_parts(meta, q.shape[-1] * q.element_size())
+        if len(parts) == 1 and tuple(parts[0]) == (False, 0, meta.num_requests):
             self._dense(q, cache, meta, scale, out, lse_out, step, None)
             return
         starts = meta.query_starts_list
@@ -355,22 +374,34 @@ class RefTorchBackend(MLABackend):
         out.copy_((acc / l_sum[..., None]).view(b * n, H, r).to(out.dtype))
         lse_out.copy_((m + torch.log(l_sum)).view(b * n, H).to(lse_out.dtype))
 
-    def prepare(self, meta: BatchMetadata) -> RefStep:
-        """This step's :class:`~mla_backends.ref_torch.plans.RefStep` for ``meta``: the padded groups' page ids
-        and masks, made here (once per step, from host data) when a layer configured this instance with its
-        heads and dims (:meth:`configure`); a bare instance makes them on its first call instead."""
-        step = RefStep()
+    def prepare(self, meta: BatchMetadata) -> RefStep | None:
+        """This step's complete :class:`~mla_backends.ref_torch.plans.RefStep` for ``meta`` (once per step, from
+        host data): the dense split, every padded group's page ids and masks, and the planning thread's
+        buffers reserved in this configuration's arena. None on an unconfigured instance (its calls prepare
+        for themselves)."""
         spec = self.layer_spec
-        if spec is None or not meta.num_tokens:
-            return step
-        W, H = spec.kv_lora_rank + spec.qk_rope_head_dim, spec.num_heads
-        row_bytes = W * torch.empty((), dtype=accumulate_dtype(spec.dtype)).element_size()
-        parts = self.dense_parts(meta, row_bytes)
-        for streamed, b, e in parts:
-            if not streamed:
-                part = None if parts == [(False, 0, meta.num_requests)] else (b, e)
-                step.groups_for(meta, part, W, H, GROUP_ELEMENT_BUDGET)
-        return step
+        if spec is None:
+            return None
+        cdt = accumulate_dtype(spec.dtype)
+        try:
+            direct = kv_cache_torch_dtype(spec.kv_cache_dtype, spec.dtype) == cdt
+        except (ValueError, TypeError):
+            direct = False
+        arena = self.resources if isinstance(self.resources, ScratchArena) else ScratchArena()
+        return self._prepare_for(meta, spec.kv_lora_rank + spec.qk_rope_head_dim, spec.num_heads, cdt, arena,
+                                 gather_direct=direct, dense=not (spec.window or spec.compressed))
+
+    def _prepare_for(self, meta: BatchMetadata, W: int, H: int, cdt: torch.dtype, arena: ScratchArena | None, *,
+                     gather_direct: bool = False, dense: bool = True) -> RefStep:
+        """The :class:`~mla_backends.ref_torch.plans.RefStep` of ``meta`` for rows ``W`` wide, ``H`` heads and
+        the compute dtype ``cdt``; buffers from ``arena`` (None: this configuration's, else a fresh one).
+        ``dense=False``: no dense split or groups (DeepSeek-V4 calls read none)."""
+        if arena is None:
+            arena = self.resources if isinstance(self.resources, ScratchArena) else ScratchArena()
+        row_bytes = W * torch.empty((), dtype=cdt).element_size()
+        parts = self.dense_parts(meta, row_bytes) if meta.num_tokens and dense else []
+        return prepare_step(meta, parts, W, H, GROUP_ELEMENT_BUDGET, arena, compute_dtype=cdt,
+                            gather_direct=gather_direct)
 
     def _dense(self, q: torch.Tensor, cache: LatentKVCache, meta: BatchMetadata, scale: float,
                out: torch.Tensor, lse_out: torch.Tensor, step: RefStep, part: tuple[int, int] | None) -> None:

@@ -14,23 +14,28 @@ step's :class:`RefStep` (what ``RefTorchBackend.prepare`` returns when the step 
   hidden position's zero weight times NaN is NaN;
 - for groups of mixed query lengths, which query token fills each padded row and where the kept rows go;
 
-The step also holds the working buffers of its calls (gathered rows, scores, partials): made on the first
-layer's call, reused by every later layer of the step (calls of one step run one after another), so no
-layer pays for allocating, or the kernel for page-faulting, a fresh multi-megabyte buffer.
+The state is complete and frozen once made (no layer adds to it), so any number of layers, in any threads,
+read it at once. The working buffers of the calls (gathered rows, scores, partials) are not the step's: they
+come from the configured backend's :class:`ScratchArena`, one set per thread, reused by every layer and step of
+that thread, so no layer pays for allocating, or the kernel for page-faulting, a fresh multi-megabyte buffer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import threading
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
 
 from ..core.attention_math import padded_groups
 from ..step.metadata import BatchMetadata
+from ..step.plan import StepPlanError
 
-__all__ = ["EXP_FLOOR", "HIDDEN_SCORE", "DenseGroup", "RefStep", "dense_groups", "group_page_ids"]
+__all__ = ["EXP_FLOOR", "HIDDEN_SCORE", "DenseGroup", "RefStep", "ScratchArena", "prepare_step", "dense_groups",
+           "group_page_ids"]
 
 
 class DenseGroup(NamedTuple):
@@ -74,42 +79,138 @@ HIDDEN_SCORE = -1e30
 EXP_FLOOR = -80.0
 
 
-@dataclass(eq=False)
-class RefStep:
-    """What ``REF_TORCH`` keeps for one step: its dense groups by ``(requests part, row width, heads, element
-    budget)``. :meth:`RefTorchBackend.prepare <mla_backends.ref_torch.backend.RefTorchBackend.prepare>` makes
-    the groups of a configured layer when the step is planned; a bare backend's first call makes its own."""
+class ScratchArena:
+    """The working buffers of one configured ``REF_TORCH`` (its :attr:`~mla_backends.MLABackend.resources`),
+    one set per thread.
 
-    groups: dict[Hashable, tuple[DenseGroup, ...]] = field(default_factory=dict)
-    buffers: dict[Hashable, torch.Tensor] = field(default_factory=dict, repr=False)
+    Each thread gets its own buffers (``threading.local``), so layers running in several threads under one plan
+    never share a buffer, and the calls of one thread (which run one at a time; no buffer outlives the call
+    that fills it) reuse them across layers and steps: one tensor per name, dtype and device, grown to the
+    largest size asked for and never shrunk. :meth:`RefTorchBackend.prepare
+    <mla_backends.ref_torch.backend.RefTorchBackend.prepare>` sizes the planning thread's padded-group and query
+    buffers for the step (:meth:`reserve`), so its layer calls allocate nothing; another thread's first call
+    (and a streamed call's chunk buffers, sized by the kernel) may grow its own set once.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __reduce__(self) -> tuple[type[ScratchArena], tuple[()]]:
+        return (ScratchArena, ())  # buffers are scratch: a copy starts empty
+
+    def thread_buffers(self) -> dict[Hashable, torch.Tensor]:
+        """This thread's buffers, by ``(name, dtype, device)``."""
+        bufs = getattr(self._local, "buffers", None)
+        if bufs is None:
+            bufs = self._local.buffers = {}
+        return bufs
 
     def buffer(self, name: Hashable, shape: tuple[int, ...], dtype: torch.dtype,
                device: torch.device) -> torch.Tensor:
-        """An uninitialised working buffer of this step, ``shape`` / ``dtype`` / ``device``: a view of the one
-        tensor kept under ``name`` (and dtype, device), grown to the largest size asked for, so that the layers of
-        a step (which run one at a time; no buffer outlives the call that fills it) reuse it and the step holds
-        at most one buffer per name, however many groups or streamed runs ask. A normal tensor even when first
-        made under ``torch.inference_mode()``, so that a later call outside that mode can write into it."""
-        key = (name, dtype, device)
+        """An uninitialised working buffer ``shape`` / ``dtype`` / ``device``: a view of this thread's one tensor
+        kept under ``name`` (and dtype, device), grown to the largest size asked for, so that the calls of a
+        thread hold at most one buffer per name however many groups or streamed runs ask. A normal tensor even
+        when first made under ``torch.inference_mode()``, so that a later call outside that mode can write
+        into it."""
         need = 1
         for n in shape:
             need *= n
-        buf = self.buffers.get(key)
-        if buf is None or buf.numel() < need:
+        return self.reserve(name, need, dtype, device)[:need].view(shape)
+
+    def reserve(self, name: Hashable, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """This thread's buffer ``name`` with room for at least ``numel`` elements (grown when smaller)."""
+        bufs = self.thread_buffers()
+        key = (name, dtype, device)
+        buf = bufs.get(key)
+        if buf is None or buf.numel() < numel:
             with torch.inference_mode(False):
-                buf = self.buffers[key] = torch.empty(max(need, 1), dtype=dtype, device=device)
-        return buf[:need].view(shape)
+                buf = bufs[key] = torch.empty(max(numel, 1), dtype=dtype, device=device)
+        return buf
+
+
+@dataclass(frozen=True, eq=False)
+class RefStep:
+    """What ``REF_TORCH`` prepared for one step (or one call): complete and frozen, read by every layer.
+
+    Attributes:
+        groups: ``(requests part, row width, heads, element budget)`` -> the padded groups of that part
+            (``None``: the whole batch), index and mask tensors made from the host lists.
+        parts: the dense call's split (:meth:`RefTorchBackend.dense_parts
+            <mla_backends.ref_torch.backend.RefTorchBackend.dense_parts>`), worked out once; None when made for
+            no particular call (then each call works it out).
+        arena: where the calls' working buffers come from (the configured backend's :class:`ScratchArena`:
+            per thread; a state made without one has its own).
+
+    Nothing is added after it was made: a call asking for groups it does not hold is a
+    :class:`~mla_backends.step.plan.StepPlanError` (a state carried to another batch or shape), never a lazy
+    fill, so layers in several threads may read one state at once.
+    """
+
+    groups: Mapping[Hashable, tuple[DenseGroup, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    parts: tuple[tuple[bool, int, int], ...] | None = None
+    arena: ScratchArena = field(default_factory=ScratchArena, repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.groups, MappingProxyType):
+            object.__setattr__(self, "groups", MappingProxyType(dict(self.groups)))
+        if self.parts is not None and not isinstance(self.parts, tuple):
+            raise TypeError(f"parts: got {type(self.parts).__name__}; supported a tuple of (streamed, start, stop)")
+        if not isinstance(self.arena, ScratchArena):
+            raise TypeError(f"arena: got {type(self.arena).__name__}; supported ScratchArena")
+
+    @property
+    def buffers(self) -> dict[Hashable, torch.Tensor]:
+        """The calling thread's working buffers (:meth:`ScratchArena.thread_buffers`)."""
+        return self.arena.thread_buffers()
+
+    def buffer(self, name: Hashable, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+        """A working buffer of the calling thread (:meth:`ScratchArena.buffer`)."""
+        return self.arena.buffer(name, shape, dtype, device)
 
     def groups_for(self, meta: BatchMetadata, part: tuple[int, int] | None, W: int, H: int,
                    budget: int) -> tuple[DenseGroup, ...]:
-        """The padded groups of requests ``part`` (``(start, stop)``; None: all) of ``meta`` for rows ``W``
-        wide and ``H`` heads, made on the first request for that key."""
-        key = (part, W, H, budget)
-        groups = self.groups.get(key)
+        """The prepared padded groups of requests ``part`` (``(start, stop)``; None: all) of ``meta`` for rows
+        ``W`` wide and ``H`` heads.
+
+        Raises:
+            StepPlanError: this state holds no such groups (it was prepared for other shapes or batches).
+        """
+        groups = self.groups.get((part, W, H, budget))
         if groups is None:
-            sub = meta if part is None else meta.select_requests(*part)
-            groups = self.groups[key] = dense_groups(sub, W, H, budget)
+            raise StepPlanError(f"REF_TORCH: got a call needing padded groups of requests {part or 'all'} for rows "
+                                f"{W} wide and {H} heads; supported the groups its step state was prepared with "
+                                f"({sorted(map(str, self.groups)) or 'none'}): plan the step with this backend, "
+                                "configured for these shapes (configure_backend)")
         return groups
+
+
+def prepare_step(meta: BatchMetadata, parts: Sequence[tuple[bool, int, int]], row_width: int, heads: int,
+                 budget: int, arena: ScratchArena, *, compute_dtype: torch.dtype | None = None,
+                 gather_direct: bool = False) -> RefStep:
+    """The :class:`RefStep` of ``meta`` for rows ``row_width`` wide and ``heads`` heads: the padded groups of
+    every non-streamed part of ``parts`` (``dense_parts``' split), from host lists only. With ``compute_dtype``
+    the planning thread's buffers of those groups (query, scores, and the gathered rows when the cache is read
+    without conversion, ``gather_direct``) are reserved in ``arena`` now, so its layer calls allocate nothing."""
+    whole = len(parts) == 1 and tuple(parts[0]) == (False, 0, meta.num_requests)
+    groups: dict[Hashable, tuple[DenseGroup, ...]] = {}
+    for streamed, b, e in parts:
+        if not streamed:
+            part = None if whole else (b, e)
+            sub = meta if part is None else meta.select_requests(b, e)
+            groups[(part, row_width, heads, budget)] = dense_groups(sub, row_width, heads, budget)
+    step = RefStep(MappingProxyType(groups), tuple(tuple(p) for p in parts), arena)
+    if compute_dtype is not None and meta.num_tokens:
+        dev = meta.device
+        arena.reserve("q", meta.num_tokens * heads * row_width, compute_dtype, dev)
+        every = [g for gs in groups.values() for g in gs]
+        if every:
+            arena.reserve("dense_s", max((g.stop - g.start) * g.rows * g.q_len * heads for g in every),
+                          compute_dtype, dev)
+            if gather_direct:
+                arena.reserve("dense_kv", max(g.page_ids.numel() * meta.block_size * row_width for g in every),
+                              compute_dtype, dev)
+    return step
 
 
 def group_page_ids(block_table: torch.Tensor, seq_lens: tuple[int, ...], block_size: int) -> torch.Tensor:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import accumulate
+from typing import Any
 
 import torch
 
@@ -35,6 +37,9 @@ IntsLike = Sequence[int] | torch.Tensor
 
 #: the largest length, offset or block id the int32 metadata tensors can hold
 INT32_MAX = 2**31 - 1
+#: what this module's constructors pass as ``verified_lengths``: the tensors were made from the host lists (or
+#: are an engine's own, mirrored by its host copy: :meth:`BatchMetadata.for_decode`), so they agree by construction
+_MADE_FROM_LISTS = object()
 
 
 def live_block_bounds(table: torch.Tensor, pages: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +151,19 @@ class BatchMetadata(SlotSource):
         block_ids_trusted: the engine vouches that every block id lies inside the caches the step runs on
             (its own allocator made the table for them, and reading a GPU table back would sync):
             :meth:`check_cache` then checks the page size only. Set by :meth:`for_decode`.
+        verified_lengths: the length tensors (``query_lens``, ``context_lens``, ``seq_lens``,
+            ``query_start_loc``, ``token_request``, ``token_positions``) and host lists whose agreement was
+            established, as they were then. Set on construction; a copy (``dataclasses.replace``) that changed
+            none of them is not checked again.
+
+    Frozen means consistent: construction (``build``, :meth:`for_decode`, :meth:`select_requests`, a hand-made
+    object or a ``dataclasses.replace`` copy alike) checks every field's type and every tensor's shape against
+    the host lists (``[B]``, ``[B + 1]``, ``[T]``, one device), and that the length tensors hold what the host
+    lists say, the lists being the source of truth every host-side decision reads. The constructors here make
+    the tensors from the lists (or take an engine's tensors with its host copy), so nothing is read back; a
+    hand-made or replaced object whose lengths changed is compared value by value: on the host for CPU
+    tensors, with one device read otherwise (never on the engine paths). Graph metadata (``graph_static``)
+    keeps bounds in its lists by design and is checked for shapes only.
 
     The metadata knows nothing of backends: what a step works out for its layers and backends (runs,
     sub-batches, prepared states) is the :class:`~mla_backends.step.plan.StepPlan` that
@@ -172,6 +190,97 @@ class BatchMetadata(SlotSource):
     graph_static: bool = False
     verified_block_table: torch.Tensor | None = field(default=None, repr=False, compare=False)
     block_ids_trusted: bool = False
+    verified_lengths: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._check_fields()
+        if self.verified_lengths is _MADE_FROM_LISTS or self.graph_static:
+            object.__setattr__(self, "verified_lengths", self._length_fingerprint())
+        elif not self._lengths_verified():
+            self._check_length_values()
+            object.__setattr__(self, "verified_lengths", self._length_fingerprint())
+
+    def _check_fields(self) -> None:
+        """Types, host lists and tensor shapes (host data only): the first disagreement, named."""
+        require_int("block_size", self.block_size, minimum=1)
+        for name in ("query_lens_list", "context_lens_list"):
+            vals = getattr(self, name)
+            if not isinstance(vals, tuple):
+                raise TypeError(f"{name}: got {type(vals).__name__}; supported a tuple of ints")
+            for b, v in enumerate(vals):
+                if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= INT32_MAX:
+                    raise ValueError(f"{name}[{b}]: got {v!r}; supported an int in 0 .. {INT32_MAX}")
+        B = len(self.query_lens_list)
+        if len(self.context_lens_list) != B:
+            raise ValueError(f"context_lens_list: got {len(self.context_lens_list)} entries; supported one per "
+                             f"request ({B} in query_lens_list)")
+        T = sum(self.query_lens_list)
+        table = require_tensor("block_table", self.block_table, ndim=2)
+        if table.shape[0] != B or not _is_int_tensor(table):
+            raise ValueError(f"block_table: got shape {list(table.shape)} dtype {table.dtype}; supported [{B}, *] "
+                             "int (one row per request of the host lists)")
+        dev = table.device
+        for name, n in (("order", B), ("token_order", T), ("query_lens", B), ("context_lens", B), ("seq_lens", B),
+                        ("query_start_loc", B + 1), ("slot_mapping", T), ("token_request", T),
+                        ("token_positions", T)):
+            t = require_tensor(name, getattr(self, name), ndim=1)
+            if t.shape[0] != n or not _is_int_tensor(t):
+                raise ValueError(f"{name}: got shape {list(t.shape)} dtype {t.dtype}; supported [{n}] int (the host "
+                                 f"lists hold {B} requests and {T} tokens)")
+            if t.device != dev:
+                raise ValueError(f"{name}: got device {t.device}; supported the block table's {dev}")
+        if self.num_blocks is not None:
+            require_int("num_blocks", self.num_blocks, minimum=1)
+        require_int("dcp_size", self.dcp_size, minimum=1)
+        require_int("dcp_rank", self.dcp_rank, minimum=0)
+        if self.dcp_rank >= self.dcp_size:
+            raise ValueError(f"dcp_rank: got {self.dcp_rank}; supported 0..{self.dcp_size - 1} (dcp_size "
+                             f"{self.dcp_size})")
+        if self.max_block_ids is not None and (not isinstance(self.max_block_ids, tuple)
+                                               or len(self.max_block_ids) != B):
+            raise ValueError(f"max_block_ids: got {self.max_block_ids!r}; supported None or a tuple of {B} block "
+                             "ids (one per request)")
+        for name in ("graph_static", "block_ids_trusted"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}: got {getattr(self, name)!r}; supported True or False")
+
+    def _length_fingerprint(self) -> tuple[Any, ...]:
+        return (self.query_lens, self.context_lens, self.seq_lens, self.query_start_loc, self.token_request,
+                self.token_positions, self.query_lens_list, self.context_lens_list)
+
+    def _lengths_verified(self) -> bool:
+        """Whether :attr:`verified_lengths` describes these very tensors and lists (no value compared)."""
+        fp = self.verified_lengths
+        now = self._length_fingerprint()
+        if not isinstance(fp, tuple) or len(fp) != len(now):
+            return False
+        return all(a is b for a, b in zip(fp[:6], now[:6], strict=True)) and fp[6:] == now[6:]
+
+    def _check_length_values(self) -> None:
+        """The length tensors against the host lists, value by value (a hand-made or replaced object): on the
+        host for CPU tensors, one device read otherwise."""
+        q, c = self.query_lens_list, self.context_lens_list
+        B = len(q)
+        expected = {
+            "query_lens": torch.tensor(q, dtype=torch.int64),
+            "context_lens": torch.tensor(c, dtype=torch.int64),
+            "seq_lens": torch.tensor([a + b for a, b in zip(q, c, strict=True)], dtype=torch.int64),
+            "query_start_loc": torch.tensor(list(accumulate(q, initial=0)), dtype=torch.int64),
+            "token_request": torch.tensor([b for b in range(B) for _ in range(q[b])], dtype=torch.int64),
+            "token_positions": torch.tensor([c[b] + j for b in range(B) for j in range(q[b])], dtype=torch.int64),
+        }
+        got = {name: getattr(self, name) for name in expected}
+        if self.block_table.device.type != "cpu":  # one read of the six tensors together
+            flat = torch.cat([t.reshape(-1).long() for t in got.values()]).cpu()
+            got = dict(zip(got, flat.split([t.numel() for t in got.values()]), strict=True))
+        for name, want in expected.items():
+            have = got[name].long()
+            if not torch.equal(have, want):
+                i = int((have != want).nonzero()[0])
+                raise ValueError(f"{name}: got {have.tolist()[:8]} (entry {i}: {int(have[i])}); supported what the "
+                                 f"host lists say ({want.tolist()[:8]}, entry {i}: {int(want[i])}): query_lens_list "
+                                 "and context_lens_list are the step's lengths, and every length tensor must "
+                                 "agree with them")
 
     # ---- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -324,6 +433,7 @@ class BatchMetadata(SlotSource):
             dcp_size=dcp_size,
             max_block_ids=tuple(maxima[b] for b in order),
             verified_block_table=table,
+            verified_lengths=_MADE_FROM_LISTS,
         )
 
     # ---- validation against a cache (host only) ---------------------------------------------------------
@@ -387,24 +497,25 @@ class BatchMetadata(SlotSource):
     def num_requests(self) -> int:
         return len(self.query_lens_list)
 
-    @property
+    # (derived from the frozen host lists once: every layer of a step reads them)
+    @cached_property
     def num_tokens(self) -> int:
         return sum(self.query_lens_list)
 
-    @property
+    @cached_property
     def query_starts_list(self) -> tuple[int, ...]:
         """Host copy of ``query_start_loc``: ``[B + 1]`` token offsets of each request (processing order)."""
         return tuple(accumulate(self.query_lens_list, initial=0))
 
-    @property
+    @cached_property
     def seq_lens_list(self) -> tuple[int, ...]:
         return tuple(a + b for a, b in zip(self.query_lens_list, self.context_lens_list, strict=True))
 
-    @property
+    @cached_property
     def max_query_len(self) -> int:
         return max(self.query_lens_list, default=0)
 
-    @property
+    @cached_property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_list, default=0)
 
@@ -412,7 +523,7 @@ class BatchMetadata(SlotSource):
     def device(self) -> torch.device:
         return self.block_table.device
 
-    @property
+    @cached_property
     def is_uniform_query_len(self) -> bool:
         return len(set(self.query_lens_list)) <= 1
 
@@ -471,6 +582,7 @@ class BatchMetadata(SlotSource):
             graph_static=self.graph_static,
             verified_block_table=sub_table if self.verified_block_table is self.block_table else None,
             block_ids_trusted=self.block_ids_trusted,
+            verified_lengths=_MADE_FROM_LISTS,  # slices of this object's tensors, which agree with its lists
         )
         return sub
 
@@ -566,4 +678,4 @@ class BatchMetadata(SlotSource):
             query_start_loc=torch.arange(B + 1, dtype=torch.int32, device=dev), block_table=table,
             slot_mapping=slots, token_request=rows, token_positions=ctx.long(), query_lens_list=(1,) * B,
             context_lens_list=tuple(s - 1 for s in lens), max_block_ids=max_ids, verified_block_table=table,
-            block_ids_trusted=dev.type != "cpu")
+            block_ids_trusted=dev.type != "cpu", verified_lengths=_MADE_FROM_LISTS)  # the engine's host copy

@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from ..backends.contract import Capabilities, MLABackend, QueryLenSupport, Tolerance
 from ..core.device import cuda_device_index
+from ..core.dtypes import kv_cache_torch_dtype
 from ..step.cache import LatentKVCache
 from ..step.metadata import BatchMetadata
 from .configs import KERNELS, KernelConfig, choose_config, rows_layout, table_rows
@@ -22,7 +24,8 @@ from .interpreter import interpreter_enabled, launch_guard
 from .launch import build_launches
 from .splits import MAX_KV_SPLITS, MIN_SPLIT_LEN, choose_num_kv_splits, next_pow2, rows_split_sizes, sm_count
 
-__all__ = ["TritonMLABackend", "interpreter_enabled", "PAGE_SIZES", "DEFAULT_SMEM_BYTES", "FP8_QK_TOLERANCES"]
+__all__ = ["TritonMLABackend", "TritonStep", "interpreter_enabled", "PAGE_SIZES", "DEFAULT_SMEM_BYTES",
+           "FP8_QK_TOLERANCES"]
 
 #: page sizes the tests cover (the kernel maps every position through the block table, so any size works)
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -59,6 +62,25 @@ def _compute_capability_cached(index: int) -> tuple[int, int]:
 def _compute_capability(device: torch.device) -> tuple[int, int]:
     """``(major, minor)`` of a CUDA device (a host query, read once per device)."""
     return _compute_capability_cached(cuda_device_index(device))
+
+
+@dataclass(frozen=True)
+class TritonStep:
+    """What a configured ``TRITON_MLA`` prepared for one step's dense calls: the launch configuration and the KV
+    splits, worked out once from the configuration and the step's host lengths (every layer launches with them).
+
+    Attributes:
+        call: ``(heads, query dtype, cache dtype, kv_lora_rank, rope, device, interpreted)`` it was made for; a
+            call with other inputs (a cache dtype the configuration left open, a sparse call) works its own out.
+        cfg: the :class:`~mla_backends.triton_mla.configs.KernelConfig` chosen.
+        splits, split_len: the KV splits (``heads``: every token's; ``rows``: the most a request gets) and the
+            positions a ``rows`` split covers.
+    """
+
+    call: tuple[object, ...]
+    cfg: KernelConfig
+    splits: int
+    split_len: int
 
 
 class TritonMLABackend(MLABackend):
@@ -226,13 +248,12 @@ class TritonMLABackend(MLABackend):
                 f"TRITON_INTERPRET=1; supported a CUDA device ({_CPU_TAIL}, set before first use)"
             )
         sparse = topk_indices is not None
-        K = int(topk_indices.shape[1]) if sparse else 0
-        cfg = self.launch_config(q_latent.dtype, cache.data.dtype, R, cache.qk_rope_head_dim, H, cache.device,
-                                 sparse=sparse, interpret=kernels.INTERPRET)
-        if cfg.kernel == "rows":
-            splits, split_len = self.rows_splits_for(meta, H, cache.device, cfg)
-        else:
-            splits, split_len = self.kv_splits_for(meta, H, cache.device, K if sparse else None), self.min_split_len
+        call = (H, q_latent.dtype, cache.data.dtype, R, cache.qk_rope_head_dim, cache.device, kernels.INTERPRET)
+        if isinstance(state, TritonStep) and not sparse and state.call == call:  # prepared when planned
+            cfg, splits, split_len = state.cfg, state.splits, state.split_len
+        else:  # sparse (the split count follows the top-k width) or unprepared: host arithmetic, this call only
+            cfg, splits, split_len = self._launch_plan(meta, call, sparse=sparse,
+                                                       topk_width=int(topk_indices.shape[1]) if sparse else None)
         launches = build_launches(
             q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out, lse_out=lse_out,
             cfg=cfg, splits=splits, interpret=kernels.INTERPRET, split_len=split_len,
@@ -243,6 +264,28 @@ class TritonMLABackend(MLABackend):
                                                                                           __package__)
             with launch_guard(interpreted):  # interpreted launches: one at a time per process
                 getattr(module, launch.kernel)[launch.grid](*launch.args, **launch.options)
+
+    def prepare(self, meta: BatchMetadata) -> TritonStep | None:
+        """A configured backend's :class:`TritonStep` for ``meta``'s dense calls (launch configuration and KV
+        splits from host values, once per step); None when unconfigured, sparse (the split count follows each
+        call's top-k width) or holding no token."""
+        spec = self.layer_spec
+        if spec is None or spec.sparse or not meta.num_tokens:
+            return None
+        cache_dtype = kv_cache_torch_dtype(spec.kv_cache_dtype, spec.dtype)
+        call = (spec.num_heads, spec.dtype, cache_dtype, spec.kv_lora_rank, spec.qk_rope_head_dim, meta.device,
+                interpreter_enabled())
+        return TritonStep(call, *self._launch_plan(meta, call, sparse=False, topk_width=None))
+
+    def _launch_plan(self, meta: BatchMetadata, call: tuple[object, ...], *, sparse: bool,
+                     topk_width: int | None) -> tuple[KernelConfig, int, int]:
+        """``(configuration, splits, split length)`` of a call described by ``call`` (``TritonStep.call``)."""
+        H, q_dtype, cache_dtype, R, P, device, interpret = call
+        cfg = self.launch_config(q_dtype, cache_dtype, R, P, H, device, sparse=sparse,  # type: ignore[arg-type]
+                                 interpret=bool(interpret))
+        if cfg.kernel == "rows":
+            return (cfg, *self.rows_splits_for(meta, H, device, cfg))  # type: ignore[arg-type]
+        return cfg, self.kv_splits_for(meta, H, device, topk_width), self.min_split_len  # type: ignore[arg-type]
 
     # ---- helpers -----------------------------------------------------------------------------------------
     @staticmethod

@@ -22,6 +22,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from ...backends.contract import configure_backend
 from ...core.validation import require_device
 from ...step.metadata import BatchMetadata
 from ...step.plan import StepPlan, plan_step
@@ -94,9 +95,8 @@ class MLABackendsAttnBackend(AttentionBackend):
         sel = request.select()  # SGLangSelectionError with the reasons: start-up fails
         self.mla_request = request
         self.mla_selection = sel
-        self.mla_backend = sel.backend()
         self.mla_scale = request.dims.softmax_scale
-        self.mla_backend.configure(sel.spec, self.mla_scale)
+        self.mla_backend = configure_backend(sel.backend, sel.spec, self.mla_scale)
         self.mla_policy = sglang_policy(sel.name)
         self.kv_lora_rank = request.dims.kv_lora_rank
         self.num_heads = request.dims.num_heads

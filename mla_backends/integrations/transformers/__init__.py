@@ -9,7 +9,10 @@
 
 Every ``DeepseekV2Attention`` / ``DeepseekV3Attention`` of the model is replaced by a
 :class:`PatchedMLAAttention` holding an :class:`~mla_backends.layer.attention.MLAAttention` loaded with the module's own
-weights (``kv_b_proj`` folded once). The latent rows live in a paged cache per layer, owned by a
+weights (``kv_b_proj`` folded once); every ``DeepseekV4Attention`` by one holding a
+:class:`~mla_backends.layer.v4.V4Attention` (its window, compressed, state and indexer stores in the same paged
+pool; each request's compressor windows count its own tokens only, so a left-padded batch generates what each
+prompt generates alone). The latent rows live in a paged cache per layer, owned by a
 :class:`MLAGenerationCache` (a transformers ``Cache``): ``generate`` is wrapped so that each call gets a new
 one, sized at its first step for the call's longest sequence (prompt + ``max_new_tokens``, so decode steps
 never reallocate or copy it), grown only if that bound is exceeded, and released when the call returns.
@@ -46,6 +49,7 @@ import torch
 
 from ...core.validation import require_int
 from ...layer.attention import MLAAttention
+from ...layer.v4 import V4Attention
 from .attention import STEP_GATE, PatchedMLAAttention, PatchState, after_forward, before_forward
 from .cache import DEFAULT_BLOCK_SIZE, MAX_RESERVE_TOKENS, MLAGenerationCache
 from .options import (
@@ -60,7 +64,9 @@ __all__ = ["patch_model", "unpatch_model", "is_patched", "PatchedMLAAttention", 
            "MLAGenerationCache",
            "UnsupportedGenerationError", "DEFAULT_BLOCK_SIZE", "MAX_RESERVE_TOKENS"]
 
-_ATTENTION_CLASSES = ("DeepseekV2Attention", "DeepseekV3Attention")
+_ATTENTION_CLASSES = ("DeepseekV2Attention", "DeepseekV3Attention", "DeepseekV4Attention")
+#: the attention class of DeepSeek-V4, patched with a V4Attention
+_V4_CLASS = "DeepseekV4Attention"
 _STATE_ATTR = "_mla_backends_patch"
 
 
@@ -131,11 +137,13 @@ def _own_state(model: torch.nn.Module, action: str) -> PatchState | None:
 
 def patch_model(model: torch.nn.Module, *, backend: Any = None, kv_cache_dtype: str = "auto",
                 block_size: int | None = None) -> torch.nn.Module:
-    """Run every DeepSeek-V2/V3 attention module of ``model`` on :class:`MLAAttention`; returns ``model``.
+    """Run every DeepSeek-V2/V3 attention module of ``model`` on :class:`MLAAttention` (DeepSeek-V4's on
+    :class:`~mla_backends.layer.v4.V4Attention`); returns ``model``.
 
     Args:
-        model: a transformers ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (or any model whose
-            decoder layers hold ``DeepseekV2Attention`` / ``DeepseekV3Attention`` modules).
+        model: a transformers ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` / ``DeepseekV4ForCausalLM``
+            (or any model whose decoder layers hold ``DeepseekV2Attention`` / ``DeepseekV3Attention`` /
+            ``DeepseekV4Attention`` modules).
         backend: backend name or class for ``forward_mqa``; None = the selector's choice for the device.
         kv_cache_dtype: latent cache dtype (``"auto"``: the model dtype; ``"fp8_e4m3"`` where the backend can).
         block_size: tokens per cache page (default :data:`DEFAULT_BLOCK_SIZE`).
@@ -153,15 +161,20 @@ def patch_model(model: torch.nn.Module, *, backend: Any = None, kv_cache_dtype: 
     stack = _decoder_stack(model)
     found = [(name, mod) for name, mod in model.named_modules() if type(mod).__name__ in _ATTENTION_CLASSES]
     if not found:
-        raise TypeError(f"model: got {type(model).__name__} without DeepseekV2Attention/DeepseekV3Attention "
-                        "modules; supported transformers' DeepSeek-V2/V3 models")
+        raise TypeError(f"model: got {type(model).__name__} without DeepseekV2/V3/V4Attention modules; supported "
+                        "transformers' DeepSeek-V2/V3/V4 models")
     fwd = inspect.signature(stack.forward).parameters
     state = PatchState(model, {}, bs, kv_cache_dtype, "cache" if "cache" in fwd else "past_key_values")
     replacements = []
     for name, mod in found:
-        weight = mod.kv_b_proj.weight
-        mla = MLAAttention.from_hf_config(mod.config, backend=backend, dtype=weight.dtype, device=weight.device,
-                                          layer_idx=mod.layer_idx)
+        if type(mod).__name__ == _V4_CLASS:
+            weight = mod.q_b_proj.weight
+            mla = V4Attention.from_hf_config(mod.config, backend=backend, dtype=weight.dtype, device=weight.device,
+                                             layer_idx=mod.layer_idx)
+        else:
+            weight = mod.kv_b_proj.weight
+            mla = MLAAttention.from_hf_config(mod.config, backend=backend, dtype=weight.dtype, device=weight.device,
+                                              layer_idx=mod.layer_idx)
         mla.load_hf_state_dict(mod.state_dict())
         if mla.layer_idx in state.layers:
             raise ValueError(f"model: two attention modules claim layer_idx {mla.layer_idx}")

@@ -48,7 +48,7 @@ class MLAGenerationCache(Cache):
         self.kv_cache_dtype = kv_cache_dtype
         self.reserve_tokens = None if reserve_tokens is None else require_int("reserve_tokens", reserve_tokens,
                                                                                minimum=1)
-        self.caches: dict[int, Any] = {}  # layer index -> LatentKVCache
+        self.caches: dict[int, Any] = {}  # layer index -> LatentKVCache (V4LayerCache for DeepSeek-V4)
         self.num_blocks = 0
         self.pages: list[list[int]] = []
         self.context: list[int] = []
@@ -150,7 +150,10 @@ class MLAGenerationCache(Cache):
             new = max(used, reserve, 2 * self.num_blocks, 1)
             for idx, old in list(self.caches.items()):
                 fresh = self.mla_layers[idx].allocate_cache(new, self.block_size, self.kv_cache_dtype)
-                fresh.data[: old.num_blocks].copy_(old.data)
+                if hasattr(fresh, "copy_from"):  # DeepSeek-V4: every store of the layer
+                    fresh.copy_from(old)
+                else:
+                    fresh.data[: old.num_blocks].copy_(old.data)
                 self.caches[idx] = fresh
                 self.allocations += 1
             self.num_blocks = new

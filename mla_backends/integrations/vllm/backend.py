@@ -32,6 +32,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 
+from ...backends.contract import configure_backend
 from ...step.metadata import BatchMetadata
 from ...step.plan import StepPlan, plan_step
 from .selection import (
@@ -132,18 +133,16 @@ class MLABackendsDecodeMetadata(MLACommonDecodeMetadata):
 
 
 def _configured_backend(vllm_config: Any, *, num_heads: int | None = None) -> tuple[Any, Any, float]:
-    """``(selection, backend instance, softmax scale)`` for ``vllm_config``'s MLA layers: the same choice and
-    configuration in the metadata builder (which plans the step) and in every layer's impl (which runs it),
-    so the plan's prepared state is the impl's (one ``prepare_key``)."""
+    """``(selection, configured backend, softmax scale)`` for ``vllm_config``'s MLA layers: the same choice and
+    configuration in the metadata builder (which plans the step) and in every layer's impl (which runs it):
+    ``configure_backend`` hands both the same object, so the plan's prepared state is the impl's."""
     request = request_from_vllm(vllm_config, device=_device(), num_heads=num_heads)
     dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
     if dcp == 1 and request.need_lse:
         request = replace(request, need_lse=False)
     sel = select_at_startup(request, _path())  # VLLMSelectionError, both sides' reasons: start-up fails
-    backend = sel.backend()
     scale = request.dims.softmax_scale
-    backend.configure(sel.spec, scale)
-    return sel, backend, scale
+    return sel, configure_backend(sel.backend, sel.spec, scale), scale  # one object for equal configurations
 
 
 class MLABackendsMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):

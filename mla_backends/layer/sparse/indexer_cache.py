@@ -23,7 +23,7 @@ import torch
 from ...core.dims import MLADims
 from ...core.dtypes import FP8_E4M3_MAX, canonical_kv_cache_dtype, kv_cache_torch_dtype
 from ...core.validation import require_device, require_int, require_on_device, require_tensor
-from ...step.cache import LatentKVCache, PagedRows
+from ...step.cache import LatentKVCache, PagedRows, SlotSource
 
 __all__ = [
     "IndexerKeyCache",
@@ -34,6 +34,7 @@ __all__ = [
     "dequantize_fp8_blockwise",
     "pack_rows",
     "unpack_rows",
+    "storage_name",
 ]
 
 #: values per quantisation block (one float32 scale each)
@@ -135,15 +136,14 @@ class IndexerKeyCache(PagedRows):
         require_int("head_dim", head_dim, minimum=1)
         device = require_device("device", device)
         _check_scale_fmt(scale_fmt)
-        self.storage = _storage_name(storage)
+        self.storage = storage_name(storage)
         self.num_blocks, self.block_size, self.head_dim = num_blocks, block_size, head_dim
         self.scale_fmt = scale_fmt
+        # one sink row after the last slot: a write of skipped (-1) slots keeps static shapes (no mask, no sync)
         if self.storage == "fp8_e4m3":
-            width = indexer_bytes_per_token(head_dim)
-            self.data = torch.zeros(num_blocks, block_size, width, dtype=torch.uint8, device=device)
+            self.data = self._allocate_with_sink(indexer_bytes_per_token(head_dim), torch.uint8, device)
         else:
-            self.data = torch.zeros(num_blocks, block_size, head_dim,
-                                    dtype=kv_cache_torch_dtype(self.storage, torch.float32), device=device)
+            self.data = self._allocate_with_sink(head_dim, kv_cache_torch_dtype(self.storage, torch.float32), device)
 
     @classmethod
     def allocate(
@@ -197,23 +197,29 @@ class IndexerKeyCache(PagedRows):
             return rows.to(dtype)
         return dequantize_fp8_blockwise(*unpack_rows(rows, self.head_dim), dtype=dtype)
 
-    def write(self, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store keys ``k [T, head_dim]`` at ``slot_mapping [T]`` (the latent cache's slots; ``-1`` skips)."""
+    def write(self, k: torch.Tensor, slot_mapping: torch.Tensor | SlotSource) -> None:
+        """Store keys ``k [T, head_dim]`` at ``slot_mapping [T]`` (the latent cache's slots; ``-1`` skips). A
+        :class:`~mla_backends.step.cache.SlotSource` (a step's plan) is trusted, as in ``LatentKVCache.write``;
+        a raw tensor is range-checked (one read)."""
+        trusted = isinstance(slot_mapping, SlotSource)
+        if trusted:
+            slot_mapping = slot_mapping.slots_for(self)
         require_tensor("k", k, shape=(None, self.head_dim))
         if not k.is_floating_point():
             raise TypeError(f"k: got dtype {k.dtype}; supported floating point")
         require_tensor("slot_mapping", slot_mapping, shape=(k.shape[0],), dtypes=(torch.int32, torch.int64))
         require_on_device(self.device, k=k, slot_mapping=slot_mapping)
-        self._write_rows(k, slot_mapping)
+        self._write_rows(k, slot_mapping, trusted=trusted)
 
 
-def _storage_name(storage: str | torch.dtype) -> str:
-    """Canonical storage name (the cache-dtype aliases of :func:`canonical_kv_cache_dtype`); fp8 means e4m3."""
+def storage_name(storage: str | torch.dtype, argument: str = "storage") -> str:
+    """Canonical storage name (the cache-dtype aliases of :func:`canonical_kv_cache_dtype`); fp8 means e4m3.
+    Anything else is a ``ValueError`` naming ``argument``."""
     try:
         name = canonical_kv_cache_dtype(storage)
     except (TypeError, ValueError):
         name = None
     if name not in _STORAGE_NAMES:
-        raise ValueError(f"storage: got {storage!r}; supported fp8_e4m3 (132 bytes/token, the V3.2 layout), "
+        raise ValueError(f"{argument}: got {storage!r}; supported fp8_e4m3 (132 bytes/token, the V3.2 layout), "
                          + ", ".join(_STORAGE_NAMES[1:]))
     return name

@@ -1,5 +1,7 @@
 """What :class:`~mla_backends.layer.attention.MLAAttention` needs for DeepSeek-V3.2 sparse layers.
 
+- :func:`layer_indexer_storage`: how a layer's cache stores the indexer keys (fp8 by default, the layer's dtype
+  on request).
 - :func:`build_indexer`: the layer's :class:`~.indexer.Indexer`, or None for dense layers and for layers the
   skip pattern marks as reusing the previous layer's top-k.
 - :class:`SparseKVCache`: the latent cache plus the layer's indexer key cache, sharing one block table and one
@@ -21,10 +23,10 @@ from ...core.validation import require_device, require_int
 from ...loading.hf import check_hf_state_dict
 from ...step.cache import LatentKVCache
 from .indexer import Indexer
-from .indexer_cache import IndexerKeyCache
+from .indexer_cache import IndexerKeyCache, storage_name
 
 __all__ = ["SparseKVCache", "build_indexer", "split_indexer_state_dict", "take_indexer_weights",
-           "random_indexer_state_dict", "INDEXER_PREFIX"]
+           "random_indexer_state_dict", "INDEXER_PREFIX", "DEFAULT_INDEXER_STORAGE", "layer_indexer_storage"]
 
 #: state-dict prefix of the indexer's weights inside a layer's ``self_attn``
 INDEXER_PREFIX = "indexer."
@@ -38,6 +40,26 @@ def build_indexer(dims: MLADims, layer_idx: int, *, dtype: torch.dtype,
     if dims.indexer is None or not dims.indexer.indexes(layer_idx):
         return None
     return Indexer.from_dims(dims, dtype=dtype, device=device).requires_grad_(False)
+
+
+#: what ``MLAAttention.allocate_cache(indexer_storage=...)`` takes by default: fp8 e4m3 keys with one float32
+#: scale per 128 values (132 bytes a token), as vLLM and SGLang store them
+DEFAULT_INDEXER_STORAGE = "fp8_e4m3"
+
+
+def layer_indexer_storage(dims: MLADims, layer_dtype: torch.dtype, indexer_storage: str | torch.dtype) -> str:
+    """The indexer key storage a layer's cache gets for ``indexer_storage``: ``"fp8_e4m3"`` (the default, as the
+    engines store keys), ``"auto"`` (the layer's own dtype: keys exact, as transformers keeps them) or a float
+    dtype (name or ``torch.dtype``). A dense layer keeps no indexer keys and takes only the default. Raises a
+    ``ValueError`` naming ``indexer_storage`` (before anything is allocated)."""
+    if dims.indexer is None:
+        if indexer_storage != DEFAULT_INDEXER_STORAGE:
+            raise ValueError(f"indexer_storage: got {indexer_storage!r} for a dense layer ({dims.name}), which keeps "
+                             f"no indexer keys; supported {DEFAULT_INDEXER_STORAGE!r} (the default) here")
+        return DEFAULT_INDEXER_STORAGE
+    if isinstance(indexer_storage, str) and indexer_storage == "auto":
+        indexer_storage = layer_dtype
+    return storage_name(indexer_storage, "indexer_storage")
 
 
 def split_indexer_state_dict(state_dict: Mapping[str, Any],
