@@ -45,6 +45,7 @@ _LAZY = {
     "QueryLenSupport": ".backends.capabilities",
     "Tolerance": ".backends.capabilities",
     "DEFAULT_TOLERANCES": ".backends.capabilities",
+    "Precision": ".backends.capabilities",
     "Reason": ".backends.reasons",
     "ReasonKind": ".backends.reasons",
     "RefTorchBackend": ".ref_torch",

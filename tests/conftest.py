@@ -53,6 +53,7 @@ SLOW_LIST = TESTS / "slow_tests.txt"
 #: unsharded model run, a checkpoint): under ``--dist loadgroup`` each goes to one worker as one unit
 SHARED_MODULE_FIXTURES = frozenset({
     "test_conformance_catches.py",  # suite_results: the broken-backend suite, run once (30-60 s)
+    "test_conformance_faults.py",  # table: the fault table, computed once (20-30 s of CPU)
     "test_dcp_gloo.py",  # model: the unsharded reference run the three world sizes compare with
     "test_pretrained.py",  # v3_folder: a sharded DeepSeek-V3-shaped checkpoint
     "test_hardening_cli2.py",  # tiny_table: a quick tuning run

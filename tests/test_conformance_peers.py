@@ -1,5 +1,6 @@
-"""Peers (other engines' kernels judged by the suite) without the engines installed, and the quick matrix's
-property run. The vLLM peers themselves run in tests/vllm_engine/test_vllm_peers.py (.venv-vllm)."""
+"""Peers (other engines' kernels judged by the suite) without the engines installed. The vLLM peers themselves
+run in tests/vllm_engine/test_vllm_peers.py (.venv-vllm), SGLang's in tests/sglang_engine/test_sglang_peers.py
+(.venv-sglang); the property run is tests/test_conformance_property.py."""
 
 from __future__ import annotations
 
@@ -14,43 +15,11 @@ import torch
 from mla_backends.cli import main
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.testing import broken, build_matrix, checks
-from mla_backends.testing.cases import declared_reasons
-from mla_backends.testing.matrix import PROPERTY_CASES, PROPERTY_ROW_BUDGET, _Builder
 from mla_backends.testing.peers import Peer, engine_peers
 from mla_backends.testing.peers.vllm_peers import VllmCpuMLADecode, VllmTritonMLADecode
-from mla_backends.triton_mla import TritonMLABackend
 
 CPU = torch.device("cpu")
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-
-
-# ---- the property run ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("cls", [RefTorchBackend, TritonMLABackend, VllmTritonMLADecode.interpreted(),
-                                 VllmCpuMLADecode])
-def test_quick_matrix_draws_random_shapes_inside_the_declarations(cls) -> None:
-    props = [c for c in build_matrix(cls, True).output if c.name.startswith("prop")]
-    assert len(props) == PROPERTY_CASES
-    assert not [c for c in build_matrix(cls, False).output if c.name.startswith("prop")]  # quick only
-    again = _Builder(cls, True).property_cases()  # a fixed seed: the same cases every time
-    assert [c.id for c in again] == [c.id for c in props] and [c.seq_lens for c in again] == [c.seq_lens for c in props]
-    for c in props:
-        assert not declared_reasons(cls, c.spec())  # accepted on the (simulated) device it was placed on
-        assert cls.capabilities.page_size_reason(c.block_size) is None
-        assert sum(c.seq_lens) * c.num_heads <= PROPERTY_ROW_BUDGET
-        assert all(s >= q >= 1 for s, q in zip(c.seq_lens, c.query_lens, strict=True))
-    # shapes vary: more than one page size, head count or batch size among the drawn cases
-    assert len({(c.block_size, c.num_heads, len(c.seq_lens)) for c in props}) > 1
-
-
-def test_property_cases_pass_a_correct_backend_and_catch_a_wrong_page_walk() -> None:
-    props = [c for c in build_matrix(RefTorchBackend, True).output if c.name.startswith("prop")]
-    for case in props:
-        checks.check_output(RefTorchBackend, case, CPU)
-    # the smallest drawn case with a second page to misread
-    case = min((c for c in props if any(s > c.block_size for s in c.seq_lens)),
-               key=lambda c: sum(c.seq_lens) * c.num_heads)
-    with pytest.raises(AssertionError, match="output"):
-        checks.check_output(broken.NextPageBackend, case, CPU)
 
 
 # ---- peers without their engines -------------------------------------------------------------------------
@@ -66,7 +35,9 @@ def test_peers_of_each_engine() -> None:
     vllm = engine_peers("vllm")
     assert [p.adapter.rsplit(":", 1)[1] for p in vllm] == ["VllmTritonMLADecode", "VllmCpuMLADecode"]
     (sglang,) = engine_peers("sglang")
-    assert sglang.adapter is None and "SGLang is not installed" in sglang.not_runnable(CPU)
+    assert sglang.adapter.endswith("sglang_peers:SglangTritonMLADecode")
+    if importlib.util.find_spec("sglang") is None:
+        assert "sglang is not installed in this environment" in sglang.not_runnable(CPU)
     with pytest.raises(ValueError, match="engine: got 'tgi'; supported vllm, sglang"):
         engine_peers("tgi")
 
@@ -75,6 +46,18 @@ def test_a_peer_whose_kernel_module_is_missing_says_so() -> None:
     peer = Peer("vllm", "k", "site", "vllm.no_such_module", "mla_backends.testing.peers.vllm_peers:VllmCpuMLADecode")
     why = peer.not_runnable(CPU)
     assert why is not None and ("vllm.no_such_module" in why or "vllm is not installed" in why)
+
+
+def test_sglang_declarations_follow_how_sglang_calls_its_kernel() -> None:
+    from mla_backends.testing.peers.sglang_peers import SglangTritonMLADecode
+
+    compiled, interp = SglangTritonMLADecode, SglangTritonMLADecode.interpreted()
+    assert compiled.capabilities.query_len.name == "SINGLE" and compiled.capabilities.returns_lse
+    assert compiled.capabilities.dims == frozenset({(512, 64), (256, 32)})
+    assert "fp8_e4m3" in compiled.capabilities.tolerances  # fp8 query products: an explicit band
+    assert compiled.capabilities.precision["float16"].accumulate == torch.float16  # the one-head kernel
+    assert interp.capabilities.dtypes == frozenset({torch.float16, torch.float32})
+    assert "fp8_e4m3" not in interp.capabilities.kv_cache_dtypes
 
 
 def test_declarations_follow_how_vllm_calls_the_kernels() -> None:
@@ -102,10 +85,13 @@ def test_engine_run_lists_peers_that_cannot_run_with_the_reason(capsys: pytest.C
     assert all("vllm is not installed" in p["reason"] for p in table["peers"])
 
 
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None,
+                    reason="SGLang is installed here: tests/sglang_engine/test_sglang_peers.py runs its kernel")
 def test_sglang_engine_run_says_why_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["conformance", "--engine", "sglang", "--quick"]) == 5
     out = capsys.readouterr().out
-    assert "not runnable here: SGLang is not installed on this machine (no .venv-sglang)" in out
+    assert ("decode_attention.decode_attention_fwd (Triton): not runnable here: sglang is not installed in this "
+            "environment (distribution sglang)") in out
 
 
 @pytest.mark.parametrize("argv, words", [

@@ -12,9 +12,9 @@ from mla_backends.backends.contract import Capabilities, MLABackend, QueryLenSup
 from mla_backends.ref_torch import RefTorchBackend
 from mla_backends.testing import build_matrix
 from mla_backends.testing.cases import declared_reasons
-from mla_backends.testing.checks import tolerance_for
 from mla_backends.testing.inputs import TRAILING, expected, prepare
 from mla_backends.testing.reference import random_orthogonal, reference_mqa, up_projections
+from mla_backends.testing.tolerances import precision_for, tolerance_for
 
 
 def test_up_projections_are_orthogonal_and_dense() -> None:
@@ -134,18 +134,24 @@ def test_build_plan_is_a_deprecated_alias_of_build_matrix() -> None:
 
 
 def test_tolerance_lookup_order() -> None:
-    from mla_backends.backends.contract import Tolerance
+    """Declared bands are looked up "<dtype>/<cache>", "<cache>" (fp8), "<judged dtype>"; without one (or with
+    an entry equal to 0.4's default of the same key, which declares nothing) the case is measured."""
+    from mla_backends.backends.contract import DEFAULT_TOLERANCES, Precision, Tolerance
 
     tols = {
         "bfloat16": Tolerance(1e-2, 1e-2),
         "fp8_e4m3": Tolerance(5e-2, 5e-2),
         "bfloat16/fp8_e5m2": Tolerance(7e-2, 7e-2),
+        "float16": DEFAULT_TOLERANCES["float16"],
     }
-    cls = _backend(tolerances=tols)
+    cls = _backend(tolerances=tols, precision={"float16": Precision(torch.float16, torch.float16)})
     assert tolerance_for(cls, torch.bfloat16, "bfloat16")[1].atol == 1e-2
     assert tolerance_for(cls, torch.bfloat16, "fp8_e4m3")[1].atol == 5e-2
     assert tolerance_for(cls, torch.bfloat16, "fp8_e5m2")[1].atol == 7e-2
-    assert tolerance_for(cls, torch.float16, "float16")[0] == "float16 (default)"
+    assert tolerance_for(cls, torch.float16, "float16") == ("float16 (measured)", None)
+    assert tolerance_for(RefTorchBackend, torch.float32, "bfloat16") == ("bfloat16 (measured)", None)
+    assert precision_for(cls, torch.float16, "fp8_e4m3") == ("float16", Precision(torch.float16, torch.float16))
+    assert precision_for(cls, torch.float64, "float64") == ("default", Precision(torch.float64, torch.float64))
 
 
 def test_reference_and_checks_import_without_pytest_or_kernels() -> None:

@@ -46,7 +46,7 @@ def _reference(q, rows, ctx, n, scale):
     ("auto", torch.float32, 2e-5),
     ("bfloat16", torch.float32, 2e-5),  # the reference reads the same bf16 rows back
     ("fp8_e4m3", torch.float32, 2e-5),
-    ("fp8_e4m3", torch.float64, 1e-10),  # the scale applied in float32 first, as LatentKVCache.dequantize does
+    ("fp8_e4m3", torch.float64, 1e-10),  # the scale applied in float64, as LatentKVCache.dequantize does
 ])
 @pytest.mark.parametrize("block_size", [16, 48])
 @pytest.mark.parametrize("chunking", ["default", "tiny", "fold-each"])

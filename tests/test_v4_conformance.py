@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from mla_backends import RefTorchBackend
 from mla_backends.backends.v4_inputs import V4Keys
@@ -27,7 +28,15 @@ def test_ref_torch_passes_every_v4_case():
                                    ("ratio-4", "ratio-128", "records")])
 def test_triton_mla_passes_the_v4_cases(names):
     got = _statuses("TRITON_MLA", tuple(c for c in V4_CASES if c.name in names))
-    assert all(status == "passed" for status, _ in got.values()), got
+    # interpreted (a CPU), bf16 is withheld as in the MLA cases: the interpreter truncates bf16 (a -0.27 % slope
+    # the bias criterion catches); the records case (bf16 queries) is judged on a GPU, and its kernel path by
+    # tests/test_v4_records.py against a float64 reference of the stored values
+    withheld = {"records"} if not torch.cuda.is_available() else set()
+    for name, (status, detail) in got.items():
+        if name in withheld:
+            assert status == "skipped" and "dtype: got bfloat16" in detail, (name, detail)
+        else:
+            assert status == "passed", (name, detail)
 
 
 def test_a_backend_without_v4_skips_them_saying_why():

@@ -38,7 +38,15 @@ from ..core.dtypes import FP8_CACHE_DTYPES, dtype_name, lse_dtype
 from ..core.errors import USER_CODE_FAILURES, plugin_call, plugin_error
 from ..step.cache import LatentKVCache
 from ..step.plan import WHOLE_STEP_ABSORBED, PlanRequest, Run, StepPlan, StepPlanError, plan_step, require_plan
-from .capabilities import DEFAULT_TOLERANCES, AttentionSpec, Capabilities, QueryLenSupport, Tolerance, env_switch_on
+from .capabilities import (
+    DEFAULT_TOLERANCES,
+    AttentionSpec,
+    Capabilities,
+    Precision,
+    QueryLenSupport,
+    Tolerance,
+    env_switch_on,
+)
 from .dispatch import resolve_policy, runs_key, step_runs
 from .inputs import check_declared_support, check_mqa_inputs, planned_declarations
 from .reasons import Reason, ReasonKind, as_reason, returned_reasons
@@ -48,8 +56,8 @@ if TYPE_CHECKING:
     from ..step.metadata import BatchMetadata
 
 __all__ = ["QueryLenSupport", "Capabilities", "AttentionSpec", "MLABackend", "Tolerance", "DEFAULT_TOLERANCES",
-           "BackendContractError", "contract_problems", "configure_backend", "release_configured_backends",
-           "ConfigurationKey"]
+           "Precision", "BackendContractError", "contract_problems", "configure_backend",
+           "release_configured_backends", "ConfigurationKey"]
 
 
 class BackendContractError(RuntimeError):

@@ -1,6 +1,8 @@
-"""``mla-backends conformance NAME [--quick] [--device D] [-- PYTEST_ARGS]``: run the suite on a backend;
-``mla-backends conformance --engine vllm|sglang [--quick] [--device D] [--json]``: run it over an engine's own
-MLA decode kernels (:mod:`mla_backends.testing.peers`) and print one table.
+"""``mla-backends conformance NAME [--quick] [--seeds N [--seed S]] [--device D] [-- PYTEST_ARGS]``: run the suite
+on a backend; ``mla-backends conformance --engine vllm|sglang [--quick] [--seeds N [--seed S]] [--device D]
+[--json]``: run it over an engine's own MLA decode kernels (:mod:`mla_backends.testing.peers`) and print one
+table. ``--seeds N`` draws N random cases inside the backend's declarations (seeds S, S+1, ...); a failed one is
+printed as the one command line that runs it alone.
 
 NAME is any registered backend (built-in or from a plugin) or an import path ``package.module:Class`` for a
 backend under development. The suite runs in-process through ``pytest.main`` on
@@ -45,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quick", action="store_true", help="reduced case matrix (interpreted Triton, quick checks)"
     )
+    p.add_argument("--seeds", type=int, default=None, metavar="N",
+                   help="a property run: N random cases (shapes, lengths, page sizes, tables, dtypes) drawn inside "
+                        "the backend's declarations, added to the matrix (default: 4 with --quick, else none)")
+    p.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="the first seed of --seeds (default: a fixed one); a failed random case prints the "
+                        "command that reruns it (--seeds 1 --seed S)")
     p.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -54,7 +62,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run, accepts_extra=True)
 
 
-def pytest_args(name: str, quick: bool, device: str, extra: list[str]) -> list[str]:
+def pytest_args(name: str, quick: bool, device: str, extra: list[str], seeds: int | None = None,
+                seed: int | None = None) -> list[str]:
     """The pytest command line the CLI runs (``extra``: pass-through arguments, a leading ``--`` dropped)."""
     suite = Path(__file__).resolve().parent.parent / "testing" / "cli_suite.py"
     if extra and extra[0] == "--":
@@ -75,11 +84,25 @@ def pytest_args(name: str, quick: bool, device: str, extra: list[str]) -> list[s
     ]
     if quick:
         args.append("--conformance-quick")
+    if seeds is not None:
+        args.append(f"--conformance-seeds={seeds}")
+    if seed is not None:
+        args.append(f"--conformance-seed={seed}")
     return args + list(extra)
+
+
+def _check_seeds(args: argparse.Namespace) -> None:
+    for flag in ("seeds", "seed"):
+        value = getattr(args, flag, None)
+        if value is not None and value < 0:
+            raise ValueError(f"--{flag}: got {value}; supported an int >= 0")
+    if getattr(args, "seed", None) is not None and getattr(args, "seeds", None) is None:
+        raise ValueError("--seed: got it without --seeds; supported with --seeds N (the number of random cases)")
 
 
 def run(args: argparse.Namespace) -> int:
     extra = list(getattr(args, "extra", []) or [])
+    _check_seeds(args)
     if args.engine is not None:
         if args.backend is not None:
             raise ValueError(f"NAME: got {args.backend!r} with --engine {args.engine}; supported one of NAME or "
@@ -87,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
         if extra:
             raise ValueError(f"--engine: got pytest arguments after -- ({' '.join(extra)}); supported none (the "
                              "engine run calls the checks itself)")
-        return run_engine_table(args.engine, quick=args.quick, device=args.device, as_json=args.json)
+        return run_engine_table(args.engine, quick=args.quick, device=args.device, as_json=args.json,
+                                seeds=getattr(args, "seeds", None), seed=getattr(args, "seed", None))
     if args.backend is None:
         raise ValueError("NAME: got none; supported a registered backend name, package.module:Class, or "
                          "--engine vllm|sglang")
@@ -112,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     counter = _TestsRun()
-    code = int(pytest.main(pytest_args(name, args.quick, args.device, extra), plugins=[counter]))
+    code = int(pytest.main(pytest_args(name, args.quick, args.device, extra, getattr(args, "seeds", None),
+                                       getattr(args, "seed", None)), plugins=[counter]))
     if code == 0 and not counter.calls:  # --collect-only, --setup-plan, --fixtures, pytest's --help ...
         code = NOTHING_RAN_STATUS
         verdict = (f"not checked: no tests ran (exit {code}; the pytest options given run none, as "
@@ -123,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def run_engine_table(engine: str, *, quick: bool, device: str, as_json: bool) -> int:
+def run_engine_table(engine: str, *, quick: bool, device: str, as_json: bool, seeds: int | None = None,
+                     seed: int | None = None) -> int:
     """``--engine``: the suite over ``engine``'s peer kernels; prints the table (or its JSON) on stdout and
     returns 0 (every runnable kernel passed), 1 (a failure) or :data:`NOTHING_RAN_STATUS` (none could run)."""
     import json
@@ -141,7 +167,7 @@ def run_engine_table(engine: str, *, quick: bool, device: str, as_json: bool) ->
     def progress(line: str) -> None:
         print(f"mla-backends conformance --engine {engine}: {line}", file=sys.stderr, flush=True)
 
-    report = run_engine(engine, quick=quick, device=dev, progress=progress)
+    report = run_engine(engine, quick=quick, device=dev, progress=progress, seeds=seeds, seed=seed)
     if as_json:
         print(json.dumps(report.as_dict(), indent=2))
     else:

@@ -140,6 +140,14 @@ def stream_min_rows(num_requests: int, row_bytes: int) -> int:
     return max(STREAM_MIN_ROWS, -(-STREAM_MIN_BYTES // (num_requests * row_bytes)))
 
 
+def _rows_past(seq_lens: tuple[int, ...], pos0: int, rows: int) -> torch.Tensor | None:
+    """Indices into a streamed chunk's ``[len(seq_lens) * rows]`` rows (positions ``pos0 ..`` of every request) of
+    the positions at or past each request's length, from the host lengths; None when there are none."""
+    parts = [torch.arange(i * rows + max(s - pos0, 0), (i + 1) * rows) for i, s in enumerate(seq_lens)
+             if s < pos0 + rows]
+    return torch.cat(parts) if parts else None
+
+
 def scaled_transposed_queries(q: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
     """``out [b, 576, N] = scale * q [b, N, 576]`` transposed (N: query tokens x heads of a request), one
     kernel. The scores are then ``kv [b, L, 576] @ out``, ``[b, L, N]``: with the cached rows as the left
@@ -335,17 +343,21 @@ class RefTorchBackend(MLABackend):
         for c, page_ids in enumerate(chunk_ids.view(n_chunks, b * per).unbind(0)):
             g = c % G
             torch.index_select(cache.data, 0, page_ids, out=raw)
-            if exact_fp8:  # the scale applied in float32 first, as LatentKVCache.dequantize does
+            if exact_fp8:  # the scale applied as LatentKVCache.dequantize applies it (float64 for float64)
                 kv.view_as(raw).copy_(cache.dequantize(raw, cdt))
             elif not direct:  # one conversion kernel into the compute-dtype buffer, then the fp8 scale
                 kv.view_as(raw).copy_(raw)
                 if cache.is_fp8:
                     kv.mul_(cache.scale)
-            torch.bmm(kv, q_t, out=s_t)
             pos0 = c * rows
             masked = pos0 + rows - 1 > edge
-            if masked:
+            if masked:  # the chunk holds someone's causal / length edge: positions past it are hidden ...
                 hidden = torch.arange(pos0, pos0 + rows, device=dev)[None, :, None] > limit  # [b, rows, n]
+                past = _rows_past(seq_lens, pos0, rows)  # ... and rows past a sequence zeroed: unowned slots
+                if past is not None:  # may hold NaN (0 x NaN = NaN); the indices come from host lengths
+                    kv.view(b * rows, W).index_fill_(0, past.to(dev), 0.0)
+            torch.bmm(kv, q_t, out=s_t)
+            if masked:
                 s_t.view(b, rows, n, H).masked_fill_(hidden[..., None], _HIDDEN_SCORE)
             slot_max[g].copy_(position_max(s_t))
             exp_shifted(s_t, slot_max_row[g], hidden[..., None] if masked else None)
@@ -418,6 +430,8 @@ class RefTorchBackend(MLABackend):
                 kv = kv.view(b, L, W)
             else:
                 kv = cache.dequantize(torch.index_select(cache.data, 0, grp.page_ids), cdt).view(b, L, W)
+            if grp.tails is not None:  # rows past a sequence: unowned slots may hold NaN (0 x NaN = NaN)
+                kv.view(b * L, W).index_fill_(0, grp.tails, 0.0)
             tok0, QH = grp.first_token, Q * H
             if grp.token_rows is None:  # uniform query length: a plain view, no padding
                 qg = q[tok0: tok0 + b * Q].reshape(b, QH, W)

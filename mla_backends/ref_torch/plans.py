@@ -9,6 +9,9 @@ step's :class:`RefStep` (what ``RefTorchBackend.prepare`` returns when the step 
 - the hidden positions, ``[requests, q_len, 1, pages * block_size]`` bool: position ``p`` of request ``b``
   is hidden from its token ``j`` when ``p > context_lens[b] + j`` (causal among the new tokens, and every
   padded position past the sequence);
+- the padded rows past each request's sequence (the tail of its last page, and the page-0 stand-ins for pages
+  past it), which the kernel zeroes after the gather: slots no request owns may hold NaN or infinities, and a
+  hidden position's zero weight times NaN is NaN;
 - for groups of mixed query lengths, which query token fills each padded row and where the kept rows go;
 
 The state is complete and frozen once made (no layer adds to it), so any number of layers, in any threads,
@@ -48,6 +51,8 @@ class DenseGroup(NamedTuple):
             token of every padded row (token 0 for padding rows).
         keep, dest: None, or the padded rows that hold real tokens and the tokens they belong to (``[n]``).
         first_token: the group's first token in the metadata's token axis.
+        tails: None when every request fills its padded rows; else ``[m]`` int64 indices into the gathered
+            ``[requests * L]`` rows of the positions at or past each request's length (zeroed after the gather).
     """
 
     start: int
@@ -60,6 +65,7 @@ class DenseGroup(NamedTuple):
     keep: torch.Tensor | None
     dest: torch.Tensor | None
     first_token: int
+    tails: torch.Tensor | None = None
 
 
 #: score given to hidden positions: finite, so that a row or chunk with nothing visible gives finite partials
@@ -219,6 +225,13 @@ def group_page_ids(block_table: torch.Tensor, seq_lens: tuple[int, ...], block_s
     return ids.reshape(-1)
 
 
+def _tail_rows(seq_lens: tuple[int, ...], rows: int, device: torch.device) -> torch.Tensor | None:
+    """``[m]`` int64 indices into ``[len(seq_lens) * rows]`` padded rows of the positions at or past each
+    request's length (None when there are none), from the host lengths."""
+    parts = [torch.arange(i * rows + s, (i + 1) * rows) for i, s in enumerate(seq_lens) if s < rows]
+    return torch.cat(parts).to(device) if parts else None
+
+
 def hidden_positions(context_lens: tuple[int, ...], q_len: int, rows: int, device: torch.device) -> torch.Tensor:
     """``[requests, q_len, 1, rows]`` bool: position ``p`` hidden from token ``j`` of request ``b`` when
     ``p > context_lens[b] + j``."""
@@ -246,5 +259,6 @@ def dense_groups(meta: BatchMetadata, row_width: int, heads: int, budget: int) -
             token_rows = torch.tensor([max(t, 0) for t in tok], dtype=torch.int64, device=dev)
             keep = torch.tensor([i for i, t in enumerate(tok) if t >= 0], dtype=torch.int64, device=dev)
             dest = torch.tensor([t for t in tok if t >= 0], dtype=torch.int64, device=dev)
-        out.append(DenseGroup(g0, g1, q_len, rows, page_ids, hidden, token_rows, keep, dest, starts[g0]))
+        tails = _tail_rows(seqs[g0:g1], rows, dev)
+        out.append(DenseGroup(g0, g1, q_len, rows, page_ids, hidden, token_rows, keep, dest, starts[g0], tails))
     return tuple(out)

@@ -402,8 +402,10 @@ class LatentKVCache(PagedRows):
         return (rows.float() / self.scale).clamp(-fmax, fmax).to(self.data.dtype)
 
     def dequantize(self, stored: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Convert stored rows to ``dtype`` (default: the model dtype), applying the fp8 scale."""
+        """Convert stored rows to ``dtype`` (default: the model dtype), applying the fp8 scale (in float32; in
+        float64 for float64 values, so that a float64 read is exact)."""
         dtype = dtype or self.model_dtype
         if not self.is_fp8:
             return stored.to(dtype)
-        return (stored.to(torch.float32) * self.scale).to(dtype)
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        return (stored.to(wide) * self.scale.to(wide)).to(dtype)

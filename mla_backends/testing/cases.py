@@ -55,7 +55,8 @@ class Case:
     ``seq_lens[b]`` rows are visible to the last new token of request ``b``; its context is
     ``seq_lens[b] - query_lens[b]``. ``topk`` is the width of the top-k index lists (sparse cases only).
     ``device`` is the (simulated) device on which the declaration accepts the case; ``rejected`` holds the
-    backend's reasons when no declared combination was accepted.
+    backend's reasons when no declared combination was accepted; ``draw`` is the seed of a random (property)
+    case (``--seeds 1 --seed <draw>`` runs it again).
     """
 
     name: str
@@ -73,6 +74,7 @@ class Case:
     decode_threshold: int = 1
     device: DeviceInfo = CPU_DEVICE
     rejected: tuple[str, ...] = field(default=(), compare=False)
+    draw: int | None = None
 
     @property
     def id(self) -> str:
@@ -116,7 +118,10 @@ class Case:
 
     def describe(self) -> str:
         ctx = ", ".join(f"{c}+{q}" for c, q in zip(self.context_lens, self.query_lens, strict=True))
-        return f"case {self.id} (requests context+query: {ctx})"
+        again = ""
+        if self.draw is not None:
+            again = f"; drawn from seed {self.draw}: rerun with --seeds 1 --seed {self.draw}"
+        return f"case {self.id} (requests context+query: {ctx}{again})"
 
 
 @dataclass(frozen=True)

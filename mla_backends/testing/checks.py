@@ -9,29 +9,33 @@ Inputs and expected values come from :mod:`.inputs` (:func:`prepare`, :func:`exp
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 
 import torch
 
-from ..backends.contract import MLABackend, Tolerance
+from ..backends.contract import MLABackend
 from ..backends.reasons import Reason, ReasonKind, as_reason
 from ..core.device import device_info_for
 from ..core.dtypes import lse_dtype
 from ..step.metadata import BatchMetadata
 from .cases import Case, UnsupportedProbe, declared_reasons
-from .hints import lse_base_hint, scale_hint
-from .inputs import GUARD_ROWS, SENTINEL, Prepared, expected, prepare
-from .tolerances import lse_tolerance, tolerance_for
+from .hints import OUT_OF_BOUNDS_HINT, fp8_scale_hint, lse_hints, output_scale_hint, scale_hint
+from .inputs import GUARD_ROWS, SENTINEL, Prepared, expected, honest, prepare
+from .judge import Standard
+from .tolerances import lse_tolerance, precision_for, tolerance_for
 
 __all__ = [
     "Prepared",
     "prepare",
     "expected",
     "tolerance_for",
+    "standard_for",
+    "unowned_hint",
     "run_reasons",
+    "judged_class",
     "make_backend",
     "check_output",
+    "measure_output",
     "check_out_rows_untouched",
     "check_inputs_not_written",
     "check_deterministic",
@@ -39,7 +43,7 @@ __all__ = [
     "check_unsupported_rejected",
     "check_rejects_bad_inputs",
     "check_no_host_sync",
-    "assert_close",
+    "assert_judged",
     "ComparisonFailure",
 ]
 
@@ -57,6 +61,16 @@ def pick_device(cls: type[MLABackend], preference: str = "auto") -> torch.device
     if preference == "cuda":
         return torch.device("cuda")  # not available: run_reasons reports it
     return torch.device("cpu")
+
+
+def judged_class(cls: type[MLABackend], device: torch.device) -> type[MLABackend]:
+    """``cls`` as the suite judges it on ``device``: on a CPU, its ``interpreted()`` variant when the class
+    defines one (a Triton kernel runs under Triton's interpreter there, whose bf16 arithmetic is not the
+    GPU's: TRITON_MLA and vLLM's Triton peer withhold bf16 in it); else ``cls`` itself."""
+    variant = getattr(cls, "interpreted", None)
+    if device.type != "cuda" and callable(variant):
+        return variant()
+    return cls
 
 
 def run_reasons(cls: type[MLABackend], case: Case, device: torch.device) -> list[Reason]:
@@ -86,60 +100,100 @@ def make_backend(cls: type[MLABackend], device: torch.device) -> MLABackend:
 # ---- comparisons -----------------------------------------------------------------------------------------
 class ComparisonFailure(AssertionError):
     """A comparison against the reference that failed, with its worst element as data (the message says
-    the same): ``what`` was compared, ``index`` of the worst element, ``got`` / ``expected`` there,
-    ``max_error`` over all elements, ``bad`` / ``total`` element counts, ``hint`` (the diagnosis, ``""``
-    when no known mistake explains the result) and ``where`` (the case)."""
+    the same): ``what`` was compared, ``index`` of the worst element, ``got`` / ``expected`` / ``allowed`` there,
+    ``max_error`` over all elements, ``bad`` / ``total`` elements outside the element criterion, ``criterion``
+    that failed worst (``element``, ``row``, ``bias``, ``offset`` or a declared ``band``; :mod:`.judge`),
+    ``tol_key`` (what the case is judged by), ``hint`` (the diagnosis, ``""`` when no known mistake explains the
+    result) and ``where`` (the case)."""
 
     def __init__(self, message: str, *, what: str, index: list[int], got: float, expected: float,
-                 max_error: float, bad: int, total: int, tolerance: Tolerance, tol_key: str, hint: str,
+                 max_error: float, bad: int, total: int, allowed: float, criterion: str, tol_key: str, hint: str,
                  where: str) -> None:
         super().__init__(message)
         self.what, self.index, self.got, self.expected = what, index, got, expected
         self.max_error, self.bad, self.total, self.hint, self.where = max_error, bad, total, hint, where
-        self.tolerance, self.tol_key = tolerance, tol_key
+        self.allowed, self.criterion, self.tol_key = allowed, criterion, tol_key
 
 
-def assert_close(
+def standard_for(cls: type[MLABackend], p: Prepared) -> Standard:
+    """The case's :class:`~mla_backends.testing.judge.Standard` for ``cls``: the float64 reference, the honest
+    rounding under the backend's declared (or the default) :class:`Precision`, or its declared band."""
+    case = p.case
+    ref_out, ref_lse = expected(p)
+    key, band = tolerance_for(cls, case.dtype, case.kv_cache_dtype)
+    pkey, precision = precision_for(cls, case.dtype, case.kv_cache_dtype)
+    honest_out, honest_lse = honest(p, precision)
+    if band is None and pkey != "default":
+        key = f"{key}, declared precision {pkey}"
+    return Standard(ref_out, ref_lse, honest_out, honest_lse, precision, band=band,
+                    lse_band=lse_tolerance(band, case.dtype) if band is not None else None, key=key,
+                    out_dtype=case.dtype)
+
+
+def assert_judged(
     what: str,
     got: torch.Tensor,
-    ref: torch.Tensor,
-    tol: Tolerance,
-    tol_key: str,
+    standard: Standard,
     where: str,
     meta: BatchMetadata | None = None,
+    *,
+    lse: bool = False,
     hint: Callable[[torch.Tensor], str] | None = None,
 ) -> None:
-    """``|got - ref| <= atol + rtol * |ref|`` elementwise (and finite), else a :class:`ComparisonFailure`
-    (an ``AssertionError``) that names the worst element. On failure ``hint(got as float64)`` may add a
-    diagnosis (:mod:`.hints`); LSE comparisons check for a base-2 LSE by default."""
+    """``got`` passes ``standard``'s criteria (the output's, or the LSE's with ``lse``), else a
+    :class:`ComparisonFailure` (an ``AssertionError``) naming the criterion and the worst element; on failure
+    ``hint(got as float64)`` may add a diagnosis (:mod:`.hints`; the LSE's by default)."""
     g = got.detach().cpu().to(torch.float64)
+    ref = standard.ref_lse if lse else standard.ref_out
     if g.shape != ref.shape:
         raise AssertionError(f"{what}: got shape {list(g.shape)}; expected {list(ref.shape)} [{where}]")
-    err = (g - ref).abs()
-    allowed = tol.atol + tol.rtol * ref.abs()
-    bad = ~(err <= allowed)  # NaN counts as bad
-    if not bool(bad.any()):
+    verdict = standard.judge_lse(g) if lse else standard.judge(g)
+    if verdict.ok:
         return
-    score = torch.where(torch.isnan(err), torch.full_like(err, math.inf), err - allowed)
-    idx = tuple(int(i) for i in torch.unravel_index(torch.argmax(score), score.shape))
-    token = idx[0]
+    idx = verdict.index
+    token = idx[0] if idx else 0
     req = ""
-    if meta is not None:
+    if meta is not None and idx:
         caller_req = int(meta.order[int(meta.token_request[token])])
         req = f" (caller request {caller_req}, position {int(meta.token_positions[token])})"
-    if hint is None and what.startswith("LSE"):
-        hint = functools.partial(lse_base_hint, ref=ref, tol=tol)
+    if hint is None and lse:
+        hint = functools.partial(lse_hints, standard=standard)
     note = hint(g) if hint is not None else ""
-    max_error = float(err.nan_to_num(math.inf).max())
     raise ComparisonFailure(
-        f"{what}: {int(bad.sum())} of {bad.numel()} elements outside |x - ref| <= {tol.atol:g} + "
-        f"{tol.rtol:g} * |ref| (tolerance {tol_key}); worst at index {list(idx)}, token {token}{req}: "
-        f"got {g[idx].item():.6g}, expected {ref[idx].item():.6g}, "
-        f"max error {max_error:.3g}{note} [{where}]",
-        what=what, index=list(idx), got=g[idx].item(), expected=ref[idx].item(), max_error=max_error,
-        bad=int(bad.sum()), total=bad.numel(), tolerance=tol, tol_key=tol_key,
-        hint=note.removeprefix(" -- "), where=where,
+        f"{what}: fails the {verdict.criterion} criterion ({verdict.text}; judged by {standard.key}); "
+        f"{verdict.bad} of {verdict.total} elements outside the element criterion; worst element at index "
+        f"{idx}, token {token}{req}: got {verdict.got:.6g}, expected {verdict.expected:.6g}, allowed error "
+        f"{verdict.allowed:.3g}, max error {verdict.max_error:.3g}{note} [{where}]",
+        what=what, index=idx, got=verdict.got, expected=verdict.expected, max_error=verdict.max_error,
+        bad=verdict.bad, total=verdict.total, allowed=verdict.allowed, criterion=verdict.criterion,
+        tol_key=standard.key, hint=note.removeprefix(" -- "), where=where,
     )
+
+
+def unowned_hint(cls: type[MLABackend], p: Prepared, out: torch.Tensor, standard: Standard) -> str:
+    """The out-of-bounds diagnosis of a failed output ``out`` (float64): the same call with every slot no
+    request owns zeroed instead of poisoned (:func:`.inputs.prepare`); when its output differs beyond the case's
+    criteria (or in finiteness), the kernel reads slots no request owns. ``""`` otherwise."""
+    clean = prepare(p.case, p.q_latent.device, poison=False)
+    other, _ = clean.call(make_backend(cls, p.q_latent.device))
+    other = other.detach().cpu().to(torch.float64)
+    if not torch.isfinite(other).all() and not torch.isfinite(out).all():
+        return ""  # non-finite either way: not the poison
+    if standard.judge(out, other).ok:
+        return ""
+    return f" -- {OUT_OF_BOUNDS_HINT}"
+
+
+def _output_hint(cls: type[MLABackend], p: Prepared, standard: Standard, got: torch.Tensor,
+                 lse: torch.Tensor | None) -> str:
+    """The diagnosis of a failed output (``lse``: the backend's LSE, float64, when it returns one): out-of-bounds
+    reads, else a softmax-scale mistake, an output scaled by a constant, an fp8 cache read without its scale
+    (the first that explains it; ``""`` when none does)."""
+    oob = unowned_hint(cls, p, got, standard)
+    if oob or not bool(torch.isfinite(got).all()):
+        return oob
+    return (scale_hint(p, got, standard, lse) or output_scale_hint(got, standard)
+            or fp8_scale_hint(p, got, standard))
 
 
 def _check_result(cls: type[MLABackend], p: Prepared, out: torch.Tensor, lse: torch.Tensor | None) -> None:
@@ -157,28 +211,51 @@ def _check_result(cls: type[MLABackend], p: Prepared, out: torch.Tensor, lse: to
         raise AssertionError(
             f"out: got device {out.device}; expected the query's {p.q_latent.device} [{where}]"
         )
-    ref_out, ref_lse = expected(p)
-    key, tol = tolerance_for(cls, case.dtype, case.kv_cache_dtype)
-    assert_close("output (latent space)", out, ref_out, tol, key, where, p.meta,
-                 hint=lambda got: scale_hint(p, got, tol, ref=ref_out))
-    if not cls.capabilities.returns_lse:
-        return
-    if lse is None:
-        raise AssertionError(f"LSE: got None, but capabilities.returns_lse is True [{where}]")
-    if tuple(lse.shape) != (T, case.num_heads) or lse.dtype != lse_dtype(case.dtype):
-        raise AssertionError(
-            f"LSE: got shape {list(lse.shape)} dtype {lse.dtype}; expected "
-            f"[{T}, {case.num_heads}] {lse_dtype(case.dtype)} [{where}]"
-        )
-    assert_close("LSE (natural log)", lse, ref_lse, lse_tolerance(tol, case.dtype), key, where, p.meta)
+    lse64 = None
+    if cls.capabilities.returns_lse:
+        if lse is None:
+            raise AssertionError(f"LSE: got None, but capabilities.returns_lse is True [{where}]")
+        if tuple(lse.shape) != (T, case.num_heads) or lse.dtype != lse_dtype(case.dtype):
+            raise AssertionError(
+                f"LSE: got shape {list(lse.shape)} dtype {lse.dtype}; expected "
+                f"[{T}, {case.num_heads}] {lse_dtype(case.dtype)} [{where}]"
+            )
+        lse64 = lse.detach().cpu().to(torch.float64)
+    standard = standard_for(cls, p)
+    assert_judged("output (latent space)", out, standard, where, p.meta,
+                  hint=lambda got: _output_hint(cls, p, standard, got, lse64))
+    if lse64 is not None:
+        out64 = out.detach().cpu().to(torch.float64)
+        assert_judged("LSE (natural log)", lse64, standard, where, p.meta, lse=True,
+                      hint=lambda got: lse_hints(got, standard) or scale_hint(p, out64, standard, got))
 
 
 # ---- the checks ------------------------------------------------------------------------------------------
 def check_output(cls: type[MLABackend], case: Case, device: torch.device) -> None:
-    """Output and LSE match the float64 expanded reference within the declared tolerance."""
+    """Output and LSE pass the case's criteria against the float64 expanded reference (:mod:`.judge`: multiples
+    of the case's honest rounding, or a declared band)."""
     p = prepare(case, device)
     out, lse = p.call(make_backend(cls, device))
     _check_result(cls, p, out, lse)
+
+
+def measure_output(cls: type[MLABackend], case: Case, device: torch.device) -> dict[str, float]:
+    """Each criterion's measure over its allowance for ``cls`` on ``case`` (at most 1.0 passes; no hints, no
+    exception): ``element``, ``row``, ``bias`` of the output, ``lse`` and ``lse offset`` of the LSE (backends
+    with one), or ``band`` / ``lse band`` under a declared band. The honest table (:mod:`.calibration`) reports
+    their worst over many cases."""
+    p = prepare(case, device)
+    out, lse = p.call(make_backend(cls, device))
+    standard = standard_for(cls, p)
+    verdict = standard.judge(out.detach().cpu().to(torch.float64))
+    measures = dict(verdict.measures) or {"band": verdict.badness}
+    if lse is not None and cls.capabilities.returns_lse:
+        lv = standard.judge_lse(lse.detach().cpu().to(torch.float64))
+        if lv.measures:
+            measures.update({"lse": lv.measures["element"], "lse offset": lv.measures["offset"]})
+        else:
+            measures["lse band"] = lv.badness
+    return measures
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -249,8 +326,8 @@ def check_inputs_not_written(cls: type[MLABackend], case: Case, device: torch.de
 
 
 def check_deterministic(cls: type[MLABackend], case: Case, device: torch.device) -> None:
-    """The same inputs twice give bitwise-equal output and LSE (within tolerance if declared
-    non-deterministic)."""
+    """The same inputs twice give bitwise-equal output and LSE (within the case's criteria of the first run if
+    declared non-deterministic)."""
     p = prepare(case, device)
     backend = make_backend(cls, device)
     out1, lse1 = p.call(backend)
@@ -269,9 +346,9 @@ def check_deterministic(cls: type[MLABackend], case: Case, device: torch.device)
                     "on the same inputs; declare capabilities.deterministic=False if that is intended "
                     f"[{where}]"
                 )
-        else:
-            key, tol = tolerance_for(cls, case.dtype, case.kv_cache_dtype)
-            assert_close(f"{name} (second run vs first)", b, a.cpu().to(torch.float64), tol, key, where)
+        else:  # within the case's criteria of the first run
+            standard = standard_for(cls, p).rebased(a.cpu().to(torch.float64), lse=name == "LSE")
+            assert_judged(f"{name} (second run vs first)", b, standard, where, lse=name == "LSE")
 
 
 def check_declared_accepted(cls: type[MLABackend], axis: str, value: str, case: Case) -> None:

@@ -32,11 +32,19 @@ from .cases import (
     declared_reasons,
 )
 
-__all__ = ["build_matrix", "PROPERTY_SEED", "PROPERTY_CASES", "PROPERTY_ROW_BUDGET"]
+__all__ = ["build_matrix", "property_seeds", "PROPERTY_SEED", "PROPERTY_CASES", "PROPERTY_ROW_BUDGET",
+           "PROPERTY_TOKEN_BUDGET", "PROPERTY_ATTEMPTS"]
 
-#: the quick matrix's property run: this many cases of random shapes, drawn with this fixed seed
+#: the quick matrix's property run: this many cases of random shapes, drawn from the seeds from this one on
+#: (``--seeds N --seed S`` draws N cases from S on, in either matrix)
 PROPERTY_SEED = 20261202
 PROPERTY_CASES = 4
+#: ... and to this many (query token, head) pairs: a Triton kernel's interpreted cost grows with its programs
+PROPERTY_TOKEN_BUDGET = 16 * 16
+#: draws tried per seed before the seed is given up (the backend's own rules may reject a draw)
+PROPERTY_ATTEMPTS = 8
+#: fp8 per-tensor scales a random fp8 case draws from (never 1)
+PROPERTY_FP8_SCALES = (0.37, 0.8125, 1.7, 3.1)
 #: ... each bounded to this many (cached row, head) pairs (sum of sequence lengths times heads), so the run
 #: stays a few seconds under Triton's interpreter
 PROPERTY_ROW_BUDGET = 16 * 700
@@ -110,6 +118,13 @@ def _sweep(page: int, quick: bool) -> list[int]:
     return list(dict.fromkeys(n for n in (1, page - 1, page, page + 1, _long(page, quick)) if n >= 1))
 
 
+def _with_equal_pair(lengths: list[int]) -> list[int]:
+    """``lengths`` with its longest-but-one repeated beside it: two requests of equal length in one batch, which
+    a kernel batching equal lengths together must still answer each with its own context."""
+    j = len(lengths) - 2 if len(lengths) > 1 else 0
+    return lengths[: j + 1] + [lengths[j]] + lengths[j + 1:]
+
+
 def _small(page: int) -> list[int]:
     return [1, page + 1, 2 * page + 5]
 
@@ -127,8 +142,8 @@ def _decode(lengths: Callable[[int], Sequence[int]]) -> LengthsFn:
 
 # ---- the generator -----------------------------------------------------------------------------------------
 class _Builder:
-    def __init__(self, cls: type[MLABackend], quick: bool) -> None:
-        self.cls, self.quick = cls, quick
+    def __init__(self, cls: type[MLABackend], quick: bool, seeds: Sequence[int] = ()) -> None:
+        self.cls, self.quick, self.seeds = cls, quick, tuple(seeds)
         caps = cls.capabilities
         self.dtypes = _dtypes(cls)
         self.kvs = _kv_dtypes(cls)
@@ -227,11 +242,11 @@ class _Builder:
         # case per length
         for i, pg in enumerate(self.pages):
             if quick and i > 0:
-                cases.append(
-                    self.make("ragged", _decode(lambda p: _small(p) + [_long(p, True)]), page=pg, topk=topk)
-                )
+                cases.append(self.make("ragged", _decode(lambda p: _with_equal_pair(_small(p) + [_long(p, True)])),
+                                       page=pg, topk=topk))
                 continue
-            cases.append(self.make("ctx-sweep", _decode(lambda p: _sweep(p, quick)), page=pg, topk=topk))
+            cases.append(self.make("ctx-sweep", _decode(lambda p: _with_equal_pair(_sweep(p, quick))), page=pg,
+                                   topk=topk))
             if not quick and i == 0:
                 for n in _sweep(pg, quick):
                     cases.append(self.make(f"ctx{n}", _decode(lambda p, n=n: [n, n]), page=pg, topk=topk))
@@ -303,21 +318,26 @@ class _Builder:
                     sparse_kv = self.make("sparse-kv", _decode(_small), kv=kvn, topk=k0)
                     if not sparse_kv.rejected:
                         cases.append(sparse_kv)
-        if quick:
-            cases += self.property_cases()
+        cases += self.property_cases(self.seeds)
         return list({c.id: c for c in cases}.values())
 
-    def property_cases(self) -> list[Case]:
-        """Random shapes the backend's author did not pick: per case a declared page size, head count, query
-        dtype and dims pair,
-        1-5 requests whose lengths straddle page boundaries or fall anywhere up to 8 pages, query lengths
-        as declared, sparse top-k lists when declared; the block table is scattered as in every case.
-        Drawn from :data:`PROPERTY_SEED`, so the cases are the same on every run; sized within
-        :data:`PROPERTY_ROW_BUDGET`."""
+    def property_cases(self, seeds: Sequence[int]) -> list[Case]:
+        """One random case per seed (:meth:`property_case`); seeds whose every draw the backend rejects are left
+        out."""
+        cases = [self.property_case(seed) for seed in seeds]
+        return [c for c in cases if c is not None]
+
+    def property_case(self, seed: int) -> Case | None:
+        """The random case ``seed`` draws inside the declarations: a declared page size, head count, query dtype,
+        cache dtype (fp8 with a random scale) and dims pair; 1-5 requests whose lengths straddle page boundaries
+        or fall anywhere up to 8 pages, two of them often of equal length side by side; query lengths as declared;
+        sparse top-k lists when declared; the block table scattered as in every case. It depends on the seed and
+        the declarations only (not on the backend's name), is sized within :data:`PROPERTY_ROW_BUDGET`, and is
+        named ``prop-s<seed>`` (reproduce it with ``--seeds 1 --seed <seed>``). None when
+        :data:`PROPERTY_ATTEMPTS` draws were all rejected by the backend's own rules."""
         caps = self.cls.capabilities
-        rng = random.Random(f"{PROPERTY_SEED}:{self.cls.name}")
-        cases = []
-        for i in range(PROPERTY_CASES):
+        rng = random.Random(seed)
+        for _ in range(PROPERTY_ATTEMPTS):
             if caps.page_sizes is not None:
                 page = rng.choice(sorted(caps.page_sizes))
             elif caps.page_size_multiple is not None:
@@ -326,6 +346,8 @@ class _Builder:
                 page = rng.choice((1, 3, 8, 16, 24, 40, 64))
             heads = rng.choice(self.heads or [16])
             dtype = rng.choice(self.dtypes)
+            kv = rng.choice(self.kvs)
+            fp8_scale = rng.choice(PROPERTY_FP8_SCALES) if kv.startswith("fp8") else None
             dims = rng.choice(self.dims)
             batch = rng.randint(1, 5)
             if caps.query_len >= QueryLenSupport.VARLEN:
@@ -334,6 +356,11 @@ class _Builder:
                 qlens = [rng.choice((1, 2, 3))] * batch
             else:
                 qlens = [1] * batch
+            while sum(qlens) * heads > PROPERTY_TOKEN_BUDGET and max(qlens) > 1:
+                qlens = [max(1, q // 2) for q in qlens]
+            while sum(qlens) * heads > PROPERTY_TOKEN_BUDGET and len(qlens) > 1:
+                qlens.pop()
+            batch = len(qlens)
             seqs = []
             for q in qlens:
                 n = rng.choice((page - 1, page, page + 1, rng.randint(1, 8 * page + 7), rng.randint(1, 300)))
@@ -341,11 +368,17 @@ class _Builder:
             while sum(seqs) * heads > PROPERTY_ROW_BUDGET:
                 j = seqs.index(max(seqs))
                 seqs[j] = max(qlens[j], seqs[j] // 2)
+            if batch > 1 and rng.random() < 0.5:  # an equal pair side by side (a batching bug's trigger): the
+                j = rng.randrange(batch - 1)  # shorter request copied over its neighbour, within the budgets
+                k, other = (j, j + 1) if seqs[j] <= seqs[j + 1] else (j + 1, j)
+                seqs[other], qlens[other] = seqs[k], qlens[k]
             sparse = not caps.dense or (caps.sparse and rng.random() < 0.35)
             topk = rng.choice((8, 16, 32)) if sparse else None
-            cases.append(self.make(f"prop{i}", lambda p, s=tuple(seqs), q=tuple(qlens): (s, q),
-                                   page=page, heads=heads, dtype=dtype, dims=dims, topk=topk))
-        return [c for c in cases if not c.rejected]
+            case = self.make(f"prop-s{seed}", lambda p, s=tuple(seqs), q=tuple(qlens): (s, q), page=page,
+                             heads=heads, dtype=dtype, kv=kv, dims=dims, topk=topk, fp8_scale=fp8_scale)
+            if not case.rejected:
+                return replace(case, draw=seed)
+        return None
 
     def guard_cases(self) -> list[Case]:
         caps = self.cls.capabilities
@@ -470,10 +503,24 @@ class _Builder:
         return list({p.label: p for p in probes}.values())
 
 
+def property_seeds(quick: bool, seeds: int | None = None, seed: int | None = None) -> tuple[int, ...]:
+    """The property run's seeds: ``seeds`` of them from ``seed`` on (default :data:`PROPERTY_SEED`); unset,
+    :data:`PROPERTY_CASES` in the quick matrix and none in the full one."""
+    count = seeds if seeds is not None else (PROPERTY_CASES if quick else 0)
+    first = PROPERTY_SEED if seed is None else seed
+    return tuple(range(first, first + count))
+
+
 @functools.lru_cache(maxsize=64)
-def build_matrix(cls: type[MLABackend], quick: bool = False) -> Matrix:
-    """All cases and probes for ``cls`` (cached per backend class and matrix size)."""
-    b = _Builder(cls, quick)
+def build_matrix(cls: type[MLABackend], quick: bool = False, seeds: int | None = None,
+                 seed: int | None = None) -> Matrix:
+    """All cases and probes for ``cls`` (cached per backend class and arguments). ``seeds`` / ``seed``: the
+    property run (:func:`property_seeds`): one random case per seed, drawn inside the declarations."""
+    if seeds is not None and (isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 0):
+        raise ValueError(f"seeds: got {seeds!r}; supported an int >= 0 or None")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed: got {seed!r}; supported an int >= 0 or None")
+    b = _Builder(cls, quick, property_seeds(quick, seeds, seed))
     output = b.output_cases()
     base = next((c for c in output if not c.rejected), output[0])
     return Matrix(

@@ -8,17 +8,32 @@ Enable it with ``pytest -p mla_backends.testing.plugin``, or with
   ``backend`` unset (a registered name or ``package.module:Class``);
 - ``--conformance-quick``: the reduced matrix (about 15-25 small kernel calls);
 - ``--conformance-device {auto,cpu,cuda}``: where to run (``auto``: CUDA when present and declared, else CPU);
+- ``--conformance-seeds N`` / ``--conformance-seed S``: the property run, ``N`` random cases drawn inside the
+  declarations from seed ``S`` on (default: 4 in the quick matrix, none in the full one; a fixed first seed);
 - a report-header line naming the backend and the matrix;
 - with ``--conformance-backend``, a run in which no output test ran (every output case skipped, say
   ``--conformance-device cuda`` without CUDA, or deselected) fails with the reason: skipping everything is
-  not passing. A collection-only run (``--collect-only``) is exempt.
+  not passing. A collection-only run (``--collect-only``) is exempt. A failed random case is summarised as the
+  one command line that runs it alone (``mla-backends conformance NAME --seeds 1 --seed S``).
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-__all__ = ["pytest_addoption", "pytest_configure", "pytest_report_header", "OUTPUT_TEST", "ConformanceRun"]
+__all__ = ["pytest_addoption", "pytest_configure", "pytest_report_header", "OUTPUT_TEST", "ConformanceRun",
+           "reproduction"]
+
+#: a random case's id names its seed
+_DRAWN = re.compile(r"\[prop-s(\d+)-")
+
+
+def reproduction(name: str, seed: int, quick: bool, device: str) -> str:
+    """The one command line that runs random case ``seed`` of backend ``name`` alone."""
+    return (f"mla-backends conformance {name} --seeds 1 --seed {seed}" + (" --quick" if quick else "")
+            + (f" --device {device}" if device != "auto" else ""))
 
 #: the test whose running (pass or fail) makes a conformance run count
 OUTPUT_TEST = "test_output_matches_reference"
@@ -37,6 +52,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=False,
         help="reduced case matrix (for interpreted Triton and quick checks)",
+    )
+    group.addoption(
+        "--conformance-seeds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="random cases drawn inside the backend's declarations (default: 4 with --conformance-quick, else 0)",
+    )
+    group.addoption(
+        "--conformance-seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="the first seed of the random cases (default: a fixed one, the same on every run)",
     )
     group.addoption(
         "--conformance-device",
@@ -71,8 +100,12 @@ class ConformanceRun:
         self.skipped = 0
         self.first_skip: str | None = None
         self.failure: str | None = None
+        self.failed_seeds: list[int] = []
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        drawn = _DRAWN.search(report.nodeid)
+        if drawn and report.failed and int(drawn.group(1)) not in self.failed_seeds:
+            self.failed_seeds.append(int(drawn.group(1)))
         if OUTPUT_TEST not in report.nodeid:
             return
         if report.skipped and report.when in ("setup", "call"):
@@ -96,3 +129,8 @@ class ConformanceRun:
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if self.failure:
             terminalreporter.write_line(f"mla-backends conformance: FAILED: {self.failure}", red=True)
+        name = self.config.getoption("conformance_backend", None)
+        quick = bool(self.config.getoption("conformance_quick", False))
+        device = self.config.getoption("conformance_device", "auto") or "auto"
+        for seed in self.failed_seeds:
+            terminalreporter.write_line(f"reproduce: {reproduction(name, seed, quick, device)}", red=True)

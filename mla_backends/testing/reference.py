@@ -86,14 +86,17 @@ class ExpandedAttention:
         self.raw_scores = torch.einsum("ngd,sd->ngs", query, keys)  # before the softmax scale
         self.visible = visible
 
-    def __call__(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def softmax(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(probs [n, g, S], lse [n, g])``: the attention weights and the natural-log LSE at ``scale``."""
         scores = self.raw_scores * scale
         scores = scores.masked_fill(~self.visible[:, None, :], float("-inf"))
         m = scores.max(dim=-1, keepdim=True).values
         weights = torch.exp(scores - m)
         total = weights.sum(dim=-1, keepdim=True)
-        probs = weights / total
-        lse = (m + torch.log(total)).squeeze(-1)
+        return weights / total, (m + torch.log(total)).squeeze(-1)
+
+    def __call__(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        probs, lse = self.softmax(scale)
         return torch.einsum("ngs,sr->ngr", probs, self.values), lse
 
 
@@ -127,10 +130,13 @@ class ReferenceMQA:
         kv_c, k_pe = rows[:, :r], rows[:, r:]
         q_nope = ql @ self.proj.w_uk  # inverse of the absorption q_latent = q_nope @ w_uk.T (w_uk is orthogonal)
         self.attention = ExpandedAttention(q_nope, qr, kv_c, k_pe, visible, self.proj.w_uk, self.proj.w_uv)
+        # the latent output is o_expanded @ w_uv.T = probs @ (values @ w_uv.T): the per-position factor is
+        # scale-independent, so it is mapped back once here and each scale costs one [S]-long product
+        self.latent_values = self.attention.values @ self.proj.w_uv.T  # [S, r]
 
     def __call__(self, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        o_expanded, lse = self.attention(scale)
-        return o_expanded @ self.proj.w_uv.T, lse  # latent output: o_expanded = o_latent @ w_uv
+        probs, lse = self.attention.softmax(scale)
+        return torch.einsum("ngs,sr->ngr", probs, self.latent_values), lse  # o_expanded = o_latent @ w_uv
 
 
 def reference_mqa(

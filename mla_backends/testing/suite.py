@@ -6,6 +6,8 @@
         backend = "MY_BACKEND"        # a registered name, "package.module:Class", or the class itself
         quick = False                 # optional: True for the reduced matrix (default: --conformance-quick)
         device = "auto"               # optional: "auto" | "cpu" | "cuda" (default: --conformance-device)
+        seeds = 50                    # optional: random cases drawn inside the declarations (--conformance-seeds)
+        seed = 0                      # optional: the first seed (--conformance-seed; default a fixed one)
 
 The class parametrises its own tests (a class-level ``pytest_generate_tests``), so it works without the
 plugin; the opt-in plugin (``-p mla_backends.testing.plugin``) only adds command-line options.
@@ -63,19 +65,30 @@ class BackendConformance:
     backend: ClassVar[str | type[MLABackend] | None] = None
     quick: ClassVar[bool | None] = None
     device: ClassVar[str | None] = None
+    seeds: ClassVar[int | None] = None
+    seed: ClassVar[int | None] = None
 
     # ---- configuration ---------------------------------------------------------------------------------
     @classmethod
     def _settings(cls, config: pytest.Config) -> tuple[type[MLABackend], bool, str]:
+        """The backend as judged where it runs (:func:`~mla_backends.testing.checks.judged_class`), the matrix
+        size and the device preference."""
         backend = cls.backend if cls.backend is not None else config.getoption("conformance_backend", None)
         quick = cls.quick if cls.quick is not None else bool(config.getoption("conformance_quick", False))
         device = cls.device or config.getoption("conformance_device", None) or "auto"
-        return resolve_backend(backend), quick, device
+        resolved = resolve_backend(backend)
+        return checks.judged_class(resolved, checks.pick_device(resolved, device)), quick, device
+
+    @classmethod
+    def _seeds(cls, config: pytest.Config) -> tuple[int | None, int | None]:
+        seeds = cls.seeds if cls.seeds is not None else config.getoption("conformance_seeds", None)
+        seed = cls.seed if cls.seed is not None else config.getoption("conformance_seed", None)
+        return seeds, seed
 
     @classmethod
     def conformance_matrix(cls, config: pytest.Config) -> Matrix:
         backend, quick, _ = cls._settings(config)
-        return build_matrix(backend, quick)
+        return build_matrix(backend, quick, *cls._seeds(config))
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         matrix = self.conformance_matrix(metafunc.config)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..backends.capabilities import AttentionSpec
+from ..backends.capabilities import AttentionSpec, Precision
 from ..backends.contract import MLABackend
 from ..backends.reasons import ReasonKind, without_kinds
 from ..backends.v4_inputs import CompressedKeys
@@ -44,7 +44,10 @@ from ..step.cache import LatentKVCache
 from ..step.metadata import BatchMetadata
 from ..step.plan import plan_step
 from ..step.records import RecordCache
-from .tolerances import lse_tolerance, tolerance_for
+from .checks import judged_class
+from .judge import Standard
+from .rounding import rounded_mqa
+from .tolerances import judged_dtype, lse_tolerance, precision_for, tolerance_for
 
 __all__ = ["V4Case", "V4CaseResult", "V4Inputs", "V4_CASES", "v4_case_inputs", "v4_reference", "run_v4_case",
            "run_v4_cases", "scattered_table"]
@@ -204,9 +207,21 @@ def v4_case_inputs(case: V4Case, device: torch.device | str = "cpu") -> V4Inputs
     return V4Inputs(meta, cache, ccache, ctable, picks, q.to(device), sinks, rows, crows)
 
 
-def v4_reference(case: V4Case, x: V4Inputs, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _token_keys(x: V4Inputs, case: V4Case, b: int, p: int, picks: torch.Tensor | None, t: int) -> torch.Tensor:
+    """``[S, W]`` float64: the rows token ``t`` (request ``b``, position ``p``) sees, its window rows then its
+    compressed entries (each once)."""
+    keys = [x.rows[b][j] for j in range(max(0, p - case.window + 1), p + 1)]
+    if picks is not None:
+        keys += [x.crows[b][e] for e in sorted({int(v) for v in picks[t] if v >= 0})]
+    return torch.stack(keys)
+
+
+def v4_reference(case: V4Case, x: V4Inputs, scale: float,
+                 precision: Precision | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 ``(out [T, H, W], lse [T, H])``, plainly: per token, its window rows and its entries (each once),
-    one softmax with the sink in the denominator."""
+    one softmax with the sink in the denominator. With ``precision``: the case's honest rounding instead
+    (:func:`~mla_backends.testing.rounding.rounded_mqa` per token, the sink then folded in as a kernel folds it:
+    the output scaled by ``exp(lse - lse_with_sink)``, rounded to the query dtype again)."""
     meta = x.meta
     T, H, W = x.q.shape
     out = torch.zeros(T, H, W, dtype=torch.float64)
@@ -214,32 +229,53 @@ def v4_reference(case: V4Case, x: V4Inputs, scale: float) -> tuple[torch.Tensor,
     q = x.q.double().cpu()
     order, req, pos = meta.order.tolist(), meta.token_request.tolist(), meta.token_positions.tolist()
     picks = x.picks.cpu() if x.picks is not None else None
+    sinks = x.sinks.double().cpu() if x.sinks is not None else None
+    operand = judged_dtype(case.dtype, "auto" if case.records else case.kv_cache_dtype)
     for t in range(T):
-        b, p = order[req[t]], pos[t]
-        keys = [x.rows[b][j] for j in range(max(0, p - case.window + 1), p + 1)]
-        if picks is not None:
-            keys += [x.crows[b][e] for e in sorted({int(v) for v in picks[t] if v >= 0})]
-        k = torch.stack(keys)
+        k = _token_keys(x, case, order[req[t]], pos[t], picks, t)
+        if precision is not None:
+            o, z = rounded_mqa(x.q[t: t + 1].cpu(), x.q[t: t + 1, :, :0].cpu(), k,
+                               torch.ones(1, k.shape[0], dtype=torch.bool), scale, operand=operand,
+                               precision=precision)
+            o, z = o[0], z[0]
+            if sinks is not None:
+                z_all = torch.logaddexp(z, sinks)
+                o = (o * torch.exp(z - z_all)[:, None]).to(case.dtype).to(torch.float64)
+                z = z_all.to(precision.lse).to(torch.float64)
+            out[t], lse[t] = o, z
+            continue
         for h in range(H):
             s = k @ q[t, h] * scale
-            if x.sinks is not None:
-                s = torch.cat([s, x.sinks[h:h + 1].double().cpu()])
+            if sinks is not None:
+                s = torch.cat([s, sinks[h:h + 1]])
             z = torch.logsumexp(s, 0)
             out[t, h] = torch.exp(s[: k.shape[0]] - z) @ k
             lse[t, h] = z
     return out, lse
 
 
-def _worst(got: torch.Tensor, want: torch.Tensor, tol: Any) -> tuple[float, bool]:
-    """The largest ``|got - want| - rtol |want|`` over ``atol`` (<= 1 passes; NaN fails)."""
-    diff = (got.double().cpu() - want).abs() - tol.rtol * want.abs()
-    worst = float(diff.max()) / tol.atol if diff.numel() else 0.0
-    return worst, bool(torch.isfinite(got).all()) and worst <= 1.0
+def v4_standard(cls: type[MLABackend], case: V4Case, x: V4Inputs, scale: float) -> Standard:
+    """The case's :class:`~mla_backends.testing.judge.Standard` for ``cls``, as the MLA cases judge
+    (:func:`~mla_backends.testing.checks.standard_for`): the float64 reference, the honest rounding under the
+    backend's declared precision, or its declared band. Record caches (``fp8_ds_mla``) are judged in the query
+    dtype (their values are exact in it)."""
+    kv = "auto" if case.records else case.kv_cache_dtype
+    kv = dtype_name(case.dtype) if kv == "auto" else kv
+    ref, ref_lse = v4_reference(case, x, scale)
+    key, band = tolerance_for(cls, case.dtype, kv)
+    pkey, precision = precision_for(cls, case.dtype, kv)
+    honest, honest_lse = v4_reference(case, x, scale, precision)
+    if band is None and pkey != "default":
+        key = f"{key}, declared precision {pkey}"
+    return Standard(ref, ref_lse, honest, honest_lse, precision, band=band,
+                    lse_band=lse_tolerance(band, case.dtype) if band is not None else None, key=key,
+                    out_dtype=case.dtype)
 
 
 def run_v4_case(cls: type[MLABackend], case: V4Case, device: torch.device | str = "cpu") -> V4CaseResult:
     """One case on a fresh instance of ``cls`` (module docstring)."""
     device = require_device("device", device)
+    cls = judged_class(cls, device)  # interpreted Triton on a CPU: bf16 withheld (its truncation is not the GPU's)
     reasons = without_kinds(cls.not_supported_reasons(case.spec(device)), ReasonKind.PACKAGE)
     if reasons:
         return V4CaseResult(case.name, "skipped", "; ".join(map(str, reasons)))
@@ -252,17 +288,14 @@ def run_v4_case(cls: type[MLABackend], case: V4Case, device: torch.device | str 
                                        window=case.window, compressed=comp, plan=plan_step(x.meta, [backend]))
     except Exception as exc:  # a backend that declares the case and then refuses or crashes fails it
         return V4CaseResult(case.name, "failed", f"{type(exc).__name__}: {exc}")
-    ref, ref_lse = v4_reference(case, x, scale)
-    judged = dtype_name(case.dtype) if case.records else case.kv_cache_dtype
-    key, tol = tolerance_for(cls, case.dtype, judged if judged != "auto" else dtype_name(case.dtype))
-    w_out, ok_out = _worst(out, ref, tol)
-    if lse is None:
-        w_lse, ok_lse = 0.0, True
-    else:
-        w_lse, ok_lse = _worst(lse, ref_lse, lse_tolerance(tol, case.dtype))
-    detail = (f"output {w_out:.3g} and LSE {w_lse:.3g} of the tolerance ({key}: atol {tol.atol:g}, rtol "
-              f"{tol.rtol:g}); {case.what}")
-    return V4CaseResult(case.name, "passed" if ok_out and ok_lse else "failed", detail)
+    standard = v4_standard(cls, case, x, scale)
+    v_out = standard.judge(out.double().cpu())
+    v_lse = standard.judge_lse(lse.double().cpu()) if lse is not None else None
+    ok = v_out.ok and (v_lse is None or v_lse.ok)
+    lse_text = f"; LSE {v_lse.badness:.3g} of its allowance" if v_lse is not None else ""
+    detail = (f"output {v_out.badness:.3g} of its allowance ({standard.key}; worst: {v_out.text}){lse_text}; "
+              f"{case.what}")
+    return V4CaseResult(case.name, "passed" if ok else "failed", detail)
 
 
 def run_v4_cases(backend: Any, *, device: torch.device | str = "cpu",

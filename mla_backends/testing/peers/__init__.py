@@ -2,7 +2,8 @@
 
 The suite has to fail wrong kernels and pass right ones; running it over the kernels vLLM and SGLang ship (as
 those engines call them) is its calibration. Each :class:`Peer` names a kernel, where its engine calls it and
-the adapter class (an :class:`~mla_backends.backends.contract.MLABackend` subclass in :mod:`.vllm_peers`); the adapters
+the adapter class (an :class:`~mla_backends.backends.contract.MLABackend` subclass in :mod:`.vllm_peers` or
+:mod:`.sglang_peers`); the adapters
 import their engine only when a kernel is first called, so importing this package imports neither vLLM nor
 SGLang. :func:`engine_peers` lists an engine's peers; :mod:`.runner` runs the suite over them (what
 ``mla-backends conformance --engine vllm|sglang`` prints).
@@ -57,11 +58,10 @@ class Peer:
         """The adapter class that runs on ``device`` (the Triton peer's interpreted variant on a CPU)."""
         if self.adapter is None:
             raise ValueError(f"{self.kernel}: no adapter ({self.unavailable})")
+        from ..checks import judged_class
+
         mod, _, name = self.adapter.partition(":")
-        cls = getattr(importlib.import_module(mod), name)
-        if device.type != "cuda" and hasattr(cls, "interpreted"):
-            cls = cls.interpreted()
-        return cls
+        return judged_class(getattr(importlib.import_module(mod), name), device)
 
     def not_runnable(self, device: torch.device) -> str | None:
         """Why this peer cannot run on ``device`` here (None when it can): no adapter, its engine or kernel
@@ -89,6 +89,7 @@ class Peer:
 
 
 _VLLM = "mla_backends.testing.peers.vllm_peers"
+_SGLANG = "mla_backends.testing.peers.sglang_peers"
 
 _PEERS: tuple[Peer, ...] = (
     Peer("vllm", "triton_decode_attention.decode_attention_fwd (Triton)",
@@ -97,11 +98,9 @@ _PEERS: tuple[Peer, ...] = (
     Peer("vllm", "_C.mla_decode_kvcache (C++, CPU)",
          "vllm/v1/attention/backends/mla/cpu_mla.py CPUMLAImpl.forward_mqa", "vllm._custom_ops",
          f"{_VLLM}:VllmCpuMLADecode"),
-    Peer("sglang", "triton_ops.decode_attention.decode_attention_fwd (Triton)",
+    Peer("sglang", "decode_attention.decode_attention_fwd (Triton)",
          "sglang/srt/layers/attention/triton_backend.py TritonAttnBackend.forward_decode",
-         "sglang.srt.layers.attention.triton_ops.decode_attention",
-         unavailable="SGLang is not installed on this machine (no .venv-sglang): its adapter waits until the "
-                     "kernel can be run and checked here"),
+         "sglang.kernels.ops.attention.decode_attention", f"{_SGLANG}:SglangTritonMLADecode"),
 )
 
 

@@ -9,6 +9,7 @@ other exception from a kernel is a failure too (``error: <type>: <message>``), n
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -87,10 +88,10 @@ class EngineReport:
                 "peers": [p.as_dict() for p in self.peers]}
 
 
-def _checks(cls: type[MLABackend], quick: bool,
-            dev: torch.device) -> Iterator[tuple[str, str, Case | None, Callable[[], None]]]:
+def _checks(cls: type[MLABackend], quick: bool, dev: torch.device, seeds: int | None = None,
+            seed: int | None = None) -> Iterator[tuple[str, str, Case | None, Callable[[], None]]]:
     """Every check the pytest suite runs on ``dev``, as ``(test, id, case to gate on, call)``."""
-    m = build_matrix(cls, quick)
+    m = build_matrix(cls, quick, seeds, seed)
     for c in m.output:
         yield "output_matches_reference", c.id, c, lambda c=c: checks.check_output(cls, c, dev)
     for c in m.guard:
@@ -115,10 +116,9 @@ def _checks(cls: type[MLABackend], quick: bool,
 
 def _failure(test: str, case: str, exc: BaseException) -> CheckResult:
     if isinstance(exc, checks.ComparisonFailure):
-        allowed = exc.tolerance.atol + exc.tolerance.rtol * abs(exc.expected)
         worst = (f"{exc.what.split(' (')[0]}{exc.index}: got {exc.got:.6g}, float64 reference {exc.expected:.6g} "
-                 f"(error {abs(exc.got - exc.expected):.3g}, allowed {allowed:.3g}, tolerance {exc.tol_key}; "
-                 f"{exc.bad} of {exc.total} elements outside)")
+                 f"(error {abs(exc.got - exc.expected):.3g}, allowed {exc.allowed:.3g}; {exc.criterion} criterion, "
+                 f"judged by {exc.tol_key}; {exc.bad} of {exc.total} elements outside the element criterion)")
         diagnosis = exc.hint or "no known mistake reproduces it (beyond rounding: a kernel defect)"
         return CheckResult(test, case, "failed", worst, diagnosis, str(exc))
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -128,7 +128,8 @@ def _failure(test: str, case: str, exc: BaseException) -> CheckResult:
 
 
 def run_peer(peer: Peer, *, quick: bool, device: torch.device, select: Select | None = None,
-             progress: Callable[[str], None] | None = None) -> PeerReport:
+             progress: Callable[[str], None] | None = None, seeds: int | None = None,
+             seed: int | None = None) -> PeerReport:
     """The suite over one peer on ``device`` (``select(test, id)`` picks checks; None: all); ``progress``
     gets a line when the peer starts and when it ends."""
     if not isinstance(peer, Peer):
@@ -144,7 +145,7 @@ def run_peer(peer: Peer, *, quick: bool, device: torch.device, select: Select | 
     start = time.perf_counter()
     if progress is not None:
         progress(f"{cls.name} ({peer.kernel}): running the {'quick' if quick else 'full'} matrix on {device}")
-    for test, ident, case, call in _checks(cls, quick, device):
+    for test, ident, case, call in _checks(cls, quick, device, seeds, seed):
         if select is not None and not select(test, ident):
             continue
         if case is not None:
@@ -176,10 +177,12 @@ def _check_options(quick: object, device: object) -> None:
 
 
 def run_engine(engine: str, *, quick: bool, device: torch.device, select: Select | None = None,
-               progress: Callable[[str], None] | None = None) -> EngineReport:
+               progress: Callable[[str], None] | None = None, seeds: int | None = None,
+               seed: int | None = None) -> EngineReport:
     """The suite over every peer of ``engine``; peers that cannot run here are listed with the reason."""
     _check_options(quick, device)
-    peers = [run_peer(p, quick=quick, device=device, select=select, progress=progress) for p in engine_peers(engine)]
+    peers = [run_peer(p, quick=quick, device=device, select=select, progress=progress, seeds=seeds, seed=seed)
+             for p in engine_peers(engine)]
     return EngineReport(engine, "quick" if quick else "full", str(device), peers)
 
 
@@ -207,6 +210,11 @@ def format_table(report: EngineReport) -> str:
             if f.worst:
                 out.append(f"    worst: {f.worst}")
             out.append(f"    diagnosis: {f.diagnosis}")
+            drawn = re.match(r"prop-s(\d+)-", f.case)
+            if drawn:
+                quick = " --quick" if report.matrix == "quick" else ""
+                out.append(f"    reproduce: mla-backends conformance --engine {report.engine} --seeds 1 "
+                           f"--seed {drawn.group(1)}{quick}")
     verdict = {0: "every runnable kernel passed", 1: "FAILED", 5: "not checked: no peer kernel could run here"}
     out.append(f"verdict: {verdict[report.status]}")
     return "\n".join(out)
