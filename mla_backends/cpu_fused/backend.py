@@ -35,20 +35,6 @@ __all__ = ["CpuFusedBackend", "DIM_MULTIPLE"]
 DIM_MULTIPLE = 16
 
 
-def not_built_reason() -> Reason | None:
-    """The ``PACKAGE`` reason CPU_FUSED cannot be selected here (not built, and whether it can be), or None
-    when it is built. File checks only."""
-    st = _build.build_status()
-    if st.built:
-        return None
-    if st.missing:
-        how = f"install {' and '.join(st.missing)}, then run `mla-backends build`"
-    else:
-        how = f"run `mla-backends build` (compiles with {st.compiler}, about a minute)"
-    return Reason(ReasonKind.PACKAGE, "compiled kernel", "not built for this machine",
-                  f"built ({_build.library_path().parent})", hint=how)
-
-
 class CpuFusedBackend(MLABackend):
     """The compiled CPU decode kernel: fp32/bf16/fp16 queries, fp32/bf16/fp16/fp8 caches, any page size,
     multi-token decode, LSE out; dense only."""
@@ -72,16 +58,29 @@ class CpuFusedBackend(MLABackend):
     )
 
     @classmethod
+    def build_reasons(cls) -> list[Reason]:
+        """The ``PACKAGE`` reason the kernel cannot run here (not built for this machine, and what a build
+        needs), or nothing when it is built. File checks only: never builds (the selector asks this)."""
+        st = _build.build_status()
+        if st.built:
+            return []
+        if st.missing:
+            how = f"install {' and '.join(st.missing)}, then run `mla-backends build`"
+        else:
+            how = f"run `mla-backends build` (compiles with {st.compiler}, under a minute)"
+        return [Reason(ReasonKind.PACKAGE, "compiled kernel", "not built for this machine",
+                       f"built ({st.path.parent})", hint=how)]
+
+    @classmethod
     def backend_reasons(cls, spec: AttentionSpec) -> list[Reason | str]:
-        """Dims the kernel's vectors cannot take, and a kernel not built for this machine."""
+        """Dims the kernel's vectors cannot take, and a kernel not built for this machine
+        (:meth:`build_reasons`)."""
         reasons: list[Reason | str] = []
         if spec.kv_lora_rank % DIM_MULTIPLE or spec.qk_rope_head_dim % DIM_MULTIPLE:
             reasons.append(Reason(ReasonKind.DIMS, "kv_lora_rank/qk_rope_head_dim",
                                   f"{spec.kv_lora_rank}/{spec.qk_rope_head_dim}", f"multiples of {DIM_MULTIPLE}"))
         if not spec.device.is_cuda:
-            built = not_built_reason()
-            if built is not None:
-                reasons.append(built)
+            reasons += cls.build_reasons()
         return reasons
 
     def prepare(self, meta: BatchMetadata) -> FusedStep | None:

@@ -77,19 +77,19 @@ def _groups(lanes: int, max_lanes: int) -> list[tuple[int, int]]:
     return out
 
 
-def plan_work(query_lens: Sequence[int], context_lens: Sequence[int], heads: int, threads: int, *,
-              max_lanes: int = MAX_LANES, splits_per_thread: int = SPLITS_PER_THREAD,
-              min_split_rows: int = MIN_SPLIT_ROWS) -> FusedStep:
+def plan_work(query_lens: Sequence[int], context_lens: Sequence[int], heads: int, threads: int) -> FusedStep:
     """The work list of one step: requests in processing order with ``query_lens[b]`` new tokens after
     ``context_lens[b]`` cached ones (host ints), ``heads`` heads, ``threads`` intra-op threads.
 
-    Each group's visible rows end at its last token's position; its cost is ``(rows + TASK_OVERHEAD_ROWS) x
-    lanes``. With more than one thread, a group costing more than the step's total over ``threads x
-    splits_per_thread`` is cut into that many equal row ranges (each at least ``min_split_rows`` rows).
+    Each group (at most ``MAX_LANES`` lanes) sees the rows up to its last token's position; its cost is
+    ``(rows + TASK_OVERHEAD_ROWS) x lanes``. A step costing less than ``PARALLEL_MIN_COST`` runs on one thread.
+    Otherwise a group costing more than the step's total over ``threads x SPLITS_PER_THREAD`` is cut into
+    that many equal row ranges (each at least ``MIN_SPLIT_ROWS`` rows). The module's constants are read on
+    every call.
     """
     require_int("heads", heads, minimum=1)
     require_int("threads", threads, minimum=1)
-    require_int("max_lanes", max_lanes, minimum=1)
+    max_lanes, splits_per_thread, min_split_rows = MAX_LANES, SPLITS_PER_THREAD, MIN_SPLIT_ROWS
     if len(query_lens) != len(context_lens):
         raise ValueError(f"context_lens: got {len(context_lens)} entries; supported one per request "
                          f"({len(query_lens)})")
