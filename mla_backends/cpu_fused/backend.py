@@ -60,14 +60,15 @@ class CpuFusedBackend(MLABackend):
     @classmethod
     def build_reasons(cls) -> list[Reason]:
         """The ``PACKAGE`` reason the kernel cannot run here (not built for this machine, and what a build
-        needs), or nothing when it is built. File checks only: never builds (the selector asks this)."""
-        st = _build.build_status()
-        if st.built:
+        needs), or nothing when it is built. File checks only (none once the library is loaded in this
+        process): never builds (the selector asks this)."""
+        if _build.is_built():
             return []
+        st = _build.build_status()
         if st.missing:
             how = f"install {' and '.join(st.missing)}, then run `mla-backends build`"
         else:
-            how = f"run `mla-backends build` (compiles with {st.compiler}, under a minute)"
+            how = f"run `mla-backends build` (compiles with {st.compiler}, about a minute)"
         return [Reason(ReasonKind.PACKAGE, "compiled kernel", "not built for this machine",
                        f"built ({st.path.parent})", hint=how)]
 

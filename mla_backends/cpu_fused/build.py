@@ -167,9 +167,20 @@ def build_status() -> BuildStatus:
     return BuildStatus(built=path.is_file(), path=path, compiler=cxx, missing=missing, build_seconds=seconds)
 
 
+#: cache folders (by the variables that choose them) where this process found its library: checked once
+_FOUND: set[tuple[str | None, ...]] = set()
+
+
 def is_built() -> bool:
-    """True when this process's library is in the cache (one file check)."""
-    return library_path().is_file()
+    """True when this process's library is in the cache: one file check, then remembered for that cache folder
+    (the selector asks this for every uncached selection, and a bare instance's call for every call)."""
+    where = (os.environ.get(CACHE_DIR_ENV), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
+    if where in _FOUND:
+        return True
+    if library_path().is_file():
+        _FOUND.add(where)
+        return True
+    return False
 
 
 def compile_command(cxx: str, output: Path) -> list[str]:

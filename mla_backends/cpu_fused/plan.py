@@ -123,9 +123,8 @@ def plan_work(query_lens: Sequence[int], context_lens: Sequence[int], heads: int
         slots += k
         slot_lanes = max(slot_lanes, lanes)
     items.sort(key=lambda it: -(it[4] - it[3] + TASK_OVERHEAD_ROWS) * it[2])
-
-    def table(rows: list, width: int) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.int64).reshape(-1, width)
-
-    return FusedStep(heads=heads, threads=threads, requests=table(requests, 4), items=table(items, 6),
-                     merges=table(merges, 5), num_slots=slots, slot_lanes=slot_lanes)
+    # one tensor, three contiguous views of it (one allocation: this runs once per step, on the host)
+    flat = torch.tensor([v for table in (requests, items, merges) for row in table for v in row], dtype=torch.int64)
+    a, b = 4 * len(requests), 4 * len(requests) + 6 * len(items)
+    return FusedStep(heads=heads, threads=threads, requests=flat[:a].view(-1, 4), items=flat[a:b].view(-1, 6),
+                     merges=flat[b:].view(-1, 5), num_slots=slots, slot_lanes=slot_lanes)

@@ -185,9 +185,6 @@ struct Fp8E5M2 {
   uint8_t bits;
 };
 
-static inline float scalar_to_float(float x) { return x; }
-static inline float scalar_to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-static inline float scalar_to_float(c10::Half x) { return static_cast<float>(x); }
 
 // fp8 bytes as exact fp32 values: the magnitude bits moved into fp32's exponent and mantissa fields and
 // rebiased by a power of two (exact, subnormals included), the sign put back, NaN (and e5m2's inf) restored;
@@ -269,9 +266,59 @@ inline void widen_row<Fp8E5M2>(const Fp8E5M2* src, float* dst, int64_t n, float 
   }
 }
 
-template <typename T>
-static inline void store_scalar(T* dst, float v) {
-  *dst = static_cast<T>(v);
+template <>
+inline void widen_row<float>(const float* src, float* dst, int64_t n, float) {
+  std::memcpy(dst, src, n * sizeof(float));
+}
+
+// n query values (element stride `stride`) -> fp32 times `scale` (vectorised for a unit stride; n a multiple
+// of VW)
+template <typename QT>
+static inline void load_scaled(const QT* src, int64_t stride, int64_t n, float scale, float* dst) {
+  if (stride == 1) {
+    widen_row<QT>(src, dst, n, 1.0f);
+    const vf sv = splat(scale);
+    for (int64_t d = 0; d < n; d += VW) storeu(dst + d, loadu(dst + d) * sv);
+  } else {
+    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d * stride]) * scale;
+  }
+}
+
+// dst[d * stride] = src[d] * mul for n values, rounded to the output type as torch rounds (to nearest even;
+// NaN stays NaN), vectorised for a unit stride
+template <typename QT>
+static inline void store_scaled(const float* src, float mul, QT* dst, int64_t stride, int64_t n) {
+  const vf mv = splat(mul);
+  if (stride == 1) {
+    if constexpr (std::is_same<QT, float>::value) {
+      for (int64_t d = 0; d < n; d += VW) storeu(dst + d, loadu(src + d) * mv);
+      return;
+    } else if constexpr (std::is_same<QT, c10::BFloat16>::value) {
+      uint16_t* o = reinterpret_cast<uint16_t*>(dst);
+      for (int64_t d = 0; d < n; d += VW) {
+        vu b = (vu)(loadu(src + d) * mv);
+        vu rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+        vu nan = (vu)((b & 0x7FFFFFFFu) > 0x7F800000u);
+        rounded = (rounded & ~nan) | (0x7FC0u & nan);
+        vh h = __builtin_convertvector(rounded, vh);
+        std::memcpy(o + d, &h, sizeof h);
+      }
+      return;
+    } else {
+#if defined(__AVX512F__)
+      for (int64_t d = 0; d < n; d += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                            _mm512_cvtps_ph(loadu(src + d) * mv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      return;
+#elif defined(__F16C__)
+      for (int64_t d = 0; d < n; d += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                         _mm256_cvtps_ph(loadu(src + d) * mv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      return;
+#endif
+    }
+  }
+  for (int64_t d = 0; d < n; ++d) dst[d * stride] = static_cast<QT>(src[d] * mul);
 }
 
 // ---- micro-kernels -----------------------------------------------------------------------------------------
@@ -319,12 +366,12 @@ static inline void scores_block(const float* const* rows, int nrows, const float
 }
 
 // acc[i][d0 .. d0 + D * VW) += sum over the tile's rows of p[r][i] * rows[r][d0 ..], L lanes x D vectors
-template <int L, int D>
+template <int L, int D, bool FIRST>
 static inline void pv_micro(const float* const* rows, int nrows, const float* p, int64_t p_stride, float* acc,
                             int64_t acc_stride, int64_t d0) {
   vf a[L][D];
   for (int i = 0; i < L; ++i)
-    for (int j = 0; j < D; ++j) a[i][j] = loadu(acc + i * acc_stride + d0 + j * VW);
+    for (int j = 0; j < D; ++j) a[i][j] = FIRST ? vf{} : loadu(acc + i * acc_stride + d0 + j * VW);
   for (int r = 0; r < nrows; ++r) {
     const float* row = rows[r] + d0;
     vf v[D];
@@ -339,24 +386,34 @@ static inline void pv_micro(const float* const* rows, int nrows, const float* p,
     for (int j = 0; j < D; ++j) storeu(acc + i * acc_stride + d0 + j * VW, a[i][j]);
 }
 
-template <int L>
+template <int L, bool FIRST>
 static inline void pv_vectors(const float* const* rows, int nrows, const float* p, int64_t p_stride, float* acc,
                               int64_t acc_stride, int64_t d0, int vecs) {
   switch (vecs) {
-    case 1: pv_micro<L, 1>(rows, nrows, p, p_stride, acc, acc_stride, d0); break;
-    case 2: pv_micro<L, 2>(rows, nrows, p, p_stride, acc, acc_stride, d0); break;
-    default: pv_micro<L, 3>(rows, nrows, p, p_stride, acc, acc_stride, d0); break;
+    case 1: pv_micro<L, 1, FIRST>(rows, nrows, p, p_stride, acc, acc_stride, d0); break;
+    case 2: pv_micro<L, 2, FIRST>(rows, nrows, p, p_stride, acc, acc_stride, d0); break;
+    default: pv_micro<L, 3, FIRST>(rows, nrows, p, p_stride, acc, acc_stride, d0); break;
   }
 }
 
-static inline void pv_block(const float* const* rows, int nrows, const float* p, int64_t p_stride, float* acc,
+template <bool FIRST>
+static inline void pv_lanes(const float* const* rows, int nrows, const float* p, int64_t p_stride, float* acc,
                             int64_t acc_stride, int64_t d0, int lanes, int vecs) {
   switch (lanes) {
-    case 1: pv_vectors<1>(rows, nrows, p, p_stride, acc, acc_stride, d0, vecs); break;
-    case 2: pv_vectors<2>(rows, nrows, p, p_stride, acc, acc_stride, d0, vecs); break;
-    case 3: pv_vectors<3>(rows, nrows, p, p_stride, acc, acc_stride, d0, vecs); break;
-    default: pv_vectors<4>(rows, nrows, p, p_stride, acc, acc_stride, d0, vecs); break;
+    case 1: pv_vectors<1, FIRST>(rows, nrows, p, p_stride, acc, acc_stride, d0, vecs); break;
+    case 2: pv_vectors<2, FIRST>(rows, nrows, p, p_stride, acc, acc_stride, d0, vecs); break;
+    case 3: pv_vectors<3, FIRST>(rows, nrows, p, p_stride, acc, acc_stride, d0, vecs); break;
+    default: pv_vectors<4, FIRST>(rows, nrows, p, p_stride, acc, acc_stride, d0, vecs); break;
   }
+}
+
+// `first`: the accumulators hold nothing yet (this tile writes them)
+static inline void pv_block(const float* const* rows, int nrows, const float* p, int64_t p_stride, float* acc,
+                            int64_t acc_stride, int64_t d0, int lanes, int vecs, bool first) {
+  if (first)
+    pv_lanes<true>(rows, nrows, p, p_stride, acc, acc_stride, d0, lanes, vecs);
+  else
+    pv_lanes<false>(rows, nrows, p, p_stride, acc, acc_stride, d0, lanes, vecs);
 }
 
 // ---- per-thread scratch --------------------------------------------------------------------------------------
@@ -452,15 +509,7 @@ static void write_out(const Call<QT, KT>& c, const int64_t* rq, int64_t lane0, i
   for (int64_t i = 0; i < nlanes; ++i) {
     int64_t g = lane0 + i, t = rq[0] + g / c.H, h = g % c.H;
     float inv = 1.0f / l[i];
-    QT* o = c.out + t * c.o_s0 + h * c.o_s1;
-    const float* a = acc + i * acc_stride;
-    if (std::is_same<QT, float>::value && c.o_s2 == 1) {
-      float* of = reinterpret_cast<float*>(o);
-      vf vinv = splat(inv);
-      for (int64_t d = 0; d < c.r; d += VW) storeu(of + d, loadu(a + d) * vinv);
-    } else {
-      for (int64_t d = 0; d < c.r; ++d) store_scalar(o + d * c.o_s2, a[d] * inv);
-    }
+    store_scaled(acc + i * acc_stride, inv, c.out + t * c.o_s0 + h * c.o_s1, c.o_s2, c.r);
     c.lse[t * c.l_s0 + h * c.l_s1] = m[i] + std::log(l[i]);
   }
 }
@@ -495,11 +544,11 @@ static void run_item(const Call<QT, KT>& c, const int64_t* it) {
     const QT* a = c.ql + t * c.ql_s0 + h * c.ql_s1;
     const QT* b = c.qr + t * c.qr_s0 + h * c.qr_s1;
     float* qi = q + i * W;
-    for (int64_t d = 0; d < r; ++d) qi[d] = scalar_to_float(a[d * c.ql_s2]) * c.scale;
-    for (int64_t d = 0; d < c.rope; ++d) qi[r + d] = scalar_to_float(b[d * c.qr_s2]) * c.scale;
+    load_scaled(a, c.ql_s2, r, c.scale, qi);
+    load_scaled(b, c.qr_s2, c.rope, c.scale, qi + r);
     limit[i] = static_cast<float>(j);
   }
-  std::memset(acc, 0, sizeof(float) * acc_floats);
+  bool first = true;  // the first tile writes the accumulators instead of adding to them (no zeroing pass)
   for (int64_t i = 0; i < Gp; ++i) {
     m[i] = NO_MAX;
     l[i] = 0.f;
@@ -558,7 +607,7 @@ static void run_item(const Call<QT, KT>& c, const int64_t* it) {
         vf alpha = vexp(mo - mn);
         storeu(m + i, mn);
         storeu(l + i, loadu(l + i) * alpha);
-        for (int k = 0; k < VW && i + k < G; ++k) {
+        for (int k = 0; k < VW && i + k < G && !first; ++k) {
           if (alpha[k] == 1.0f) continue;
           float* a = acc + (i + k) * r;
           vf av = splat(alpha[k]);
@@ -579,10 +628,12 @@ static void run_item(const Call<QT, KT>& c, const int64_t* it) {
       for (int64_t i0 = 0; i0 < G; i0 += PL) {
         pf.step(PF_LINES);
         pv_block(rows, nr, s + i0, Gp, acc + i0 * r, r, v0 * VW, static_cast<int>(std::min<int64_t>(PL, G - i0)),
-                 vecs);
+                 vecs, first);
       }
     }
+    first = false;
   }
+  if (first) std::memset(acc, 0, sizeof(float) * acc_floats);  // no rows (never planned): an empty partial
 
   if (slot < 0) {
     write_out(c, rq, lane0, G, acc, r, m, l);
