@@ -312,11 +312,13 @@ def test_the_cache_key_follows_cpu_torch_and_source(monkeypatch):
     for name, value in (("cpu_flags", lambda: ("sse2",)), ("_torch_facts", lambda: ("9.9.9", True)),
                         ("_source_digest", lambda: "0" * 64)):
         monkeypatch.setattr(fused_build, name, value)
-        fused_build.build_key.cache_clear()
+        fused_build._build_key.cache_clear()
         assert fused_build.build_key() != key, name
         monkeypatch.undo()
-        fused_build.build_key.cache_clear()
+        fused_build._build_key.cache_clear()
     assert fused_build.build_key() == key
+    monkeypatch.setenv(fused_build.ARCH_ENV, "another-cpu")  # another instruction set: another library
+    assert fused_build.build_key() != key
 
 
 # ---- selection ---------------------------------------------------------------------------------------------

@@ -190,13 +190,14 @@ def _known_env() -> dict[str, str]:
     from selector.select import MLA_BACKEND_ENV
 
     from ..core.env_switches import SWITCHES
-    from ..cpu_fused.build import CACHE_DIR_ENV, CXX_ENV
+    from ..cpu_fused.build import ARCH_ENV, CACHE_DIR_ENV, CXX_ENV
     from ..layer.dispatch import THRESHOLD_TABLE_ENV
 
     return {MLA_BACKEND_ENV: "forces a backend (auto/unset: the ladder)",
             THRESHOLD_TABLE_ENV: "threshold table every new layer loads",
             CACHE_DIR_ENV: "where CPU_FUSED's compiled kernel is cached (default ~/.cache/mla-backends)",
             CXX_ENV: "the C++ compiler `mla-backends build` uses (default c++, g++ or clang++)",
+            ARCH_ENV: "the instruction set CPU_FUSED is compiled for (-march=; default native)",
             **SWITCHES,
             "CUDA_VISIBLE_DEVICES": "which GPUs this process sees"}
 

@@ -35,9 +35,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["SOURCE", "CACHE_DIR_ENV", "CXX_ENV", "LIBRARY_NAME", "OP_NAMESPACE", "BuildError", "BuildStatus",
-           "cache_root", "cpu_flags", "build_key", "library_path", "compiler", "build_status", "is_built",
-           "build", "load", "decode_op", "compile_command"]
+__all__ = ["SOURCE", "CACHE_DIR_ENV", "CXX_ENV", "ARCH_ENV", "LIBRARY_NAME", "OP_NAMESPACE", "BuildError",
+           "BuildStatus", "cache_root", "cpu_flags", "build_key", "library_path", "compiler", "build_status",
+           "is_built", "build", "load", "decode_op", "compile_command"]
 
 #: the kernel's source, shipped with the package
 SOURCE = Path(__file__).resolve().parent / "csrc" / "mla_decode.cpp"
@@ -45,6 +45,8 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "mla_decode.cpp"
 CACHE_DIR_ENV = "MLA_BACKENDS_CACHE_DIR"
 #: the C++ compiler to use (default: ``c++``, then ``g++``, then ``clang++`` on the PATH)
 CXX_ENV = "CXX"
+#: the instruction set to compile for (``-march=``; default ``native``: this CPU); part of the cache key
+ARCH_ENV = "MLA_BACKENDS_CPU_ARCH"
 LIBRARY_NAME = "libmla_cpu_fused.so"
 #: the torch.ops namespace the library registers (``torch.ops.mla_backends_cpu_fused.decode``)
 OP_NAMESPACE = "mla_backends_cpu_fused"
@@ -85,11 +87,14 @@ def cpu_flags() -> tuple[str, ...]:
 
 
 def _target_flags() -> tuple[str, ...]:
-    """The instruction-set flag: the compiler's own view of this CPU."""
+    """The instruction-set flag: the compiler's own view of this CPU (``-march=native``), or the target
+    :data:`ARCH_ENV` names (``x86-64-v3`` for a build that runs on every AVX2 machine of a cluster;
+    ``x86-64-v2`` for the portable SSE code path)."""
+    target = os.environ.get(ARCH_ENV, "").strip() or "native"
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):
-        return ("-mcpu=native",)
-    return ("-march=native",)
+        return (f"-mcpu={target}",)
+    return (f"-march={target}",)
 
 
 @functools.cache
@@ -106,13 +111,18 @@ def _source_digest() -> str:
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
 
 
-@functools.cache
 def build_key() -> str:
+    """The cache key of a library for this process (:func:`_build_key` of the target in effect)."""
+    return _build_key(_target_flags())
+
+
+@functools.cache
+def _build_key(target: tuple[str, ...]) -> str:
     """The cache key of a library for this process: a hash of the source, torch's version and ABI, the Python
     ABI, the machine, the CPU's flags and the compiler flags (16 hex digits)."""
     version, cxx11 = _torch_facts()
     parts = [_source_digest(), version, str(cxx11), sysconfig.get_config_var("SOABI") or sys.implementation.cache_tag,
-             platform.machine(), " ".join(cpu_flags()), " ".join(_FLAGS + _target_flags())]
+             platform.machine(), " ".join(cpu_flags()), " ".join(_FLAGS + target)]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -174,7 +184,8 @@ _FOUND: set[tuple[str | None, ...]] = set()
 def is_built() -> bool:
     """True when this process's library is in the cache: one file check, then remembered for that cache folder
     (the selector asks this for every uncached selection, and a bare instance's call for every call)."""
-    where = (os.environ.get(CACHE_DIR_ENV), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))
+    where = (os.environ.get(CACHE_DIR_ENV), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"),
+             os.environ.get(ARCH_ENV))
     if where in _FOUND:
         return True
     if library_path().is_file():
