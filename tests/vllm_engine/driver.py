@@ -150,7 +150,7 @@ def main(kind: str, work: str) -> None:
         narrow = wd / f"{kind}-288"
         if not (narrow / "config.json").exists():
             models.build(kind, narrow, kv_lora_rank=256, qk_rope_head_dim=32)
-        os.environ.pop("MLA_BACKEND", None)  # the selector's own choice (REF_TORCH takes any width)
+        os.environ.pop("MLA_BACKEND", None)  # the selector's own choice (CPU_FUSED or REF_TORCH: both take 288)
         _reset_selection()
         t = time.time()
         try:
