@@ -125,7 +125,7 @@ def main(kind: str, work: str) -> None:
         report["page16"] = _phase(str(ckpt), spy, page_size=16)
         print("=== phase selected", flush=True)  # the selector's own choice (CPU_FUSED where it is built)
         forced = os.environ.pop("MLA_BACKEND")
-        report["selected"] = _phase(str(ckpt), spy, page_size=16)
+        report["selected"] = _phase(str(ckpt), spy, page_size=16, log_level="info")  # its start-up line
         os.environ["MLA_BACKEND"] = forced
         print("=== phase selected done", flush=True)
         print("=== phase refused", flush=True)

@@ -246,24 +246,25 @@ inline void widen_row<c10::Half>(const c10::Half* src, float* dst, int64_t n, fl
 #endif
 }
 
-template <>
-inline void widen_row<Fp8E4M3>(const Fp8E4M3* src, float* dst, int64_t n, float scale) {
-  const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
+// one row of fp8 bytes through DECODE (fp8_e4m3_vec / fp8_e5m2_vec), VW bytes at a time
+template <vf (*DECODE)(vb, float)>
+static inline void widen_fp8_row(const void* src, float* dst, int64_t n, float scale) {
+  const uint8_t* s = static_cast<const uint8_t*>(src);
   for (int64_t d = 0; d < n; d += VW) {
     vb b;
     std::memcpy(&b, s + d, sizeof b);
-    storeu(dst + d, fp8_e4m3_vec(b, scale));
+    storeu(dst + d, DECODE(b, scale));
   }
 }
 
 template <>
+inline void widen_row<Fp8E4M3>(const Fp8E4M3* src, float* dst, int64_t n, float scale) {
+  widen_fp8_row<fp8_e4m3_vec>(src, dst, n, scale);
+}
+
+template <>
 inline void widen_row<Fp8E5M2>(const Fp8E5M2* src, float* dst, int64_t n, float scale) {
-  const uint8_t* s = reinterpret_cast<const uint8_t*>(src);
-  for (int64_t d = 0; d < n; d += VW) {
-    vb b;
-    std::memcpy(&b, s + d, sizeof b);
-    storeu(dst + d, fp8_e5m2_vec(b, scale));
-  }
+  widen_fp8_row<fp8_e5m2_vec>(src, dst, n, scale);
 }
 
 template <>
