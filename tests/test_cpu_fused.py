@@ -387,3 +387,26 @@ def test_env_and_build_check_report_the_state(tmp_path, monkeypatch, capsys):
     cf = json.loads(capsys.readouterr().out)["cpu_fused"]
     assert cf["cpu_decode"] == "REF_TORCH" and "mla-backends build" in cf["reason"]
     assert os.environ[fused_build.CACHE_DIR_ENV] in cf["path"]
+
+
+# ---- through the integrations ------------------------------------------------------------------------------
+def test_patch_model_generates_the_same_tokens_on_cpu_fused(fused, fresh_selection):
+    """transformers' ``generate()`` of a tiny DeepSeek-V3 whose latent dims the kernel takes (32 / 16), patched
+    with the selector's choice (CPU_FUSED, built here): every step's logits within fp32 noise of the unpatched
+    model's and the same greedy tokens."""
+    transformers = pytest.importorskip("transformers")
+    from hf_models import COMMON, YARN, compare_generations, generate_greedy, left_padded, randomise_parameters
+
+    from mla_backends.integrations.transformers import patch_model
+
+    cfg = transformers.DeepseekV3Config(**{**COMMON, "kv_lora_rank": 32, "qk_rope_head_dim": 16},
+                                        num_hidden_layers=2, q_lora_rank=24, rope_interleave=True,
+                                        rope_parameters=dict(YARN), n_routed_experts=4, num_experts_per_tok=2,
+                                        n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1)
+    cfg._attn_implementation = "eager"
+    model = randomise_parameters(transformers.DeepseekV3ForCausalLM(cfg).float(), seed=4, std=0.3)
+    ids, mask = left_padded([5, 11, 3])
+    ref = generate_greedy(model, ids, mask, 12)
+    patch_model(model, block_size=4)
+    assert {layer.self_attn.mla.backend.name for layer in model.model.layers} == {"CPU_FUSED"}
+    assert compare_generations(ref, generate_greedy(model, ids, mask, 12)) == 12
