@@ -38,6 +38,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -e ".[test,hf,transformers,flashinfer,dev]"
+	$(BIN)/python -m mla_backends build || echo "CPU_FUSED not built (above: why); REF_TORCH serves the CPU"
 	rm -rf $(TEST_SITE) && $(BIN)/python -m pip install -q --no-deps --no-build-isolation --target $(TEST_SITE) \
 		$(BROKEN_PLUGIN) $(EXAMPLE_PLUGIN)
 	touch $(STAMP)

@@ -4,7 +4,8 @@ A DeepSeek-V2-Lite-shaped ``DeepseekV2ForCausalLM`` (16 heads, 512/64/128/128, n
 vocabulary 1,024, intermediate 1,024) cut to 2 dense layers, random weights, fp32, ``attn_implementation="sdpa"``
 (transformers' default). A batch of ``--batch`` prompts of ``--prompt`` tokens is generated greedily for
 ``--new-tokens`` tokens by the unpatched model (its cache holds the latent and ``kv_b_proj`` re-expands it on
-every step) and by the same model after ``patch_model`` (absorbed decode over a paged latent cache, REF_TORCH),
+every step) and by the same model after ``patch_model`` (absorbed decode over a paged latent cache, the
+selector's backend: CPU_FUSED where it is built, else REF_TORCH; ``--backend`` forces one),
 alternating for ``--rounds`` rounds so that both see the same machine; the best round of each is kept. Decode
 tokens/s is timed between the first and the last decode step (a logits processor stamps every step), so the
 prefill is left out; the attention-only ratio sums the attention modules' forward times over the decode steps.
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="alternating (unpatched, patched) rounds, best kept")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--backend", default="auto",
+                    help="patch_model's backend: auto (the selector's choice: CPU_FUSED where it is built, else "
+                         "REF_TORCH; the default) or a name")
     ap.add_argument("--json", default=None, help="write the figures to this file")
     args = ap.parse_args(argv)
     if args.new_tokens < 3:
@@ -175,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     bases, patches, rates = [], [], []
     for _ in range(args.rounds):  # alternating, so a burst of outside load hits one round of one side
         bases.append(run(model, ids, args.new_tokens))
-        patch_model(model, backend="REF_TORCH")
+        patch_model(model, backend=None if args.backend == "auto" else args.backend)
+        used = sorted({layer.self_attn.mla.backend.name for layer in model.model.layers
+                       if getattr(layer.self_attn, "mla", None) is not None})
         patches.append(run(model, ids, args.new_tokens))
         step_bytes = decode_step_bytes(model, args.batch, args.prompt + args.new_tokens // 2)
         unpatch_model(model)
@@ -190,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     base_step_s = base["decode_s"] / base["steps"]
     res = {
         "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new_tokens, "layers": args.layers,
-        "rounds": args.rounds, "threads": torch.get_num_threads(),
+        "rounds": args.rounds, "threads": torch.get_num_threads(), "backend": ", ".join(used),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset: active)"),
         "load_average_start": load_start[0], "load_average_end": os.getloadavg()[0],
         "transformers_tokens_per_s": base["tokens_per_s"], "patched_tokens_per_s": patched["tokens_per_s"],
@@ -208,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {res['load_average_start']:.1f} -> {res['load_average_end']:.1f}")
     print(f"  transformers generate():        {res['transformers_tokens_per_s']:8.1f} decode tokens/s "
           f"({base_step_s * 1e3:.0f} ms a step)")
-    print(f"  patched (mla-backends):         {res['patched_tokens_per_s']:8.1f} decode tokens/s "
+    print(f"  patched (mla-backends, {res['backend']}): {res['patched_tokens_per_s']:8.1f} decode tokens/s "
           f"({step_s * 1e3:.1f} ms a step, median {patched['median_step_s'] * 1e3:.1f}: forward_mqa "
           f"{mqa_s * 1e3:.1f}, rest of attention {(attn_s - mqa_s) * 1e3:.1f}, rest of the model "
           f"{(step_s - attn_s) * 1e3:.1f})")

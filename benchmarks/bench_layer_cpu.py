@@ -1,9 +1,10 @@
 """CPU benchmarks of the MLA layer, reported as ratios (never absolute targets).
 
-1. One decode step of ``MLAAttention`` (absorbed, REF_TORCH) against transformers' ``DeepseekV3Attention``
+1. One decode step of ``MLAAttention`` (absorbed; ``--backend``, default the selector's choice: CPU_FUSED where it
+   is built, else REF_TORCH) against transformers' ``DeepseekV3Attention``
    with its own cache, which re-expands the whole latent every step. DeepSeek-V2-Lite attention (16 heads,
    512/64/128/128, no query latent, hidden 2048), fp32, batch 8, 4096 cached tokens each. Target: >= 70x.
-2. The reference ``forward_mqa`` for the same batch against this machine's roofline
+2. The backend's ``forward_mqa`` for the same batch against this machine's roofline
    ``max(FLOPs / fp32 matmul rate, bytes / copy bandwidth)``, both rates measured in this run (interleaved
    with the kernel timings, in rounds; the best of each is kept). Target: <= 1.4x.
 3. The shared prefill ``forward_mha`` for one request extending a cached prefix (``--prefill-new`` tokens over
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-new", type=int, default=1024, help="new tokens of the prefill figure (default 1024)")
     ap.add_argument("--prefill-context", type=int, default=3072,
                     help="cached tokens under the prefill figure's new tokens (default 3072; 0 for none)")
+    ap.add_argument("--backend", default="auto",
+                    help="the layer's forward_mqa backend: auto (the selector's choice: CPU_FUSED where it is built, "
+                         "else REF_TORCH; the default) or a name")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--hot-path-only", action="store_true",
                     help="only the hot-path figures: BatchMetadata.build and one layer's decode step")
@@ -203,8 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     # ---- our layer: absorbed decode over a paged cache ---------------------------------------------------
     cfg = hf_config(dims)
     sd = random_hf_state_dict(dims, dtype=torch.float32)
-    layer = MLAAttention.from_hf_config(cfg, backend="REF_TORCH", dtype=torch.float32)
+    layer = MLAAttention.from_hf_config(cfg, backend=None if args.backend == "auto" else args.backend,
+                                        dtype=torch.float32)
     layer.load_hf_state_dict(sd)
+    name = layer.backend.name
+    results["backend"] = name
     pages = -(-(S + args.hf_repeat + args.repeat + 2) // bs)
     cache = layer.allocate_cache(B * pages + 1, bs)
     block_table = torch.randperm(B * pages + 1)[: B * pages].view(B, pages).int()
@@ -234,9 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     assert rates is not None
     print(f"machine: fp32 matmul {rates['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, copy "
           f"{rates['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + write), {torch.get_num_threads()} threads")
-    print(f"MLAAttention decode step (REF_TORCH, absorbed): {t_layer * 1e3:.1f} ms "
-          f"[batch {B}, context {S}, {H} heads, fp32]")
-    results.update(rates=rates, layer_decode_s=t_layer)
+    print(f"MLAAttention decode step ({name}, absorbed): {t_layer * 1e3:.1f} ms "
+          f"[batch {B}, context {S}, {H} heads, fp32]; its forward_mqa {t_mqa * 1e3:.1f} ms "
+          f"({t_mqa / t_layer:.0%} of the step), the rest (projections, RoPE, cache write, plan) "
+          f"{(t_layer - t_mqa) * 1e3:.1f} ms")
+    results.update(rates=rates, layer_decode_s=t_layer, layer_rest_s=t_layer - t_mqa)
 
     # ---- reference forward_mqa against the roofline ------------------------------------------------------
     L = S + 1
@@ -245,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     roof = max(flops / rates["matmul_flops_per_s"], bytes_moved / rates["copy_bytes_per_s"])
     bound = "compute" if flops / rates["matmul_flops_per_s"] >= bytes_moved / rates["copy_bytes_per_s"] \
         else "memory"
-    print(f"reference forward_mqa: {t_mqa * 1e3:.1f} ms; roofline {roof * 1e3:.1f} ms ({bound}-bound: "
+    print(f"{name} forward_mqa: {t_mqa * 1e3:.1f} ms; roofline {roof * 1e3:.1f} ms ({bound}-bound: "
           f"{flops / 1e9:.2f} GFLOP, {bytes_moved / 1e6:.1f} MB) -> {t_mqa / roof:.2f}x the roofline "
           f"(target <= 1.4x)")
     results.update(forward_mqa_s=t_mqa, roofline_s=roof, roofline_ratio=t_mqa / roof, flops=flops,

@@ -7,11 +7,16 @@ it), a scattered block table (``--table contiguous``: each request's pages conse
 Timed per context:
 
 - ``ref``: REF_TORCH as shipped (its own choice of path, ``path`` in the output);
+- ``fused``: CPU_FUSED, the compiled kernel (when it is built for this machine: ``mla-backends build``), with
+  ``fused_over_roofline``, ``cpu_mla_over_fused`` (its speed-up over vLLM's op), ``fused_gflops`` and
+  ``fused_over_matmul`` (its FLOP rate over this machine's fp32 matmul rate, measured in the same rounds);
 - ``roofline``: ``max(bytes / copy bandwidth, FLOPs / matmul rate)`` of the call
   (:func:`mla_backends.planning.roofline.decode_roofline`: every visible cache row read once, queries read,
   outputs and the LSE written; scores over 576 columns and the weighted sum over 512), both rates measured in
-  this run, in the same rounds as the kernels (a 1024^3 matmul and a 128 MiB copy in the benchmark's dtype,
-  the best of each kept), and ``ref_over_roofline``;
+  this run, in the same rounds as the kernels (a 1024^3 matmul and a 128 MiB copy, the best of each kept), and
+  ``ref_over_roofline``. The bytes are the benchmark's dtype's (2-byte rows for bfloat16); the matmul rate is
+  the faster of torch's fp32 and its dtype matmul (``matmul_gflops``; both kept: torch's bfloat16 matmul runs
+  at about 1 GFLOP/s on a CPU without bf16 instructions, where the same products are exact in fp32);
 - ``cpu_mla`` (when ``vllm`` imports: run this under ``.venv-vllm``'s python): vLLM's C++ ``CPU_MLA`` decode op
   ``torch.ops._C.mla_decode_kvcache`` on the same cache, table and lengths (its query concatenated per call, as
   ``CPUMLAImpl`` does), and ``cpu_mla_over_roofline``;
@@ -37,7 +42,8 @@ length for each variant timed) to ``--png`` when matplotlib imports, else ``--pl
 later from the JSON (``.venv-vllm`` has no matplotlib: run the benchmark there, the picture under ``.venv``).
 
 Usage: ``python benchmarks/bench_ref_decode_cpu.py [--rounds 7] [--threads 1] [--batch 8] [--heads 16]
-[--dtype float32] [--contexts ...] [--transformers] [--paths] [--before PATH] [--crossover] [--json J] [--png P]``
+[--dtype float32] [--contexts ...] [--transformers] [--paths] [--before PATH] [--crossover] [--skip ref cpu_mla]
+[--json J] [--png P]``
 """
 
 from __future__ import annotations
@@ -98,6 +104,16 @@ class Inputs:
         self.lse = torch.empty(batch, HEADS)
 
     def call(self, backend: object) -> Callable[[], object]:
+        configure = getattr(backend, "configure", None)
+        configure_backend = getattr(self.pkg, "configure_backend", None)
+        caps = getattr(getattr(self.pkg, "backends", None), "capabilities", None)
+        if caps is not None:  # as a layer configures its backend (heads, dtype, page)
+            spec = caps.AttentionSpec(num_heads=HEADS, kv_lora_rank=RANK, qk_rope_head_dim=ROPE, dtype=DTYPE,
+                                      block_size=PAGE)
+            if configure_backend is not None:  # 0.5: an immutable configured backend
+                backend = configure_backend(backend, spec, SCALE)
+            elif configure is not None:  # 0.4 (--before)
+                configure(spec, SCALE)
         planner = getattr(self.pkg, "plan_step", None)  # once per step, as an engine does before the first layer
         if planner is None:  # a checkout from before the step plan (--before): its metadata prepares itself
             self.meta.prepare(backend)
@@ -147,6 +163,21 @@ def cpu_mla(inp: Inputs) -> Callable[[], torch.Tensor] | None:
     return run
 
 
+def fused_backend() -> object | None:
+    """A CPU_FUSED instance when its kernel is built for this machine (loaded here; never built by the
+    benchmark: ``mla-backends build`` does that), else None."""
+    try:
+        from mla_backends.cpu_fused import CpuFusedBackend, build
+    except ImportError:  # a checkout from before CPU_FUSED
+        return None
+    try:
+        build.load(build_if_missing=False)
+    except build.BuildError as exc:
+        print(f"CPU_FUSED not timed: {exc}", flush=True)
+        return None
+    return CpuFusedBackend()
+
+
 def transformers_step(context: int, batch: int) -> Callable[[], torch.Tensor] | None:
     """One decode step of transformers' ``DeepseekV3Attention`` (eager; DeepSeek-V2-Lite attention with
     ``HEADS`` heads) over ``context`` cached tokens per request held in its own ``DynamicCache``, or None when
@@ -191,23 +222,31 @@ def transformers_step(context: int, batch: int) -> Callable[[], torch.Tensor] | 
     return run
 
 
-def machine_rates() -> dict[str, float]:
-    """This machine's rates in the benchmark's dtype, one timing each with ``CLOCK``: matmul FLOP/s (1024^3)
-    and copy bandwidth (bytes read + written per second, 128 MiB in float32)."""
-    n = 1024
-    a, b = torch.randn(n, n).to(DTYPE), torch.randn(n, n).to(DTYPE)
-    c = torch.empty(n, n, dtype=DTYPE)
+def _matmul_rate(dtype: torch.dtype, n: int = 1024) -> float:
+    """FLOP/s of one ``n^3`` matmul in ``dtype`` (after one untimed call), timed with ``CLOCK``."""
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    c = torch.empty(n, n, dtype=dtype)
     torch.matmul(a, b, out=c)
     t0 = CLOCK()
     torch.matmul(a, b, out=c)
-    t_mm = CLOCK() - t0
+    return 2 * n**3 / (CLOCK() - t0)
+
+
+def machine_rates() -> dict[str, float]:
+    """This machine's rates, one timing each with ``CLOCK``: fp32 matmul FLOP/s (1024^3), the benchmark dtype's
+    (a 256^3 one when it is not fp32: torch's bfloat16 matmul is very slow without bf16 instructions), the rate
+    the roofline uses (the faster of the two), and the copy bandwidth (bytes read + written per second, 32 Mi
+    elements in the benchmark's dtype)."""
+    fp32 = _matmul_rate(torch.float32)
+    own = fp32 if DTYPE == torch.float32 else _matmul_rate(DTYPE, 256)
     src = torch.randn(32 << 20).to(DTYPE)
     dst = torch.empty_like(src)
     dst.copy_(src)
     t0 = CLOCK()
     dst.copy_(src)
     t_cp = CLOCK() - t0
-    return {"matmul_flops_per_s": 2 * n**3 / t_mm, "copy_bytes_per_s": 2 * src.numel() * src.element_size() / t_cp}
+    return {"matmul_flops_per_s": max(fp32, own), "fp32_matmul_flops_per_s": fp32, "dtype_matmul_flops_per_s": own,
+            "copy_bytes_per_s": 2 * src.numel() * src.element_size() / t_cp}
 
 
 def roofline_s(inp: Inputs, rates: dict[str, float]) -> tuple[float, str]:
@@ -225,21 +264,18 @@ def roofline_s(inp: Inputs, rates: dict[str, float]) -> tuple[float, str]:
     return roof.roofline_us * 1e-6, roof.bound
 
 
-def forced(module: ModuleType, call: Callable[[], object], path: str) -> Callable[[], object]:
-    """``call`` with REF_TORCH's thresholds patched so that every request takes ``path``."""
+def forced(module: ModuleType, make_call: Callable[[], Callable[[], object]], path: str) -> Callable[[], object]:
+    """The call ``make_call()`` builds, built (and its step planned: REF_TORCH picks a request's path when the
+    step is planned) with REF_TORCH's thresholds patched so that every request takes ``path``."""
     patch = ({"STREAM_MIN_ROWS": 1 << 40} if path == "padded" else {"STREAM_MIN_ROWS": 1, "STREAM_MIN_BYTES": 0})
-
-    def run() -> object:
-        saved = {k: getattr(module, k) for k in patch}
-        for k, v in patch.items():
+    saved = {k: getattr(module, k) for k in patch}
+    for k, v in patch.items():
+        setattr(module, k, v)
+    try:
+        return make_call()
+    finally:
+        for k, v in saved.items():
             setattr(module, k, v)
-        try:
-            return call()
-        finally:
-            for k, v in saved.items():
-                setattr(module, k, v)
-
-    return run
 
 
 #: the timer: wall clock, or with one torch thread the CPU time of that thread (``--clock``)
@@ -280,25 +316,35 @@ def best_of(fns: dict[str, Callable[[], object]], rounds: int,
     return best
 
 
+def decode_flops(inp: Inputs) -> float:
+    """FLOPs of one call: each visible row scored over 576 columns and summed over 512, for every head."""
+    return sum(c + 1 for c in inp.contexts) * HEADS * 2 * (RANK + ROPE + RANK)
+
+
 def decode_sweep(contexts: list[int], rounds: int, before: ModuleType | None, *, paths: bool = False,
-                 hf: bool = False, hf_max_context: int = 2048) -> list[dict]:
+                 hf: bool = False, hf_max_context: int = 2048, skip: tuple[str, ...] = ()) -> list[dict]:
     import mla_backends
     from mla_backends.ref_torch import backend as ref
 
     tol = 1e-4 if DTYPE == torch.float32 else 2e-2
+    fused = fused_backend() if "fused" not in skip else None
     rows = []
     for ctx in contexts:
         inp = Inputs(mla_backends, ctx, BATCH)
         call = inp.call(ref.RefTorchBackend())
-        fns: dict[str, Callable[[], object]] = {"ref": call}
+        fns: dict[str, Callable[[], object]] = {} if "ref" in skip else {"ref": call}
         out, lse = call()
         out = out.clone()
-        peer = cpu_mla(inp)
+        if fused is not None:
+            fns["fused"] = inp.call(fused)
+            torch.testing.assert_close(fns["fused"]()[0], out, rtol=tol, atol=tol)  # the same attention
+        peer = cpu_mla(inp) if "cpu_mla" not in skip else None
         if peer is not None:
             fns["cpu_mla"] = peer
             torch.testing.assert_close(peer(), out, rtol=tol, atol=tol)  # the same attention
         if paths:
-            fns.update(padded=forced(ref, call, "padded"), streamed=forced(ref, call, "streamed"),
+            make = lambda: inp.call(ref.RefTorchBackend())  # noqa: E731,B023 (used at once)
+            fns.update(padded=forced(ref, make, "padded"), streamed=forced(ref, make, "streamed"),
                        baseline=baseline(inp))
             torch.testing.assert_close(out, fns["baseline"]().to(out.dtype), rtol=tol, atol=tol)
         if before is not None:
@@ -312,16 +358,26 @@ def decode_sweep(contexts: list[int], rounds: int, before: ModuleType | None, *,
         roof, bound = roofline_s(inp, rates)
         min_rows = ref.stream_min_rows(BATCH, WIDTH * 4)
         row = {"context": ctx, "path": "streamed" if ctx + 1 >= min_rows else "padded",
-               **{f"{k}_ms": round(v * 1e3, 3) for k, v in t.items()},
-               "roofline_ms": round(roof * 1e3, 3), "bound": bound,
+               **{f"{k}_ms": round(v * 1e3, 4) for k, v in t.items()},
+               "roofline_ms": round(roof * 1e3, 4), "bound": bound,
                "matmul_gflops": round(rates["matmul_flops_per_s"] / 1e9, 1),
+               "fp32_matmul_gflops": round(rates["fp32_matmul_flops_per_s"] / 1e9, 1),
+               "dtype_matmul_gflops": round(rates["dtype_matmul_flops_per_s"] / 1e9, 1),
                "copy_gbps": round(rates["copy_bytes_per_s"] / 1e9, 1),
-               **{f"{k}_over_roofline": round(v / roof, 3) for k, v in t.items() if k in ("ref", "cpu_mla",
-                                                                                          "transformers", "before")}}
-        if "before" in t:
+               **{f"{k}_over_roofline": round(v / roof, 3) for k, v in t.items()
+                  if k in ("ref", "fused", "cpu_mla", "transformers", "before")}}
+        if "before" in t and "ref" in t:
             row["ref_over_before"] = round(t["ref"] / t["before"], 3)
-        if "cpu_mla" in t:
+        if "cpu_mla" in t and "ref" in t:
             row["ref_over_cpu_mla"] = round(t["ref"] / t["cpu_mla"], 3)
+        if "fused" in t:
+            flops = decode_flops(inp)
+            row["fused_gflops"] = round(flops / t["fused"] / 1e9, 1)
+            row["fused_over_matmul"] = round(flops / t["fused"] / rates["fp32_matmul_flops_per_s"], 3)
+            if "cpu_mla" in t:
+                row["cpu_mla_over_fused"] = round(t["cpu_mla"] / t["fused"], 3)
+            if "ref" in t:
+                row["ref_over_fused"] = round(t["ref"] / t["fused"], 3)
         rows.append(row)
         print("  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return rows
@@ -340,7 +396,8 @@ def fixed_cost_ms(rows: list[dict], key: str = "ref_ms", below: int = 256) -> fl
     return round(my - slope * mx, 4)
 
 
-LABELS = {"ref": "REF_TORCH (mla-backends)", "cpu_mla": "vLLM CPU_MLA (C++ op)",
+LABELS = {"fused": "CPU_FUSED (mla-backends, compiled)", "ref": "REF_TORCH (mla-backends)",
+          "cpu_mla": "vLLM CPU_MLA (C++ op)",
           "transformers": "transformers DeepseekV3Attention (whole layer, eager)", "before": "REF_TORCH before"}
 
 
@@ -357,7 +414,7 @@ def plot(result: dict, png: str, command: str) -> None:
         pts = [(r["context"], r["roofline_ms"] / r[f"{key}_ms"]) for r in rows if f"{key}_ms" in r]
         if pts:
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
-    ax.axhline(1 / 1.4, color="grey", ls="--", lw=1, label="target: 1 / 1.4 of the roofline")
+    ax.axhline(1 / 1.3, color="grey", ls="--", lw=1, label="CPU_FUSED's target: 1 / 1.3 of the roofline")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (cached tokens per request)")
     ax.set_ylabel("fraction of roofline (roofline / time)")
@@ -383,8 +440,8 @@ def crossover_sweep(rounds: int) -> list[dict]:
         for mib in (8, 16, 24, 32, 48):
             ctx = (mib << 20) // (batch * WIDTH * 4)
             inp = Inputs(mla_backends, ctx, batch)
-            call = inp.call(ref.RefTorchBackend())
-            t = best_of({"padded": forced(ref, call, "padded"), "streamed": forced(ref, call, "streamed")}, rounds)
+            make = lambda: inp.call(ref.RefTorchBackend())  # noqa: E731,B023 (used at once)
+            t = best_of({"padded": forced(ref, make, "padded"), "streamed": forced(ref, make, "streamed")}, rounds)
             row = {"batch": batch, "context": ctx, "rows_mib": mib, "padded_ms": round(t["padded"] * 1e3, 3),
                    "streamed_ms": round(t["streamed"] * 1e3, 3),
                    "padded_over_streamed": round(t["padded"] / t["streamed"], 3)}
@@ -410,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transformers", action="store_true", help="also time transformers' DeepseekV3Attention")
     p.add_argument("--hf-max-context", type=int, default=2048, help="longest context transformers is timed at")
     p.add_argument("--crossover", action="store_true", help="also time padded against streamed at 2/8/32 requests")
+    p.add_argument("--skip", nargs="+", default=[], choices=("ref", "fused", "cpu_mla"),
+                   help="variants not to time (REF_TORCH is still run once, as the output every variant is checked "
+                        "against)")
     p.add_argument("--clock", choices=("wall", "thread"), default=None,
                    help="wall clock, or the CPU time of the calling thread (only with --threads 1: torch then runs "
                         "every op on it; time spent preempted by other processes is not counted). Default: thread "
@@ -445,11 +505,13 @@ def main(argv: list[str] | None = None) -> int:
               "rounds": args.rounds, "before": args.before, "clock": clock,
               "timing": "best of rounds, variants interleaved, machine rates measured in the same rounds",
               "decode": decode_sweep(args.contexts, args.rounds, before, paths=args.paths, hf=args.transformers,
-                                     hf_max_context=args.hf_max_context)}
+                                     hf_max_context=args.hf_max_context, skip=tuple(args.skip))}
     result["ref_fixed_cost_ms"] = fixed_cost_ms(result["decode"])
+    result["fused_fixed_cost_ms"] = fixed_cost_ms(result["decode"], "fused_ms")
     if args.before:
         result["before_fixed_cost_ms"] = fixed_cost_ms(result["decode"], "before_ms")
-    print(f"fixed cost per call (intercept below 256 tokens): ref {result['ref_fixed_cost_ms']} ms"
+    print(f"fixed cost per call (intercept below 256 tokens): ref {result['ref_fixed_cost_ms']} ms, "
+          f"fused {result['fused_fixed_cost_ms']} ms"
           + (f", before {result['before_fixed_cost_ms']} ms" if args.before else ""))
     if args.crossover:
         result["crossover"] = crossover_sweep(args.rounds)

@@ -87,7 +87,9 @@ def _matrix() -> list[str]:
            "From each built-in backend's `Capabilities`; `mla-backends list` prints the same for every "
            "registered backend, plugins included. Backends add rules of their own on top (for example "
            "FLASHINFER_MLA's fp8 cache needs SM90 and a bfloat16 query; FLASHINFER_MLA_TRTLLM takes at "
-           "most 64 heads or exactly 128); `not_supported_reasons` reports them.", "",
+           "most 64 heads or exactly 128; CPU_FUSED takes dims that are multiples of 16 and needs its kernel "
+           "built for this machine by `mla-backends build`, which needs a C++ compiler); "
+           "`not_supported_reasons` reports them.", "",
            "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for member in BackendName:
         entry = registry.entry(member.value)

@@ -159,7 +159,8 @@ def capability_summary(cls: type) -> dict[str, Any]:
     else:
         heads = "any" if caps.max_num_heads is None else f"<= {caps.max_num_heads}"
     return {
-        "devices": (f"CPU; CUDA {cc}" if caps.cpu else f"CUDA {cc}"),
+        "devices": ("CPU" if caps.cpu and caps.compute_capabilities == frozenset()
+                    else f"CPU; CUDA {cc}" if caps.cpu else f"CUDA {cc}"),
         "dtypes": sorted(dtype_name(d) for d in caps.dtypes),
         "kv_cache_dtypes": sorted(caps.kv_cache_dtypes),
         "fp8_min_compute_capability": caps.fp8_min_compute_capability,

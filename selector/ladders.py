@@ -20,6 +20,7 @@ from mla_backends.plugins.registry import BackendName, Registry
 __all__ = ["Ladder", "LADDERS", "ladder_for", "candidates"]
 
 REF = BackendName.REF_TORCH.value
+CPU_FUSED = BackendName.CPU_FUSED.value
 TRITON = BackendName.TRITON_MLA.value
 FI = BackendName.FLASHINFER_MLA.value
 CUTLASS = BackendName.FLASHINFER_MLA_CUTLASS.value
@@ -162,15 +163,20 @@ LADDERS: tuple[Ladder, ...] = (
     Ladder(
         family="cpu",
         archs=(),
-        # The reference is the CPU production path. Triton runs on the CPU only under TRITON_INTERPRET=1 (a
-        # testing aid, orders of magnitude slower) and could never win behind the reference, so it is not a
-        # ladder entry: force it with backend="TRITON_MLA" when testing Triton kernels on a CPU.
-        dense=(REF,),
-        dense_fp8=(REF,),
+        # The compiled kernel reads each cached row once and fuses score, softmax and value sum: it wins
+        # wherever it is built for this machine (docs/performance.md); where it is not (no compiler, or
+        # `mla-backends build` not run) it gives a package reason and the reference serves, as it does for what
+        # the kernel refuses (float64, sparse, dims that are not multiples of 16). Triton runs on the CPU only
+        # under TRITON_INTERPRET=1 (a testing aid, orders of magnitude slower) and could never win behind the
+        # reference, so it is not a ladder entry: force it with backend="TRITON_MLA" when testing Triton
+        # kernels on a CPU.
+        dense=(CPU_FUSED, REF),
+        dense_fp8=(CPU_FUSED, REF),
         sparse=(REF,),
         sparse_fp8=(REF,),
-        why="the reference only; TRITON_MLA under TRITON_INTERPRET=1 is a testing aid, selectable by "
-            "override.",
+        why="the compiled CPU kernel first where it is built for this machine (`mla-backends build`); the "
+            "reference for everything else (not built, float64, sparse); TRITON_MLA under TRITON_INTERPRET=1 "
+            "is a testing aid, selectable by override.",
     ),
 )
 

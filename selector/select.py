@@ -192,11 +192,17 @@ def _verdict(registry: Registry, name: str, spec: AttentionSpec) -> Verdict:
                    page_size_hint=hint)
 
 
-def _extra_of(cls: type[MLABackend]) -> str:
+def _extra_of(cls: type[MLABackend], reasons: tuple[Reason, ...] = ()) -> str:
+    """What to do so that a backend refused only for missing packages fits: its pip extra, the modules it
+    needs, else the remedy its own package reason names (CPU_FUSED: ``run `mla-backends build```)."""
     extra = cls.capabilities.extra
     if extra:
         return f"pip install 'mla-backends[{extra}]'"
-    return f"install {', '.join(cls.missing_requirements())}"
+    missing = cls.missing_requirements()
+    if missing:
+        return f"install {', '.join(missing)}"
+    remedy = next((r.hint for r in reasons if r.hint), None)
+    return remedy or "install what it needs"
 
 
 def _hint(registry: Registry, names: tuple[str, ...], spec: AttentionSpec,
@@ -204,7 +210,7 @@ def _hint(registry: Registry, names: tuple[str, ...], spec: AttentionSpec,
     """One actionable change that makes a candidate fit, most practical first."""
     for v in verdicts:  # only a package is missing
         if all_of_kinds(v.reasons, ReasonKind.PACKAGE):
-            return f"{_extra_of(registry.get(v.name))} to enable {v.name}."
+            return f"{_extra_of(registry.get(v.name), v.reasons)} to enable {v.name}."
     for v in verdicts:  # only the page size
         if v.page_size_hint is not None:
             return f"use block_size={v.page_size_hint} (or leave it unset) to run {v.name}."

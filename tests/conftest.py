@@ -150,3 +150,18 @@ def fakes(monkeypatch):
     from selector_fakes import fake_registry, install
 
     return install(monkeypatch, fake_registry())
+
+
+@pytest.fixture
+def cpu_fused_not_built(monkeypatch, tmp_path):
+    """This machine as one where ``mla-backends build`` never ran: CPU_FUSED's build cache is an empty folder, so
+    the CPU ladder's dense decode falls to REF_TORCH (the selector's cache cleared before and after). For
+    tests whose subject is not the CPU kernel but which name the CPU choice; tests/test_cpu_fused.py covers
+    both states."""
+    from mla_backends.cpu_fused.build import CACHE_DIR_ENV
+    from selector.select import clear_cache
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "mla-backends-cache"))
+    clear_cache()
+    yield
+    clear_cache()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from mla_backends.backends.contract import MLABackend
+from mla_backends.cpu_fused import CpuFusedBackend
 from mla_backends.flashinfer_mla import (
     FlashInferCutlassMLABackend,
     FlashInferMLABackend,
@@ -26,7 +27,8 @@ from mla_backends.triton_mla import TritonMLABackend
 def _fake_of(real: type[MLABackend]) -> type[MLABackend]:
     """A subclass of ``real`` keeping its declarations and rules (``capabilities``, device rule, extra rules)
     but requiring no package: ``requires``/``extra`` are dropped and FlashInfer's installed-version check
-    answers "fine", so no test depends on what this machine has installed. It never runs a kernel."""
+    answers "fine" (and CPU_FUSED's build check "built"), so no test depends on what this machine has installed
+or built. It never runs a kernel."""
 
     def forward_mqa_kernel(self, *args, **kwargs):  # never run: the selector only reads declarations
         raise AssertionError("fake backends are for selection tests only")
@@ -35,9 +37,12 @@ def _fake_of(real: type[MLABackend]) -> type[MLABackend]:
             "forward_mqa_kernel": forward_mqa_kernel, "__module__": __name__}
     if issubclass(real, FlashInferBackendBase):
         body["installed_reasons"] = classmethod(lambda cls: [])
+    if issubclass(real, CpuFusedBackend):  # as on a machine where `mla-backends build` ran
+        body["build_reasons"] = classmethod(lambda cls: [])
     return type("Fake" + real.__name__.removesuffix("Backend"), (real,), body)
 
 
+FakeCpuFused = _fake_of(CpuFusedBackend)
 FakeTriton = _fake_of(TritonMLABackend)
 FakeFlashInfer = _fake_of(FlashInferMLABackend)
 FakeCutlass = _fake_of(FlashInferCutlassMLABackend)
@@ -45,8 +50,8 @@ FakeTrtllm = _fake_of(FlashInferTrtllmMLABackend)
 FakeXqa = _fake_of(FlashInferXqaMLABackend)
 
 
-FAKES: tuple[type[MLABackend], ...] = (RefTorchBackend, FakeTriton, FakeFlashInfer, FakeCutlass, FakeTrtllm,
-                                       FakeXqa)
+FAKES: tuple[type[MLABackend], ...] = (RefTorchBackend, FakeCpuFused, FakeTriton, FakeFlashInfer, FakeCutlass,
+                                       FakeTrtllm, FakeXqa)
 
 
 def fake_registry(*classes: type[MLABackend]) -> Registry:

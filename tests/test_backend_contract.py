@@ -62,14 +62,14 @@ def _builtin_classes() -> list[type]:
 
 def test_no_builtin_backend_class_defines_forward_mqa():
     names = {c.name for c in registered_backends().values()}
-    assert {"REF_TORCH", "TRITON_MLA", "FLASHINFER_MLA", "FLASHINFER_MLA_CUTLASS", "FLASHINFER_MLA_TRTLLM",
-            "FLASHINFER_MLA_XQA"} <= names
+    assert {"REF_TORCH", "CPU_FUSED", "TRITON_MLA", "FLASHINFER_MLA", "FLASHINFER_MLA_CUTLASS",
+            "FLASHINFER_MLA_TRTLLM", "FLASHINFER_MLA_XQA"} <= names
     classes = _builtin_classes()
     assert FlashInferBackendBase in classes
     offenders = [c.__qualname__ for c in classes if "forward_mqa" in vars(c)]
     assert offenders == [], f"these backend classes define forward_mqa themselves: {offenders}"
     builtins = [e.cls for e in get_registry().entries() if e.source == "builtin"]
-    assert len(builtins) == 6 and all("forward_mqa_kernel" in vars(c) for c in builtins)
+    assert len(builtins) == 7 and all("forward_mqa_kernel" in vars(c) for c in builtins)
     assert all(contract_problems(c) == [] for c in classes)
     assert "forward_mqa" in vars(MLABackend)
 

@@ -87,7 +87,7 @@ def test_list_shows_backends_and_json(fakes, capsys):
     assert "pages: 32, 64 (preferred 64)" in out
     code, out = run_cli(capsys, "list", "--json", "--device", "sm100")
     doc = json.loads(out)
-    assert [b["name"] for b in doc["backends"]][:2] == ["REF_TORCH", "TRITON_MLA"]
+    assert [b["name"] for b in doc["backends"]][:3] == ["REF_TORCH", "CPU_FUSED", "TRITON_MLA"]
     assert doc["device"]["compute_capability"] == [10, 0]
 
 

@@ -19,8 +19,8 @@ def _section(path: Path, heading: str) -> str:
 
 #: sub-packages whose modules the map describes as one row (the backend implementations, the suite, the CLI,
 #: the engine adapters, V3.2's sparse layer, V4's layer)
-_WHOLE = ("ref_torch/", "triton_mla/", "flashinfer_mla/", "testing/", "cli/", "integrations/", "layer/sparse/",
-          "layer/v4/")
+_WHOLE = ("ref_torch/", "cpu_fused/", "triton_mla/", "flashinfer_mla/", "testing/", "cli/", "integrations/",
+          "layer/sparse/", "layer/v4/")
 
 
 def _modules() -> list[str]:

@@ -103,7 +103,7 @@ def test_kv_cache_dtype_refusals() -> None:
         sglang_kv_cache_dtype(None)
 
 
-def test_request_per_rank_heads_and_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_request_per_rank_heads_and_selection(monkeypatch: pytest.MonkeyPatch, cpu_fused_not_built: None) -> None:
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     req = request_from_runner(HF, tp_size=2, dtype=torch.float32, kv_cache_dtype="auto", page_size=16, device="cpu")
     assert req.dims.num_heads == 2 and req.dims.tp_size == 2 and req.page_size == 16

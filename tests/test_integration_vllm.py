@@ -115,7 +115,7 @@ def _config(tp: int = 1, dcp: int = 1, cache_dtype: str = "auto", block: int | N
                            parallel_config=SimpleNamespace(tensor_parallel_size=tp, decode_context_parallel_size=dcp))
 
 
-def test_request_from_vllm_config(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_request_from_vllm_config(monkeypatch: pytest.MonkeyPatch, cpu_fused_not_built: None) -> None:
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     req = request_from_vllm(_config(tp=2, cache_dtype="fp8"), device="cpu")
     assert (req.dims.num_heads, req.dims.tp_size, req.dtype, req.kv_cache_dtype, req.block_size, req.need_lse) == (
@@ -318,7 +318,7 @@ def test_declarations_are_the_intersection() -> None:
     assert intersect(declarations(multiple), CPU_PATH).block_sizes == (16,)
 
 
-def test_startup_refusal_names_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_startup_refusal_names_both_sides(monkeypatch: pytest.MonkeyPatch, cpu_fused_not_built: None) -> None:
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     for rank, rope in ((256, 32), (512, 32), (128, 64)):
         with pytest.raises(VLLMSelectionError) as exc:
@@ -340,7 +340,7 @@ def test_fp8_view_dtypes() -> None:
         torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float8_e5m2, None, None]
 
 
-def test_startup_line_names_model_and_heads(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_startup_line_names_model_and_heads(monkeypatch: pytest.MonkeyPatch, cpu_fused_not_built: None) -> None:
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     sel = _request().select()
     a = startup_line("CPU_MLA", sel, model="/ckpt/a", num_heads=8)

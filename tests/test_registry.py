@@ -23,7 +23,7 @@ from selector.select import select_backend
 
 
 def test_enum_names_and_case_insensitive_input():
-    assert [m.value for m in BackendName] == ["REF_TORCH", "TRITON_MLA", "FLASHINFER_MLA",
+    assert [m.value for m in BackendName] == ["REF_TORCH", "CPU_FUSED", "TRITON_MLA", "FLASHINFER_MLA",
                                               "FLASHINFER_MLA_CUTLASS", "FLASHINFER_MLA_TRTLLM",
                                               "FLASHINFER_MLA_XQA"]
     assert BackendName("triton_mla") is BackendName.TRITON_MLA
@@ -53,9 +53,9 @@ def test_unknown_name_lists_names_and_suggests():
     reg = fake_registry()
     with pytest.raises(UnknownBackendError) as info:
         reg.get("REF_TORH")
-    assert str(info.value) == ("backend: got 'REF_TORH'; supported FLASHINFER_MLA, FLASHINFER_MLA_CUTLASS, "
-                               "FLASHINFER_MLA_TRTLLM, FLASHINFER_MLA_XQA, REF_TORCH, TRITON_MLA "
-                               "(did you mean REF_TORCH?)")
+    assert str(info.value) == ("backend: got 'REF_TORH'; supported CPU_FUSED, FLASHINFER_MLA, "
+                               "FLASHINFER_MLA_CUTLASS, FLASHINFER_MLA_TRTLLM, FLASHINFER_MLA_XQA, REF_TORCH, "
+                               "TRITON_MLA (did you mean REF_TORCH?)")
     with pytest.raises(UnknownBackendError, match="the built-in TRITON_MLA is not registered"):
         fake_registry(RefTorchBackend).get("triton_mla")
     with pytest.raises(UnknownBackendError) as info:

@@ -28,8 +28,8 @@ LADDER = {
     ("sm100", "fp8"): ["FLASHINFER_MLA_TRTLLM", "TRITON_MLA", "REF_TORCH"],
     ("sm120", "auto"): ["FLASHINFER_MLA_XQA", "TRITON_MLA", "REF_TORCH"],
     ("sm120", "fp8"): ["FLASHINFER_MLA_XQA", "TRITON_MLA", "REF_TORCH"],
-    ("cpu", "auto"): ["REF_TORCH"],
-    ("cpu", "fp8"): ["REF_TORCH"],
+    ("cpu", "auto"): ["CPU_FUSED", "REF_TORCH"],
+    ("cpu", "fp8"): ["CPU_FUSED", "REF_TORCH"],
 }
 FAMILY = {"sm80": "sm80", "sm86": "sm80", "sm89": "sm80", "sm90": "sm90", "sm100": "sm100", "sm103": "sm100",
           "sm120": "sm120", "cpu": "cpu"}
@@ -38,8 +38,8 @@ FAMILY = {"sm80": "sm80", "sm86": "sm80", "sm89": "sm80", "sm90": "sm90", "sm100
 def expected_choice(arch: str, kv: str, page: int | None) -> tuple[str, int]:
     """The documented outcome for V3 at TP=8, bf16, single-token decode."""
     trtllm_page_ok = page in (None, 32, 64)
-    if arch == "cpu":
-        return "REF_TORCH", page or 16
+    if arch == "cpu":  # the fakes' CPU_FUSED is built (any page size, bf16, fp8)
+        return "CPU_FUSED", page or 16
     if arch in ("sm80", "sm86"):
         return ("FLASHINFER_MLA", page or 64) if kv == "auto" else ("REF_TORCH", page or 16)
     if arch == "sm89":
@@ -253,7 +253,7 @@ def test_sixteen_threads_get_one_consistent_answer(monkeypatch):
     for res in results:
         assert len(res) == len(first)
         assert all(a is b for a, b in zip(res, first, strict=True))  # the very same cached Selection objects
-    assert first[3].name == "REF_TORCH" and first[1].block_size == 16
+    assert first[3].name == "CPU_FUSED" and first[1].block_size == 16
     assert reg_mod._REGISTRY.plugins == ("builtin",)  # loaded exactly once
 
 

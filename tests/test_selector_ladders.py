@@ -11,6 +11,7 @@ from selector_fakes import FAKES, FakeXqa, fake_registry, install
 from mla_backends.backends.contract import MLABackend
 from mla_backends.core.device import CPU_DEVICE, simulated_device
 from mla_backends.core.dims import MLADims
+from mla_backends.cpu_fused import CpuFusedBackend
 from mla_backends.plugins.loading import load_registry
 from mla_backends.plugins.registry import BackendName, Registry
 from selector.ladders import LADDERS, candidates, ladder_for
@@ -32,7 +33,8 @@ def test_every_family_is_well_formed():
         for cc in lad.archs:
             assert ladder_for(simulated_device(*cc)) is lad
     assert {"sm80", "sm90", "sm100", "sm110", "sm120", "cpu"} <= seen
-    assert ladder_for(CPU_DEVICE).dense[0] == "REF_TORCH"
+    assert ladder_for(CPU_DEVICE).dense == ("CPU_FUSED", "REF_TORCH")  # the compiled kernel where built
+    assert ladder_for(CPU_DEVICE).sparse == ("REF_TORCH",)
     assert {lad.family for lad in LADDERS if "FLASHINFER_MLA_XQA" in lad.dense} == {"sm120"}
 
 
@@ -67,6 +69,7 @@ def test_no_dead_entries(monkeypatch, lad):
     installed: set[str] = set()
     monkeypatch.setattr(MLABackend, "missing_requirements",
                         classmethod(lambda cls: [m for m in cls.capabilities.requires if m not in installed]))
+    monkeypatch.setattr(CpuFusedBackend, "build_reasons", classmethod(lambda cls: []))  # as if built here
     archs = lad.archs or ((None),)
     for label, names in lad.variants().items():
         fp8, sparse = "fp8" in label, label.startswith("sparse")
@@ -130,7 +133,7 @@ def test_after_placement_and_several_plugins_keep_registration_order(monkeypatch
     reg.add(type("SECOND_MLA", (FakeXqa,), {"name": "SECOND_MLA"}), source="q", after="REF_TORCH")
     reg.add(type("THIRD_MLA", (FakeXqa,), {"name": "THIRD_MLA"}), source="r", before="REF_TORCH")
     assert candidates(CPU_DEVICE, fp8=False, sparse=False, registry=reg) == (
-        "THIRD_MLA", "REF_TORCH", "PLUGIN_MLA", "SECOND_MLA")
+        "CPU_FUSED", "THIRD_MLA", "REF_TORCH", "PLUGIN_MLA", "SECOND_MLA")
 
 
 def test_variant_picks_the_ordering_named_by_fp8_and_sparse():

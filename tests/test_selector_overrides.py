@@ -73,7 +73,7 @@ def test_unknown_names_list_the_valid_ones_and_suggest(fakes, monkeypatch):
     with pytest.raises(UnknownBackendError) as info:
         select_backend(V3, device="sm90", backend="flashinfer_mla_trtlm")
     msg = str(info.value)
-    assert "backend: got 'flashinfer_mla_trtlm'; supported FLASHINFER_MLA, FLASHINFER_MLA_CUTLASS" in msg
+    assert "backend: got 'flashinfer_mla_trtlm'; supported CPU_FUSED, FLASHINFER_MLA, FLASHINFER_MLA_CUTLASS" in msg
     assert msg.endswith("(did you mean FLASHINFER_MLA_TRTLLM?)")
     assert isinstance(info.value, ValueError)
     monkeypatch.setenv("MLA_BACKEND", "tritonmla")

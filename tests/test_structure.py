@@ -21,7 +21,7 @@ PACKAGES = ("mla_backends", "selector")
 
 # the layers, bottom to top: each part of the code -> the parts it may import (itself included). A part is a
 # sub-package of mla_backends (``core``, ``step`` ...), a backend implementation, or ``selector``.
-_IMPLS = {"ref_torch", "triton_mla", "flashinfer_mla"}
+_IMPLS = {"ref_torch", "cpu_fused", "triton_mla", "flashinfer_mla"}
 _BELOW_LAYER = {"core", "step", "backends", *_IMPLS, "plugins", "loading", "selector"}
 ALLOWED: dict[str, set[str]] = {
     "core": {"core"},

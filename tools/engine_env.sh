@@ -26,6 +26,8 @@ engine_env_done() {
     local venv="$1" stamp="$2"
     shift 2
     "$PY" -m pip check || true
+    # CPU_FUSED's kernel for this environment's torch (a cache hit when .venv has the same torch and Python)
+    "$PY" -m mla_backends build || echo "CPU_FUSED not built (above: why); REF_TORCH serves the CPU"
     "$PY" -c "import importlib, sys; print(' '.join(f'{m} {getattr(importlib.import_module(m), \"__version__\", \"?\")}' for m in sys.argv[1:]))" "$@"
     touch "$venv/$stamp"
     echo "built $venv in $(( $(date +%s) - start )) s, size $(du -sh "$venv" | cut -f1)"

@@ -263,6 +263,8 @@ class Capabilities:
         return "any"
 
     def compute_capability_text(self) -> str:
+        if self.compute_capabilities is not None and not self.compute_capabilities:
+            return "none (a CPU-only backend)"
         if self.compute_capabilities is not None:
             return ", ".join(f"SM{a}{b}" for a, b in sorted(self.compute_capabilities))
         lo, hi = self.min_compute_capability, self.max_compute_capability

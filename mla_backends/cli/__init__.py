@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "costs_cmd",
     "tune_cmd",
     "env_cmd",
+    "build_cmd",
 )
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = ["register", "run", "environment_report", "package_version", "supported_range", "transformers_support",
-           "vllm_status", "sglang_status", "PACKAGES", "SUPPORT_CHECKS", "ENV_PREFIXES"]
+           "vllm_status", "sglang_status", "cpu_fused_status", "PACKAGES", "SUPPORT_CHECKS", "ENV_PREFIXES"]
 
 #: (label, distribution names tried in order, module it provides)
 PACKAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
@@ -190,12 +190,32 @@ def _known_env() -> dict[str, str]:
     from selector.select import MLA_BACKEND_ENV
 
     from ..core.env_switches import SWITCHES
+    from ..cpu_fused.build import ARCH_ENV, CACHE_DIR_ENV, CXX_ENV
     from ..layer.dispatch import THRESHOLD_TABLE_ENV
 
     return {MLA_BACKEND_ENV: "forces a backend (auto/unset: the ladder)",
             THRESHOLD_TABLE_ENV: "threshold table every new layer loads",
+            CACHE_DIR_ENV: "where CPU_FUSED's compiled kernel is cached (default ~/.cache/mla-backends)",
+            CXX_ENV: "the C++ compiler `mla-backends build` uses (default c++, g++ or clang++)",
+            ARCH_ENV: "the instruction set CPU_FUSED is compiled for (-march=; default native)",
             **SWITCHES,
             "CUDA_VISIBLE_DEVICES": "which GPUs this process sees"}
+
+
+def cpu_fused_status() -> dict[str, Any]:
+    """CPU_FUSED's build on this machine (file checks only: nothing is built or loaded) and which backend the
+    CPU ladder's dense decode therefore takes."""
+    from .build_cmd import status_dict
+
+    rep = status_dict()
+    rep["cpu_decode"] = "CPU_FUSED" if rep["built"] else "REF_TORCH"
+    if rep["built"]:
+        rep["reason"] = "built for this machine"
+    elif rep["missing"]:
+        rep["reason"] = f"not built: install {' and '.join(rep['missing'])}, then run `mla-backends build`"
+    else:
+        rep["reason"] = "not built: run `mla-backends build`"
+    return rep
 
 
 def environment_report() -> dict[str, Any]:
@@ -253,6 +273,7 @@ def environment_report() -> dict[str, Any]:
         "support": [check(packages) for check in SUPPORT_CHECKS],
         "torch_cuda": {"built_with": torch.version.cuda, "available": torch.cuda.is_available()},
         "gpus": gpus,
+        "cpu_fused": cpu_fused_status(),
         "vllm": vllm_status(),
         "sglang": sglang_status(),
         "plugins": plugins,
@@ -289,6 +310,8 @@ def _print_text(rep: dict[str, Any]) -> None:
     cuda = rep["torch_cuda"]
     print(f"torch CUDA    {cuda['built_with'] or 'none (CPU build)'}; "
           f"{'a CUDA device is available' if cuda['available'] else 'no CUDA device available'}")
+    cf = rep["cpu_fused"]
+    print(f"CPU decode    {cf['cpu_decode']} (CPU_FUSED {cf['reason']}; {cf['path']})")
     vl = rep["vllm"]
     print(f"vllm          {vl['version'] or 'not installed'}; plugin "
           f"{'would activate' if vl['plugin_would_activate'] else 'inactive'} ({vl['reason']})")

@@ -33,9 +33,12 @@ def _row(entry: Any, device: Any) -> dict[str, Any]:
     cls = entry.cls
     missing = cls.missing_requirements()
     device_reasons = [str(r) for r in cls.device_reasons(device)]
+    # a compiled backend (CPU_FUSED) says whether its kernel is built for this machine (file checks only)
+    build_reasons = [str(r) for r in cls.build_reasons()] if callable(getattr(cls, "build_reasons", None)) else []
     return {"name": entry.name, "source": entry.source, "class": f"{cls.__module__}.{cls.__qualname__}",
-            "importable": not missing, "missing": missing, "runs_here": not missing and not device_reasons,
-            "device_reasons": device_reasons,
+            "importable": not missing, "missing": missing,
+            "runs_here": not missing and not device_reasons and not build_reasons,
+            "device_reasons": device_reasons, "build_reasons": build_reasons,
             "ladder_placement": None if entry.placement is None else entry.placement.describe(),
             "description": cls.description, "capabilities": capability_data(cls),
             "configurations": _configurations(cls)}
@@ -47,7 +50,7 @@ def _status(r: dict[str, Any], extra: str | None) -> str:
         return f"not importable: {', '.join(r['missing'])} missing{how}"
     if r["runs_here"]:
         return "importable, runs here"
-    return "importable; does not run here: " + "; ".join(r["device_reasons"])
+    return "importable; does not run here: " + "; ".join(r["device_reasons"] + r["build_reasons"])
 
 
 def _configurations(cls: type) -> list[dict[str, object]] | None:

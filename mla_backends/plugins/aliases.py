@@ -56,6 +56,9 @@ class NameClash:
 
 #: our backends and their names elsewhere; the ladder order of docs/selection.md
 BACKEND_ALIASES: tuple[BackendAlias, ...] = (
+    BackendAlias("CPU_FUSED", ("CPU_MLA",), (),
+                 "a compiled C++ CPU MLA decode in each project (different source and design, same role); "
+                 "forcing it needs the kernel built here (`mla-backends build`)"),
     BackendAlias("REF_TORCH", (), ("torch_native",),
                  "plain PyTorch in both; SGLang's is its own code, not this reference"),
     BackendAlias("TRITON_MLA", ("TRITON_MLA",), ("triton",),

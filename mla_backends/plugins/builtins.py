@@ -14,6 +14,7 @@ __all__ = ["BUILTIN_BACKENDS", "register_mla_backends"]
 #: built-in name -> "module:Class"
 BUILTIN_BACKENDS: dict[BackendName, str] = {
     BackendName.REF_TORCH: "mla_backends.ref_torch:RefTorchBackend",
+    BackendName.CPU_FUSED: "mla_backends.cpu_fused:CpuFusedBackend",
     BackendName.TRITON_MLA: "mla_backends.triton_mla:TritonMLABackend",
     BackendName.FLASHINFER_MLA: "mla_backends.flashinfer_mla:FlashInferMLABackend",
     BackendName.FLASHINFER_MLA_CUTLASS: "mla_backends.flashinfer_mla:FlashInferCutlassMLABackend",

@@ -42,6 +42,7 @@ class BackendName(enum.StrEnum):
     :mod:`mla_backends.plugins.aliases`)."""
 
     REF_TORCH = "REF_TORCH"
+    CPU_FUSED = "CPU_FUSED"
     TRITON_MLA = "TRITON_MLA"
     FLASHINFER_MLA = "FLASHINFER_MLA"
     FLASHINFER_MLA_CUTLASS = "FLASHINFER_MLA_CUTLASS"

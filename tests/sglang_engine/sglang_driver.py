@@ -4,7 +4,8 @@
 
 Phases, in order, each one ``Engine`` started and shut down, the plugin switched on (``MLA_BACKENDS_SGLANG=1``)
 and absorbed attention forced onto the spy backend (``MLA_BACKEND=sglang_spy:SpyBackend``): ``plugin`` (page
-size 1), then for v2 ``page16`` (page size 16) and ``refused`` (``MLA_BACKEND=TRITON_MLA``, which cannot run on a
+size 1), then for v2 ``page16`` (page size 16), ``selected`` (page size 16, ``MLA_BACKEND`` unset: the selector's
+own choice, CPU_FUSED where its kernel is built) and ``refused`` (``MLA_BACKEND=TRITON_MLA``, which cannot run on a
 CPU: start-up must fail with the selection's reasons), for v3 ``tp2`` (``tp_size`` 2, one core per rank). The last
 two run in a child process each: SGLang kills the process that started an engine whose scheduler died. Each
 phase runs the prompts batched (one ``generate``) and then singly (SGLang's radix cache then holds each prompt:
@@ -122,6 +123,11 @@ def main(kind: str, work: str) -> None:
     if kind == "v2":
         print("=== phase page16", flush=True)
         report["page16"] = _phase(str(ckpt), spy, page_size=16)
+        print("=== phase selected", flush=True)  # the selector's own choice (CPU_FUSED where it is built)
+        forced = os.environ.pop("MLA_BACKEND")
+        report["selected"] = _phase(str(ckpt), spy, page_size=16, log_level="info")  # its start-up line
+        os.environ["MLA_BACKEND"] = forced
+        print("=== phase selected done", flush=True)
         print("=== phase refused", flush=True)
         report["refused"] = _isolated(kind, wd, "refused", {"MLA_BACKEND": "TRITON_MLA"})
     else:

@@ -7,6 +7,8 @@ backend fails on MLA prefill, docs/integrations.md), so transformers is the refe
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 KINDS = ["v2", "v3"]
@@ -45,6 +47,20 @@ def test_page_size_16(report_v2: dict) -> None:
     assert page["batched"] == report_v2["hf"]
     assert page["single"] == report_v2["hf"]
     assert len(page["spy"]) > 0
+
+
+def test_selected_backend_tokens_equal_transformers(report_v2: dict) -> None:
+    """With no backend forced the plugin runs the selector's choice (CPU_FUSED where its kernel is built for this
+    machine, REF_TORCH otherwise) for decodes and absorbed extends alike."""
+    from mla_backends.cpu_fused import build
+
+    selected = report_v2["selected"]
+    assert selected["batched"] == report_v2["hf"] and selected["single"] == report_v2["hf"]
+    assert selected["spy"] == []  # the spy was not chosen
+    log = report_v2["log"].split("=== phase selected\n")[1].split("=== phase selected done")[0]
+    chosen = set(re.findall(r"runs absorbed MLA on mla-backends \(model \S+, 4 heads on this rank\)\. Chosen: (\w+),",
+                            log))
+    assert chosen == {"CPU_FUSED" if build.is_built() else "REF_TORCH"}, log[-3000:]
 
 
 def test_refused_backend_fails_at_start_up_with_reasons(report_v2: dict) -> None:

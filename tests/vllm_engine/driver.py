@@ -4,8 +4,9 @@
 
 Phases, in order, each one ``LLM`` started and shut down: ``own`` (MLA_BACKENDS_VLLM unset: vLLM's CPU_MLA),
 ``plugin`` (the plugin enabled through the same ``register()`` vLLM calls, decode forced onto the spy backend
-with ``MLA_BACKEND``), then for v3 ``tp2`` (tensor_parallel_size 2, one core per rank) and for v2 ``fp8`` and
-``fp8_e5m2`` (the plugin with ``kv_cache_dtype`` fp8 / fp8_e5m2), each followed by ``fake_fp8_e4m3`` /
+with ``MLA_BACKEND``), for v2 ``selected`` (``MLA_BACKEND`` unset: the selector's own choice, CPU_FUSED where its
+kernel is built for this machine), then for v3 ``tp2`` (tensor_parallel_size 2, one core per rank) and for v2
+``fp8`` and ``fp8_e5m2`` (the plugin with ``kv_cache_dtype`` fp8 / fp8_e5m2), each followed by ``fake_fp8_e4m3`` /
 ``fake_fp8_e5m2`` (an fp32 cache whose rows the FakeQuantSpy rounds to that format before decode),
 ``refused`` (``MLA_BACKEND=TRITON_MLA``, which cannot run on a CPU) and ``refused_288`` (a checkpoint with
 ``kv_lora_rank`` 256 and rope 32, whose 288-wide rows vLLM's MLA metadata cannot take). Each phase runs the
@@ -118,6 +119,14 @@ def main(kind: str, work: str) -> None:
     report["plugin"]["spy"] = spy.read_text().splitlines() if spy.exists() else []
     spy.unlink(missing_ok=True)
 
+    if kind == "v2":  # the selector's own choice: CPU_FUSED where its kernel is built, else REF_TORCH
+        print("=== phase selected", flush=True)
+        os.environ.pop("MLA_BACKEND", None)
+        _reset_selection()
+        report["selected"] = _phase(str(ckpt))
+        os.environ["MLA_BACKEND"] = "spy_backend:SpyBackend"
+        print("=== phase selected done", flush=True)
+
     if kind == "v3":
         print("=== phase tp2", flush=True)
         _reset_selection()
@@ -141,7 +150,7 @@ def main(kind: str, work: str) -> None:
         narrow = wd / f"{kind}-288"
         if not (narrow / "config.json").exists():
             models.build(kind, narrow, kv_lora_rank=256, qk_rope_head_dim=32)
-        os.environ.pop("MLA_BACKEND", None)  # the selector's own choice (REF_TORCH takes any width)
+        os.environ.pop("MLA_BACKEND", None)  # the selector's own choice (CPU_FUSED or REF_TORCH: both take 288)
         _reset_selection()
         t = time.time()
         try:
