@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from harness import HAVE_VLLM, SKIP_REASON
+from vllm_env import HAVE_VLLM, SKIP_REASON
 
 from mla_backends.backends.contract import Tolerance
 from mla_backends.testing import build_matrix, checks, hints
