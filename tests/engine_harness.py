@@ -14,12 +14,14 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -112,21 +114,29 @@ class Drivers:
             log.close()  # type: ignore[attr-defined]
 
 
-def isolated(cmd: Sequence[str], env: Mapping[str, str], log: Path, report: Path, timeout_s: float) -> dict:
-    """Run ``cmd`` (a phase that may fail, or whose engine may take its starter down) in a child process: the
-    JSON it wrote to ``report``, or ``{"error": ..., "log": ...}`` when it failed (the log holds the traceback)."""
-    report.unlink(missing_ok=True)
-    t = time.time()
-    with open(log, "w") as f:
+class Isolated:
+    """``cmd`` (a phase that may fail, or whose engine may take its starter down) started in a child process now;
+    :meth:`result` waits for it (bounded): the JSON it wrote to ``report``, or ``{"error": ..., "log": ...}`` when
+    it failed (the log holds the traceback)."""
+
+    def __init__(self, cmd: Sequence[str], env: Mapping[str, str], log: Path, report: Path, timeout_s: float) -> None:
+        report.unlink(missing_ok=True)
+        self.log, self.report, self.timeout_s, self.t = log, report, timeout_s, time.time()
+        self.f = open(log, "w")
+        self.proc = subprocess.Popen(list(cmd), stdout=self.f, stderr=subprocess.STDOUT, env=dict(env))
+
+    def result(self) -> dict:
         try:
-            rc: object = subprocess.run(list(cmd), stdout=f, stderr=subprocess.STDOUT, env=dict(env),
-                                        timeout=timeout_s).returncode
+            rc: object = self.proc.wait(timeout=max(1.0, self.timeout_s - (time.time() - self.t)))
         except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=60)
             rc = "timeout"
-    text = log.read_text(errors="replace")
-    if report.exists() and rc == 0:
-        return json.loads(report.read_text())
-    return {"error": f"rc {rc} after {round(time.time() - t, 1)} s", "log": text[-20000:]}
+        self.f.close()
+        text = self.log.read_text(errors="replace")
+        if self.report.exists() and rc == 0:
+            return json.loads(self.report.read_text())
+        return {"error": f"rc {rc} after {round(time.time() - self.t, 1)} s", "log": text[-20000:]}
 
 
 def free_port() -> int:
@@ -182,3 +192,39 @@ def served_tokens(port: int, model: str, prompts: Sequence[Sequence[int]] = PROM
 def python_cmd(script: Path, *args: object) -> list[str]:
     """``[this Python, script, *args]``."""
     return [sys.executable, str(script), *map(str, args)]
+
+
+def driver_fixtures(*, folder: Path, engine: str, installed: bool, reason: str, script: Path,
+                    env: Callable[[], Mapping[str, str]], timeout_s: float, together: bool) -> tuple:
+    """The session fixtures of an engine folder's conftest: ``workdir`` (a folder of its own under the system's
+    temporary directory, removed at the end; pytest's numbered ``tmp_path`` folders are pruned by any other
+    pytest session on the machine, even while this one runs), ``drivers`` (``script v2|v3 WORKDIR``, see
+    :class:`Drivers`) and ``report_v2`` / ``report_v3``. Assign them to those names in the conftest."""
+
+    @pytest.fixture(scope="session")
+    def workdir() -> Iterator[Path]:
+        path = Path(tempfile.mkdtemp(prefix=f"mla-{engine}-tests-"))
+        yield path
+        if not os.environ.get("MLA_KEEP_ENGINE_WORKDIR"):
+            shutil.rmtree(path, ignore_errors=True)
+
+    @pytest.fixture(scope="session")
+    def drivers(workdir: Path) -> Iterator[Drivers]:
+        if not installed:
+            pytest.skip(reason)
+        cmds = {kind: python_cmd(script, kind, workdir) for kind in ("v2", "v3")}
+        d = Drivers(workdir, cmds, engine_env(folder, env()), timeout_s, together=together)
+        try:
+            yield d
+        finally:
+            d.stop()
+
+    @pytest.fixture(scope="session")
+    def report_v2(drivers: Drivers) -> dict:
+        return drivers.report("v2")
+
+    @pytest.fixture(scope="session")
+    def report_v3(drivers: Drivers) -> dict:
+        return drivers.report("v3")
+
+    return workdir, drivers, report_v2, report_v3

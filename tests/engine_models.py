@@ -37,8 +37,9 @@ ENGINES = ("vllm", "sglang")
 def _yarn(max_positions: int) -> dict[str, Any]:
     """Yarn with factor 1: the same frequencies and softmax scale as no scaling, in the form SGLang's CPU rope
     takes."""
-    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0, "original_max_position_embeddings": max_positions,
-            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0,
+            "original_max_position_embeddings": max_positions, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+            "mscale_all_dim": 1.0}
 
 
 def build(kind: str, path: str | Path, *, engine: str, seed: int = 0, **overrides: Any) -> Path:

@@ -5,8 +5,9 @@ is on the engine processes' path: :func:`engine_harness.engine_env`).
 proves that the engine's attention went through mla-backends, with how many heads per rank, how many requests and
 query tokens, and which fp8 scale the cache was read with. :class:`FakeQuantSpy` also rounds the live rows of a
 full-precision cache to an fp8 format (``$MLA_FAKE_QUANT``: ``fp8_e4m3`` or ``fp8_e5m2``, optionally
-``:<scale>``) before each call reads them: a run whose decode sees exactly the values an fp8 cache written with
-that scale holds, computed without fp8 storage.
+``:<scale>``; or ``file:<path>``, a file holding that, read at every call, empty for no rounding: a driver turns it
+on and off while the engine runs) before each call reads them: a run whose decode sees exactly the values an fp8
+cache written with that scale holds, computed without fp8 storage.
 """
 
 from __future__ import annotations
@@ -50,7 +51,13 @@ class FakeQuantSpy(SpyBackend):
     def forward_mqa_kernel(self, q_latent, q_rope, cache, meta, **kw):  # type: ignore[no-untyped-def]
         import torch
 
-        fmt, _, scale = os.environ["MLA_FAKE_QUANT"].partition(":")
+        spec = os.environ["MLA_FAKE_QUANT"]
+        if spec.startswith("file:"):
+            with open(spec[5:]) as f:
+                spec = f.read().strip()
+            if not spec:
+                return super().forward_mqa_kernel(q_latent, q_rope, cache, meta, **kw)
+        fmt, _, scale = spec.partition(":")
         dtype = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[fmt]
         s = torch.tensor(float(scale or 1.0), dtype=torch.float32)
         pages = torch.unique(meta.block_table.long().clamp(min=0))

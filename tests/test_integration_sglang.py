@@ -15,13 +15,13 @@ import torch
 
 from mla_backends import BatchMetadata, LatentKVCache
 from mla_backends.integrations import sglang as plugin_pkg
+from mla_backends.integrations.engine_core import LayerCaches
 from mla_backends.integrations.sglang.selection import (
     SGLangSelectionError,
     request_from_runner,
     sglang_kv_cache_dtype,
     startup_line,
 )
-from mla_backends.integrations.engine_core import LayerCaches
 from mla_backends.integrations.sglang.step import (
     batch_absorbed,
     decode_metadata,

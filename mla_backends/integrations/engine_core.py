@@ -42,8 +42,9 @@ from ..step.cache import LatentKVCache
 
 __all__ = ["EngineInfo", "EngineAdapterError", "UnsupportedEngineVersionError", "VersionGate", "EngineRequest",
            "engine_kv_cache_dtype", "configured_backend", "clear_configured_backends", "Internal",
-           "check_internals", "internal_names", "check_softmax_scale", "fp8_scale", "device_name", "log_once",
-           "startup_line", "chosen_line", "LayerCaches", "wrap_engine_cache", "FP8_STORAGE"]
+           "check_internals", "internals_table", "internal_names", "check_softmax_scale", "fp8_scale",
+           "device_name", "log_once", "startup_line", "chosen_line", "LayerCaches", "wrap_engine_cache",
+           "FP8_STORAGE"]
 
 
 class EngineAdapterError(RuntimeError):
@@ -284,6 +285,11 @@ def check_internals(engine: EngineInfo, table: Iterable[Internal], *, role: str 
             on = f" on {where}" if where else ""
             raise engine.error(f"mla-backends: {engine.name} internal {row.name} is missing{on} ({missing!r} not "
                                f"found); the adapter {row.use}: supported {engine.name} versions that have it")
+
+
+def internals_table(groups: Mapping[str, Mapping[str, str]]) -> tuple[Internal, ...]:
+    """An engine's table written as ``{owner: {attribute: use}}`` (an attribute ``""``: the owner itself)."""
+    return tuple(Internal(owner, attr, use) for owner, rows in groups.items() for attr, use in rows.items())
 
 
 def internal_names(table: Iterable[Internal]) -> list[str]:

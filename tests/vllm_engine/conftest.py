@@ -11,40 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_harness import Drivers, engine_env, python_cmd, skip_folder_elsewhere
+from engine_harness import driver_fixtures, skip_folder_elsewhere
 from vllm_env import HAVE_VLLM, LOOPBACK, SKIP_REASON
 
 HERE = Path(__file__).resolve().parent
 #: bound on one driver run (a loaded 2-core machine: imports alone can take minutes)
 DRIVER_TIMEOUT_S = 1500
 
+workdir, drivers, report_v2, report_v3 = driver_fixtures(
+    folder=HERE, engine="vllm", installed=HAVE_VLLM, reason=SKIP_REASON, script=HERE / "driver.py",
+    env=lambda: LOOPBACK, timeout_s=DRIVER_TIMEOUT_S, together=False)
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_folder_elsewhere(items, HERE, HAVE_VLLM, SKIP_REASON)
-
-
-@pytest.fixture(scope="session")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm")
-
-
-@pytest.fixture(scope="session")
-def drivers(workdir: Path):  # type: ignore[no-untyped-def]
-    if not HAVE_VLLM:
-        pytest.skip(SKIP_REASON)
-    cmds = {kind: python_cmd(HERE / "driver.py", kind, workdir) for kind in ("v2", "v3")}
-    d = Drivers(workdir, cmds, engine_env(HERE, LOOPBACK), DRIVER_TIMEOUT_S, together=False)
-    try:
-        yield d
-    finally:
-        d.stop()
-
-
-@pytest.fixture(scope="session")
-def report_v2(drivers: Drivers) -> dict:
-    return drivers.report("v2")
-
-
-@pytest.fixture(scope="session")
-def report_v3(drivers: Drivers) -> dict:
-    return drivers.report("v3")

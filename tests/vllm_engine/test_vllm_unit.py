@@ -22,9 +22,9 @@ from vllm_cases import BS, R, decode_case, reference  # noqa: E402
 
 from mla_backends import Capabilities  # noqa: E402
 from mla_backends.integrations import vllm as plugin_pkg  # noqa: E402
+from mla_backends.integrations.engine_core import LayerCaches, check_internals  # noqa: E402
 from mla_backends.integrations.vllm import backend as vb  # noqa: E402
 from mla_backends.integrations.vllm import plugin  # noqa: E402
-from mla_backends.integrations.engine_core import LayerCaches, check_internals  # noqa: E402
 from mla_backends.integrations.vllm.internals import INTERNALS  # noqa: E402
 from mla_backends.integrations.vllm.selection import ENGINE, VLLMSelectionError, declarations  # noqa: E402
 from mla_backends.integrations.vllm.step import decode_batch_metadata  # noqa: E402

@@ -32,16 +32,7 @@ from ...layer.workspace import PrefillWorkspace, default_workspace_rows, shared_
 from ...step.cache import LatentKVCache
 from ...step.metadata import BatchMetadata
 from ...step.plan import StepPlan, plan_step
-from ..engine_core import (
-    FP8_STORAGE,
-    LayerCaches,
-    check_internals,
-    check_softmax_scale,
-    configured_backend,
-    device_name,
-    fp8_scale,
-    log_once,
-)
+from .. import engine_core as core
 from .internals import INTERNALS
 from .selection import ENGINE, SGLangSelectionError, request_from_runner, startup_line
 from .step import (
@@ -112,7 +103,7 @@ def _layer_scale(radix: Any, fp8: bool, where: str) -> float:
         raise SGLangSelectionError(f"mla-backends: {where} has k_scale {tensor!r} but k_scale_float None; supported "
                                    "a loaded scale with its host copy (SGLang's KV-cache quantisation method sets "
                                    "both)")
-    return fp8_scale(ENGINE, host, attr="k_scale_float", where=where)
+    return core.fp8_scale(ENGINE, host, attr="k_scale_float", where=where)
 
 
 class MLABackendsAttnBackend(AttentionBackend):
@@ -122,9 +113,9 @@ class MLABackendsAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__()
-        check_internals(ENGINE, INTERNALS)
-        check_internals(ENGINE, INTERNALS, role="runner", obj=model_runner, where="SGLang's model runner")
-        check_internals(ENGINE, INTERNALS, role="pool", obj=model_runner.token_to_kv_pool,
+        core.check_internals(ENGINE, INTERNALS)
+        core.check_internals(ENGINE, INTERNALS, role="runner", obj=model_runner, where="SGLang's model runner")
+        core.check_internals(ENGINE, INTERNALS, role="pool", obj=model_runner.token_to_kv_pool,
                         where="SGLang's token-to-KV pool")
         if not model_runner.spec_algorithm.is_none():
             raise SGLangSelectionError(
@@ -138,9 +129,9 @@ class MLABackendsAttnBackend(AttentionBackend):
                                        "module (attn_mqa); supported DeepSeek-style MLA models")
         for m in modules:
             where = f"MLA layer {type(m).__name__} {m.attn_mqa.layer_id}"
-            check_internals(ENGINE, INTERNALS, role="mla", obj=m, where=where)
-            check_internals(ENGINE, INTERNALS, role="radix", obj=m.attn_mqa, where=f"{where} (attn_mqa)")
-            check_internals(ENGINE, INTERNALS, role="radix", obj=m.attn_mha, where=f"{where} (attn_mha)")
+            core.check_internals(ENGINE, INTERNALS, role="mla", obj=m, where=where)
+            core.check_internals(ENGINE, INTERNALS, role="radix", obj=m.attn_mqa, where=f"{where} (attn_mqa)")
+            core.check_internals(ENGINE, INTERNALS, role="radix", obj=m.attn_mha, where=f"{where} (attn_mha)")
         self.device = model_runner.device
         self.page_size = int(model_runner.page_size)
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
@@ -154,18 +145,18 @@ class MLABackendsAttnBackend(AttentionBackend):
         kv_name = str(model_runner.kv_cache_dtype_str)
         request = request_from_runner(cfg.hf_text_config, tp_size=total // heads, dtype=model_runner.dtype,
                                       kv_cache_dtype=kv_name, page_size=self.page_size,
-                                      device=device_name(self.device))
+                                      device=core.device_name(self.device))
         sel = request.select()  # SGLangSelectionError with the reasons: start-up fails
         self.mla_request = request
         self.mla_selection = sel
         self.mla_scale = request.dims.softmax_scale
-        self.mla_backend = configured_backend(sel, self.mla_scale)  # the one configured instance
+        self.mla_backend = core.configured_backend(sel, self.mla_scale)  # the one configured instance
         self.mla_policy = sglang_policy(sel.name)
         self.kv_lora_rank = request.dims.kv_lora_rank
         self.num_heads = heads
-        self.mla_caches = LayerCaches(self.kv_lora_rank, model_runner.dtype)
+        self.mla_caches = core.LayerCaches(self.kv_lora_rank, model_runner.dtype)
         self.workspace_rows = default_workspace_rows(int(cfg.context_len), 1, self.page_size)
-        fp8 = request.kv_cache_dtype in FP8_STORAGE
+        fp8 = request.kv_cache_dtype in core.FP8_STORAGE
         self.num_pages = pool_pages(self.pool.get_key_buffer(modules[0].attn_mqa.layer_id), self.page_size).shape[0]
         self.mla_layers: dict[int, MLALayer] = {}
         for m in modules:
@@ -174,7 +165,7 @@ class MLABackendsAttnBackend(AttentionBackend):
         self._expanded_inputs: tuple[int, torch.Tensor, torch.Tensor] | None = None
         scales = sorted({lay.scale for lay in self.mla_layers.values()})
         extra = f" fp8 cache {request.kv_cache_dtype}, k_scale {', '.join(map(str, scales))}." if fp8 else ""
-        log_once(logger, startup_line(sel, model=str(cfg.model_path), num_heads=heads, extra=extra))
+        core.log_once(logger, startup_line(sel, model=str(cfg.model_path), num_heads=heads, extra=extra))
 
     def _layer(self, m: Any, fp8: bool, dtype: torch.dtype) -> MLALayer:
         """Everything per layer, fixed at start-up: the scale checks, the fp8 scale, the up-projection, and the
@@ -184,8 +175,8 @@ class MLABackendsAttnBackend(AttentionBackend):
         if mqa.tp_q_head_num != self.num_heads or m.num_local_heads != self.num_heads:
             raise SGLangSelectionError(f"mla-backends: {where} runs {mqa.tp_q_head_num} heads; supported the "
                                        f"{self.num_heads} every layer of this rank runs")
-        check_softmax_scale(ENGINE, mqa.scaling, self.mla_scale)
-        check_softmax_scale(ENGINE, mha.scaling, self.mla_scale)
+        core.check_softmax_scale(ENGINE, mqa.scaling, self.mla_scale)
+        core.check_softmax_scale(ENGINE, mha.scaling, self.mla_scale)
         scale = _layer_scale(mqa, fp8, where)
         nope, v = int(m.qk_nope_head_dim), int(mha.v_head_dim)
         kv_b = dense_up_projection(m.kv_b_proj.weight, lambda x: m.kv_b_proj(x)[0], rows=self.num_heads * (nope + v),

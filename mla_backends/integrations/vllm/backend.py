@@ -33,15 +33,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 
 from ...step.metadata import BatchMetadata
 from ...step.plan import StepPlan, plan_step
-from ..engine_core import (
-    LayerCaches,
-    check_internals,
-    check_softmax_scale,
-    configured_backend,
-    device_name,
-    fp8_scale,
-    log_once,
-)
+from .. import engine_core as core
 from .internals import INTERNALS
 from .selection import (
     ENGINE,
@@ -64,7 +56,7 @@ logger = init_logger("vllm.mla_backends")
 
 def _device() -> str:
     """The device ``select_backend()`` is asked about: vLLM's CPU platform or this process's CUDA device."""
-    return device_name("cpu" if current_platform.is_cpu() else "cuda")
+    return core.device_name("cpu" if current_platform.is_cpu() else "cuda")
 
 
 def _member() -> str:
@@ -107,7 +99,7 @@ def _check_layers(vllm_config: Any, layer_names: Any, backend: Any) -> None:
     """At start-up (the metadata builder): the configuration's and every MLA layer's internals
     (:mod:`.internals`), every layer's impl running ``backend`` (the builder's configured backend: the plan it
     makes is the one they run), and, for an fp8 cache, every layer's host scale (a positive float)."""
-    check_internals(ENGINE, INTERNALS, role="config", obj=vllm_config, where="vLLM's configuration")
+    core.check_internals(ENGINE, INTERNALS, role="config", obj=vllm_config, where="vLLM's configuration")
     ctx = vllm_config.compilation_config.static_forward_context
     fp8 = fp8_cache_view_dtype(vllm_config.cache_config.cache_dtype) is not None
     for name in layer_names or ():
@@ -115,14 +107,14 @@ def _check_layers(vllm_config: Any, layer_names: Any, backend: Any) -> None:
             raise VLLMSelectionError(f"mla-backends: layer {name!r} is not in vLLM's static_forward_context; "
                                      "supported layers registered there (each is checked at start-up)")
         layer = ctx[name]
-        check_internals(ENGINE, INTERNALS, role="layer", obj=layer, where=f"layer {name!r}")
+        core.check_internals(ENGINE, INTERNALS, role="layer", obj=layer, where=f"layer {name!r}")
         if isinstance(layer.impl, _DecodeOnMLABackends) and layer.impl.mla_backend is not backend:
             raise VLLMSelectionError(
                 f"mla-backends: layer {name!r} runs {layer.impl.mla_backend!r}, configured apart from the metadata "
                 f"builder's {backend!r}; supported one configured backend for every layer of a step (the same "
                 "selection, spec and softmax scale)")
         if fp8:
-            fp8_scale(ENGINE, layer._k_scale_float, attr=SCALE_ATTR, where=f"layer {name!r}")
+            core.fp8_scale(ENGINE, layer._k_scale_float, attr=SCALE_ATTR, where=f"layer {name!r}")
 
 
 @dataclass
@@ -144,7 +136,7 @@ def _configured(vllm_config: Any, *, num_heads: int | None = None) -> tuple[Any,
         request = replace(request, need_lse=False)
     sel = select_at_startup(request, _path())  # VLLMSelectionError, both sides' reasons: start-up fails
     scale = request.dims.softmax_scale
-    return sel, configured_backend(sel, scale), scale
+    return sel, core.configured_backend(sel, scale), scale
 
 
 class MLABackendsMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
@@ -207,23 +199,23 @@ class _DecodeOnMLABackends:
     mla_backend: Any
     mla_scale: float
     mla_fp8: torch.dtype | None  # the fp8 format the layer cache holds (None: not fp8)
-    mla_caches: LayerCaches
+    mla_caches: core.LayerCaches
     _mla_write_cache: Any = None  # the wrapper the CPU impl wrote fp8 rows through
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
-        check_internals(ENGINE, INTERNALS, role="impl", obj=self, where=type(self).__name__)
+        core.check_internals(ENGINE, INTERNALS, role="impl", obj=self, where=type(self).__name__)
         cfg = get_current_vllm_config()
         sel, backend, scale = _configured(cfg, num_heads=self.num_heads)  # type: ignore[attr-defined]
-        self.mla_scale = check_softmax_scale(ENGINE, self.scale, scale)  # type: ignore[attr-defined]
+        self.mla_scale = core.check_softmax_scale(ENGINE, self.scale, scale)  # type: ignore[attr-defined]
         self.mla_selection = sel
         self.mla_backend = backend
         self.mla_fp8 = fp8_cache_view_dtype(self.kv_cache_dtype)  # type: ignore[attr-defined]
-        self.mla_caches = LayerCaches(self.kv_lora_rank, cfg.model_config.dtype)  # type: ignore[attr-defined]
+        self.mla_caches = core.LayerCaches(self.kv_lora_rank, cfg.model_config.dtype)  # type: ignore[attr-defined]
         self.can_return_lse_for_decode = sel.backend.capabilities.returns_lse
         self.need_to_return_lse_for_decode = self.dcp_world_size > 1 and self.can_return_lse_for_decode  # type: ignore[attr-defined]
         self.supports_quant_query_input = False  # queries reach forward_mqa in the model dtype, as a pair
-        log_once(logger, startup_line(_member(), sel, model=str(cfg.model_config.model),
+        core.log_once(logger, startup_line(_member(), sel, model=str(cfg.model_config.model),
                                       num_heads=int(self.num_heads)))  # type: ignore[attr-defined]
 
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
