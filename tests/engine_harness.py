@@ -76,8 +76,9 @@ class Drivers:
     for its driver and reads the JSON report it wrote to ``workdir``."""
 
     def __init__(self, workdir: Path, commands: Mapping[str, Sequence[str]], env: Mapping[str, str],
-                 timeout_s: float, *, together: bool = True) -> None:
+                 timeout_s: float, *, together: bool = True, may_fail: Iterable[str] = ()) -> None:
         self.workdir, self.timeout_s, self.commands, self.env = workdir, timeout_s, commands, dict(env)
+        self.may_fail = set(may_fail)
         self.procs: dict[str, tuple[subprocess.Popen, object]] = {}
         for key in commands if together else ():
             self._start(key)
@@ -100,8 +101,12 @@ class Drivers:
                 proc.wait(timeout=60)
             log.close()  # type: ignore[attr-defined]
             text = (self.workdir / f"driver-{key}.log").read_text(errors="replace")
+            path = self.workdir / f"report-{key}.json"
+            if key in self.may_fail and (proc.returncode != 0 or not path.exists()):
+                self.reports[key] = {"error": f"rc {proc.returncode}", "log": text[-20000:]}
+                return self.reports[key]
             assert proc.returncode == 0, f"driver {key} failed (rc {proc.returncode}):\n{text[-6000:]}"
-            rep = json.loads((self.workdir / f"report-{key}.json").read_text())
+            rep = json.loads(path.read_text())
             rep["log"] = text
             self.reports[key] = rep
         return self.reports[key]
@@ -112,31 +117,6 @@ class Drivers:
                 proc.kill()
                 proc.wait(timeout=60)
             log.close()  # type: ignore[attr-defined]
-
-
-class Isolated:
-    """``cmd`` (a phase that may fail, or whose engine may take its starter down) started in a child process now;
-    :meth:`result` waits for it (bounded): the JSON it wrote to ``report``, or ``{"error": ..., "log": ...}`` when
-    it failed (the log holds the traceback)."""
-
-    def __init__(self, cmd: Sequence[str], env: Mapping[str, str], log: Path, report: Path, timeout_s: float) -> None:
-        report.unlink(missing_ok=True)
-        self.log, self.report, self.timeout_s, self.t = log, report, timeout_s, time.time()
-        self.f = open(log, "w")
-        self.proc = subprocess.Popen(list(cmd), stdout=self.f, stderr=subprocess.STDOUT, env=dict(env))
-
-    def result(self) -> dict:
-        try:
-            rc: object = self.proc.wait(timeout=max(1.0, self.timeout_s - (time.time() - self.t)))
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=60)
-            rc = "timeout"
-        self.f.close()
-        text = self.log.read_text(errors="replace")
-        if self.report.exists() and rc == 0:
-            return json.loads(self.report.read_text())
-        return {"error": f"rc {rc} after {round(time.time() - self.t, 1)} s", "log": text[-20000:]}
 
 
 def free_port() -> int:
@@ -195,11 +175,18 @@ def python_cmd(script: Path, *args: object) -> list[str]:
 
 
 def driver_fixtures(*, folder: Path, engine: str, installed: bool, reason: str, script: Path,
-                    env: Callable[[], Mapping[str, str]], timeout_s: float, together: bool) -> tuple:
+                    env: Callable[[], Mapping[str, str]], timeout_s: float, together: bool,
+                    isolated: Mapping[str, Sequence[str]] | None = None) -> tuple:
     """The session fixtures of an engine folder's conftest: ``workdir`` (a folder of its own under the system's
     temporary directory, removed at the end; pytest's numbered ``tmp_path`` folders are pruned by any other
     pytest session on the machine, even while this one runs), ``drivers`` (``script v2|v3 WORKDIR``, see
-    :class:`Drivers`) and ``report_v2`` / ``report_v3``. Assign them to those names in the conftest."""
+    :class:`Drivers`) and ``report_v2`` / ``report_v3``. Assign them to those names in the conftest.
+
+    ``isolated``: per driver kind, the phases that run in a process of their own (``script KIND WORKDIR PHASE``,
+    driver key ``KIND-PHASE``, started beside the drivers; a phase may fail: its report is then ``{"error": ...,
+    "log": ...}``), found in the kind's report under the phase's name. They are the pytest process's children,
+    not a driver's: an engine shut down in a driver kills every child process of that driver."""
+    phases = {kind: list(names) for kind, names in (isolated or {}).items()}
 
     @pytest.fixture(scope="session")
     def workdir() -> Iterator[Path]:
@@ -213,18 +200,23 @@ def driver_fixtures(*, folder: Path, engine: str, installed: bool, reason: str, 
         if not installed:
             pytest.skip(reason)
         cmds = {kind: python_cmd(script, kind, workdir) for kind in ("v2", "v3")}
-        d = Drivers(workdir, cmds, engine_env(folder, env()), timeout_s, together=together)
+        extra = {f"{kind}-{name}": python_cmd(script, kind, workdir, name) for kind, names in phases.items()
+                 for name in names}
+        d = Drivers(workdir, cmds | extra, engine_env(folder, env()), timeout_s, together=together, may_fail=extra)
         try:
             yield d
         finally:
             d.stop()
 
+    def report(drivers: Drivers, kind: str) -> dict:
+        return drivers.report(kind) | {name: drivers.report(f"{kind}-{name}") for name in phases.get(kind, ())}
+
     @pytest.fixture(scope="session")
     def report_v2(drivers: Drivers) -> dict:
-        return drivers.report("v2")
+        return report(drivers, "v2")
 
     @pytest.fixture(scope="session")
     def report_v3(drivers: Drivers) -> dict:
-        return drivers.report("v3")
+        return report(drivers, "v3")
 
     return workdir, drivers, report_v2, report_v3

@@ -5,9 +5,11 @@
 The plugin is on (``MLA_BACKENDS_SGLANG=1``) and absorbed attention runs on the spy backend
 (``MLA_BACKEND=engine_spy:SpyBackend``, tests/engine_spy.py) unless a phase says otherwise. Each phase is one
 ``Engine`` started and shut down, running its workloads (:data:`WORKLOADS`); :data:`PHASES` lists them per driver.
-Phases that may fail, or that need a process environment of their own, run in a child process (``isolated``),
-started at the driver's start beside its other phases: SGLang kills the process that started an engine whose
-scheduler died. transformers' fp32 ``generate()`` gives the reference tokens of every prompt.
+Phases that may fail, or that need a process environment of their own, are ``isolated``: each runs in a process of
+its own (``sglang_driver.py KIND WORKDIR PHASE``, started by tests/sglang_engine/conftest.py beside the drivers,
+with its own copy of its checkpoint): SGLang kills the process that started an engine whose scheduler died, and
+an engine's shutdown kills every child process of the process that started it. transformers' fp32
+``generate()`` gives the reference tokens of every prompt.
 
 - ``v2`` driver: ``serve`` (``python -m sglang.launch_server --attention-backend mla_backends`` on 127.0.0.1 at a
   free port, the selector's own choice, queried by the ``openai`` client with token-id prompts), ``plugin`` (page
@@ -37,7 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]  # tests/ (the shared harness) and this folder
 
-from engine_harness import NEW_TOKENS, PROMPTS, Isolated, python_cmd  # noqa: E402
+from engine_harness import NEW_TOKENS, PROMPTS  # noqa: E402
 from sglang_env import ENGINE_ARGS, ENGINE_ENV  # noqa: E402
 
 #: prompts sharing a 48-token prefix (three chunks of 16), with tails of 1 to 6 tokens
@@ -74,8 +76,8 @@ PHASES: dict[str, tuple[Phase, ...]] = {
            Phase("fp8", "v2s", ("standard", "logprobs"), {"dtype": "bfloat16", "kv_cache_dtype": "fp8_e5m2"},
                  {"PYTHONPATH": str(HERE / "fp8_lift")}, isolated=True)),
 }
-#: bound on one isolated phase (they run beside the driver's other phases)
-PHASE_TIMEOUT_S = 900
+#: bound on the served model's start
+SERVE_START_TIMEOUT_S = 600
 
 
 def _generate(eng, prompts, **extra):  # type: ignore[no-untyped-def]
@@ -174,17 +176,20 @@ def _serve(wd: Path, phase: Phase) -> dict:
            "--max-total-tokens", str(ENGINE_ARGS["max_total_tokens"]), "--disable-cuda-graph", "--sleep-on-idle",
            "--log-level", "info"]
     env = {k: v for k, v in os.environ.items() if k not in ("MLA_BACKEND", "MLA_SPY_FILE")}
-    with served(cmd, env, wd / "serve.log", port, start_timeout_s=PHASE_TIMEOUT_S - 60) as log:
+    with served(cmd, env, wd / "serve.log", port, start_timeout_s=SERVE_START_TIMEOUT_S) as log:
         tokens = served_tokens(port, model)
     return {"model": model, "tokens": tokens, "log": log.read_text(errors="replace")[-20000:]}
 
 
 def child(kind: str, work: str, name: str) -> None:
-    """One isolated phase, in this (child) process."""
-    wd = Path(work)
+    """One isolated phase, in this process, on its own copy of its checkpoint (``WORKDIR/KIND-PHASE``)."""
     phase = next(p for p in PHASES[kind] if p.name == name)
+    wd = Path(work) / f"{kind}-{name}"
+    wd.mkdir(exist_ok=True)
+    _build(wd, phase.checkpoint)
+    _setup(wd, phase)
     rep = _serve(wd, phase) if "served" in phase.workloads else _phase(kind, wd, phase)
-    (wd / f"report-{kind}-{name}.json").write_text(json.dumps(rep, indent=1))
+    (Path(work) / f"report-{kind}-{name}.json").write_text(json.dumps(rep, indent=1))
 
 
 def main(kind: str, work: str) -> None:
@@ -193,16 +198,13 @@ def main(kind: str, work: str) -> None:
     wd = Path(work)
     (wd / "expand-table.json").write_text(json.dumps(EXPAND_TABLE))
     (wd / "fake-quant.txt").write_text("")
-    for name in dict.fromkeys(p.checkpoint for p in PHASES[kind]):
+    for name in dict.fromkeys([kind, *(p.checkpoint for p in PHASES[kind] if not p.isolated)]):
         _build(wd, name)
     report: dict = {"kind": kind, "shards": len(list((wd / kind).glob("*.safetensors")))}
     report["hf"] = hf_greedy_tokens(wd / kind, PROMPTS, NEW_TOKENS)
     if kind == "v2":
         report["hf_shared"] = hf_greedy_tokens(wd / kind, SHARED, NEW_TOKENS)
     base = dict(os.environ)
-    children = {phase.name: Isolated(python_cmd(Path(__file__), kind, wd, phase.name), _phase_env(wd, phase, base),
-                                     wd / f"driver-{kind}-{phase.name}.log", wd / f"report-{kind}-{phase.name}.json",
-                                     PHASE_TIMEOUT_S) for phase in PHASES[kind] if phase.isolated}
     for phase in PHASES[kind]:
         if phase.isolated:
             continue
@@ -211,9 +213,6 @@ def main(kind: str, work: str) -> None:
         report[phase.name] = _phase(kind, wd, phase)
         os.environ.clear()
         os.environ.update(base)
-    for name, proc in children.items():
-        print(f"=== phase {name} (isolated)", flush=True)
-        report[name] = proc.result()
     (wd / f"report-{kind}.json").write_text(json.dumps(report, indent=1))
     print("=== done", flush=True)
 
