@@ -178,7 +178,7 @@ def _serve(wd: Path, phase: Phase) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("MLA_BACKEND", "MLA_SPY_FILE")}
     with served(cmd, env, wd / "serve.log", port, start_timeout_s=SERVE_START_TIMEOUT_S) as log:
         tokens = served_tokens(port, model)
-    return {"model": model, "tokens": tokens, "log": log.read_text(errors="replace")[-20000:]}
+    return {"model": model, "tokens": tokens, "server_log": log.read_text(errors="replace")[-20000:]}
 
 
 def child(kind: str, work: str, name: str) -> None:

@@ -59,7 +59,7 @@ def probes() -> dict[str, dict]:
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     out = {}
     for key, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
+        stdout, stderr = proc.communicate(timeout=900)
         assert proc.returncode == 0, stderr[-4000:]
         line = next(ln for ln in stdout.splitlines() if ln.startswith("REPORT"))
         out[key] = json.loads(line.removeprefix("REPORT")) | {"stderr": stderr}

@@ -12,4 +12,4 @@ def test_served_tokens_equal_offline(report_v2: dict) -> None:
     assert not served.get("error"), served.get("log", "")[-4000:]
     assert served["tokens"] == report_v2["hf"] == report_v2["plugin"]["standard"]["single"]
     assert (f"runs absorbed MLA on mla-backends (model {served['model']}, 4 heads on this rank). Chosen: "
-            "REF_TORCH") in served["log"]
+            "REF_TORCH") in served["server_log"]
