@@ -11,8 +11,10 @@ nope 128, v 128, hidden 2048, 2 dense layers, fp32, random weights) plus the thr
 (yarn rope of factor 1.0, which is the plain rope, ``moe_layer_freq``, ``scoring_func``). 8 prompts of about
 1,000 tokens generate 64 new tokens; decode time is ``t(64 new tokens) - t(1 new token)`` over 63 steps of 8
 requests. Each engine lives in its own worker process (SGLang's in ``.venv-sglang``, vLLM's in its own venv),
-both started first, then timed alternately (SGLang, vLLM, SGLang, vLLM ...), each keeping its best. The machine
-is shared: compare the two sides of one run.
+both started first, then timed alternately (SGLang, vLLM, SGLang, vLLM ...), each keeping its best; while one side
+is timed the other side's processes are stopped (SIGSTOP to its session), so an idle engine's polling or spinning
+threads cannot take a core from the timed one (two engines left running gave 1.05x and 0.42x for the same code
+an hour apart). The machine is shared: compare the two sides of one run.
 
     .venv-sglang/bin/python benchmarks/bench_sglang_cpu.py [--rounds 3] [--vllm-python .venv-vllm/bin/python]
         [--json benchmarks/results/sglang-cpu.json] [--profile]
@@ -29,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,8 +76,9 @@ def _timer_totals(out: Path) -> dict[str, list[float]]:
 
 #: SGLang's engine arguments for the benchmark (radix cache off: every timed run prefills its prompts afresh;
 #: sleep_on_idle: SGLang's scheduler otherwise polls for requests at full speed, taking a core from the vLLM side
-#: while it is timed)
-SGLANG_ARGS = dict(device="cpu", skip_tokenizer_init=True, dtype="float32", mem_fraction_static=0.2,
+#: while it is timed; page size 16, vLLM's on the CPU: the same pages for the same kernel on both sides, where
+#: SGLang's default of 1 made REF_TORCH's decode 3-5x slower, a page table of one row a page)
+SGLANG_ARGS = dict(device="cpu", skip_tokenizer_init=True, dtype="float32", mem_fraction_static=0.2, page_size=16,
                    max_total_tokens=16384, max_running_requests=8, disable_cuda_graph=True, disable_radix_cache=True,
                    chunked_prefill_size=16384, sleep_on_idle=True, log_level="warning")
 YARN_1 = {"type": "yarn", "rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
@@ -163,7 +167,12 @@ class _Side:
                        PYTHONPATH=os.pathsep.join(filter(None, [str(HERE / "step_timers"), env.get("PYTHONPATH")])))
         self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), "--worker", kind, "--model", model],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=env)
+                                     env=env, start_new_session=True)
+
+    def pause(self, stop: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the worker and its engine processes (its own session): the side not
+        being timed takes no CPU, whatever its engine does when idle."""
+        os.killpg(self.proc.pid, signal.SIGSTOP if stop else signal.SIGCONT)
 
     def _line(self, prefix: str, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -240,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         for s in sides:
             s.ready()
         best = {s.name: {"first": float("inf"), "full": float("inf")} for s in sides}
+        for s in sides:
+            s.pause(True)
         for _ in range(args.rounds):
-            for s in sides:  # SGLang, vLLM, SGLang, vLLM ...
+            for s in sides:  # SGLang, vLLM, SGLang, vLLM ...; the other side stopped meanwhile
+                s.pause(False)
                 t0 = _timer_totals(s.timers) if s.timers else {}
                 first = s.time(1)
                 t1 = _timer_totals(s.timers) if s.timers else {}
@@ -252,8 +264,10 @@ def main(argv: list[str] | None = None) -> int:
                     split[s.name] = _decode_split(t0, t1, t2, full - first, bench_vllm_cpu.NEW_TOKENS - 1)
                 best[s.name]["first"] = min(best[s.name]["first"], first)
                 best[s.name]["full"] = min(best[s.name]["full"], full)
+                s.pause(True)
     finally:
         for s in sides:
+            s.pause(False)
             s.close()
     n, steps = bench_vllm_cpu.PROMPTS, bench_vllm_cpu.NEW_TOKENS - 1
     res: dict = {"shape": "DeepSeek-V2-Lite-shaped, 2 dense layers, fp32 (bench_vllm_cpu.py's, SGLang fields added)",

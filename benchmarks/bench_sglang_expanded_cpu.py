@@ -13,12 +13,14 @@ An extend batch of ``B`` requests, each ``new`` tokens after ``prefix`` cached o
 Each side is timed warm, best of ``--repeat``, alternating; both outputs are compared. The machine is shared:
 compare the two sides of one run.
 
-    .venv/bin/python benchmarks/bench_sglang_expanded_cpu.py [--repeat 5] [--json benchmarks/results/sglang-expanded-cpu.json]
+    .venv/bin/python benchmarks/bench_sglang_expanded_cpu.py [--repeat 5]
+        [--json benchmarks/results/sglang-expanded-cpu.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -82,11 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         meta = BatchMetadata.build([new] * b, [prefix] * b, table, 1, num_blocks=pool.shape[0], reorder=False)
         new_rows = pool[table[:, prefix:].reshape(-1).long(), 0]
 
-        def ours() -> torch.Tensor:
-            return forward_mha(q, new_rows[:, :R], new_rows[:, R:], cache, meta, w, scale=scale, workspace=ws)
-
-        def theirs() -> torch.Tensor:
-            return one_shot(pool, table, q, w, prefix, new, scale)
+        ours = functools.partial(forward_mha, q, new_rows[:, :R], new_rows[:, R:], cache, meta, w, scale=scale,
+                                 workspace=ws)
+        theirs = functools.partial(one_shot, pool, table, q, w, prefix, new, scale)
 
         a, c = ours(), theirs()  # warm, and the same answer
         err = float((a - c).abs().max())
