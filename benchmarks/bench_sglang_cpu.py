@@ -11,11 +11,18 @@ nope 128, v 128, hidden 2048, 2 dense layers, fp32, random weights) plus the thr
 (yarn rope of factor 1.0, which is the plain rope, ``moe_layer_freq``, ``scoring_func``). 8 prompts of about
 1,000 tokens generate 64 new tokens; decode time is ``t(64 new tokens) - t(1 new token)`` over 63 steps of 8
 requests. Each engine lives in its own worker process (SGLang's in ``.venv-sglang``, vLLM's in its own venv),
-both started first, then timed alternately (SGLang, vLLM, SGLang, vLLM ...), each keeping its best. The machine
-is shared: compare the two sides of one run.
+both started first, then timed alternately (SGLang, vLLM, SGLang, vLLM ...), each keeping its best; while one side
+is timed the other side's processes are stopped (SIGSTOP to its session), so an idle engine's polling or spinning
+threads cannot take a core from the timed one (two engines left running gave 1.05x and 0.42x for the same code
+an hour apart). The machine is shared: compare the two sides of one run.
 
     .venv-sglang/bin/python benchmarks/bench_sglang_cpu.py [--rounds 3] [--vllm-python .venv-vllm/bin/python]
-        [--json benchmarks/results/sglang-cpu.json]
+        [--json benchmarks/results/sglang-cpu.json] [--profile]
+
+``--profile`` also splits each side's decode step: wall-clock timers (benchmarks/step_timers, loaded into every
+engine process) around the engine's batch step, its model forward, the adapter's per-step metadata, its per-layer
+attention call, the library's ``forward_mqa`` and REF_TORCH's kernel, diffed between the 1-token and the
+64-token run of the best round, per decode step (the timers add a few microseconds per call).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,10 +41,44 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+_MLA = "mla_backends"
+#: per side: the timed functions (the first is the step; see benchmarks/step_timers/sitecustomize.py)
+TIMERS = {
+    "sglang": {"step": "sglang.srt.managers.scheduler:Scheduler.run_batch",
+               "forward": "sglang.srt.model_executor.model_runner:ModelRunner.forward",
+               "metadata": f"{_MLA}.integrations.sglang.backend:MLABackendsAttnBackend.init_forward_metadata",
+               "attention": f"{_MLA}.integrations.sglang.backend:MLABackendsAttnBackend.forward_decode",
+               "forward_mqa": f"{_MLA}.backends.contract:MLABackend.forward_mqa",
+               "kernel": f"{_MLA}.ref_torch.backend:RefTorchBackend.forward_mqa_kernel"},
+    "vllm": {"step": "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model",
+             "sample": "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens",
+             "forward": "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward",
+             "metadata": f"{_MLA}.integrations.vllm.backend:MLABackendsMetadataBuilder.build",
+             "attention": f"{_MLA}.integrations.vllm.backend:_DecodeOnMLABackends.forward_mqa",
+             "forward_mqa": f"{_MLA}.backends.contract:MLABackend.forward_mqa",
+             "kernel": f"{_MLA}.ref_torch.backend:RefTorchBackend.forward_mqa_kernel"},
+}
+
+
+def _timer_totals(out: Path) -> dict[str, list[float]]:
+    """Every process's timer totals in ``out``, summed: name -> [calls, seconds]."""
+    tot: dict[str, list[float]] = {}
+    for f in out.glob("*.json"):
+        try:
+            data = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        for k, v in data.items():
+            t = tot.setdefault(k, [0, 0.0])
+            t[0] += v["calls"]
+            t[1] += v["s"]
+    return tot
+
 #: SGLang's engine arguments for the benchmark (radix cache off: every timed run prefills its prompts afresh;
 #: sleep_on_idle: SGLang's scheduler otherwise polls for requests at full speed, taking a core from the vLLM side
-#: while it is timed)
-SGLANG_ARGS = dict(device="cpu", skip_tokenizer_init=True, dtype="float32", mem_fraction_static=0.2,
+#: while it is timed; page size 16, vLLM's on the CPU: the same pages for the same kernel on both sides, where
+#: SGLang's default of 1 made REF_TORCH's decode 3-5x slower, a page table of one row a page)
+SGLANG_ARGS = dict(device="cpu", skip_tokenizer_init=True, dtype="float32", mem_fraction_static=0.2, page_size=16,
                    max_total_tokens=16384, max_running_requests=8, disable_cuda_graph=True, disable_radix_cache=True,
                    chunked_prefill_size=16384, sleep_on_idle=True, log_level="warning")
 YARN_1 = {"type": "yarn", "rope_type": "yarn", "factor": 1.0, "original_max_position_embeddings": 4096,
@@ -113,13 +155,24 @@ def worker_vllm(model: str) -> None:
 
 
 class _Side:
-    def __init__(self, name: str, python: str, kind: str, model: str, log: Path) -> None:
+    def __init__(self, name: str, python: str, kind: str, model: str, log: Path, timers: Path | None = None) -> None:
         self.name = name
         self.log = open(log, "w")
+        self.timers = timers
         env = {k: v for k, v in os.environ.items() if k not in ("MLA_BACKENDS_VLLM", "MLA_BACKENDS_SGLANG")}
+        if timers is not None:
+            timers.mkdir(parents=True, exist_ok=True)
+            env.update(MLA_STEP_TIMERS_OUT=str(timers),
+                       MLA_STEP_TIMERS=",".join(f"{k}={v}" for k, v in TIMERS[kind].items()),
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(HERE / "step_timers"), env.get("PYTHONPATH")])))
         self.proc = subprocess.Popen([python, str(Path(__file__).resolve()), "--worker", kind, "--model", model],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=env)
+                                     env=env, start_new_session=True)
+
+    def pause(self, stop: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the worker and its engine processes (its own session): the side not
+        being timed takes no CPU, whatever its engine does when idle."""
+        os.killpg(self.proc.pid, signal.SIGSTOP if stop else signal.SIGCONT)
 
     def _line(self, prefix: str, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -153,6 +206,16 @@ class _Side:
         self.log.close()
 
 
+def _decode_split(t0: dict, t1: dict, t2: dict, decode_s: float, steps: int) -> dict[str, float]:
+    """Milliseconds per decode step, by timer: the 64-token run's totals minus the 1-token run's (its prefill and
+    first token), over the ``steps`` decode steps; ``wall_ms`` is the measured decode time per step."""
+    def spent(k: str) -> float:
+        run = lambda a, b: b.get(k, [0, 0.0])[1] - a.get(k, [0, 0.0])[1]  # noqa: E731
+        return (run(t1, t2) - run(t0, t1)) * 1e3 / steps
+
+    return {"wall_ms": decode_s * 1e3 / steps} | {k: round(spent(k), 3) for k in sorted(t2)}
+
+
 def main(argv: list[str] | None = None) -> int:
     import bench_vllm_cpu
 
@@ -162,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-python", default=None,
                     help="the Python of vLLM's environment (default: .venv-vllm/bin/python, else /work/main's)")
     ap.add_argument("--json", default="benchmarks/results/sglang-cpu.json", help="write the figures here")
+    ap.add_argument("--profile", action="store_true", help="split each side's decode step (timers in the engines)")
     ap.add_argument("--worker", choices=["sglang", "vllm"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -175,18 +239,35 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--vllm-python: got {vpy!r}; supported the Python of an environment with vLLM (`make vllm-env`)")
     model = args.model or str(build_checkpoint(Path(tempfile.gettempdir()) / "mla-bench-sglang-v2lite"))
     logs = Path(tempfile.gettempdir())
-    sides = [_Side("sglang + mla-backends", sys.executable, "sglang", model, logs / "bench-sglang-worker.log"),
-             _Side("vllm + mla-backends", vpy, "vllm", model, logs / "bench-sglang-vllm-worker.log")]
+    prof = Path(tempfile.mkdtemp(prefix="bench-sglang-timers-")) if args.profile else None
+    sides = [_Side("sglang + mla-backends", sys.executable, "sglang", model, logs / "bench-sglang-worker.log",
+                   prof / "sglang" if prof else None),
+             _Side("vllm + mla-backends", vpy, "vllm", model, logs / "bench-sglang-vllm-worker.log",
+                   prof / "vllm" if prof else None)]
+    split: dict[str, dict] = {}
     try:
         for s in sides:
             s.ready()
         best = {s.name: {"first": float("inf"), "full": float("inf")} for s in sides}
+        for s in sides:
+            s.pause(True)
         for _ in range(args.rounds):
-            for s in sides:  # SGLang, vLLM, SGLang, vLLM ...
-                best[s.name]["first"] = min(best[s.name]["first"], s.time(1))
-                best[s.name]["full"] = min(best[s.name]["full"], s.time(bench_vllm_cpu.NEW_TOKENS))
+            for s in sides:  # SGLang, vLLM, SGLang, vLLM ...; the other side stopped meanwhile
+                s.pause(False)
+                t0 = _timer_totals(s.timers) if s.timers else {}
+                first = s.time(1)
+                t1 = _timer_totals(s.timers) if s.timers else {}
+                full = s.time(bench_vllm_cpu.NEW_TOKENS)
+                t2 = _timer_totals(s.timers) if s.timers else {}
+                if s.timers and (s.name not in split or full - first < split[s.name]["wall_ms"] * 1e-3 * (
+                        bench_vllm_cpu.NEW_TOKENS - 1)):
+                    split[s.name] = _decode_split(t0, t1, t2, full - first, bench_vllm_cpu.NEW_TOKENS - 1)
+                best[s.name]["first"] = min(best[s.name]["first"], first)
+                best[s.name]["full"] = min(best[s.name]["full"], full)
+                s.pause(True)
     finally:
         for s in sides:
+            s.pause(False)
             s.close()
     n, steps = bench_vllm_cpu.PROMPTS, bench_vllm_cpu.NEW_TOKENS - 1
     res: dict = {"shape": "DeepSeek-V2-Lite-shaped, 2 dense layers, fp32 (bench_vllm_cpu.py's, SGLang fields added)",
@@ -202,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
                               "decode_s": round(decode, 4), "decode_tokens_per_s": round(n * steps / decode, 1)}
         print(f"{name:>22}: decode {decode:.3f} s for {steps} steps x {n} requests = {n * steps / decode:.1f} "
               f"tokens/s (prefill + first token {b['first']:.3f} s)")
+    if split:
+        res["decode_step_split_ms"] = split
+        for name, sp in split.items():
+            print(f"{name:>22}: per decode step {sp['wall_ms']:.2f} ms: " + ", ".join(
+                f"{k} {v:.2f}" for k, v in sp.items() if k != "wall_ms"))
     ratio = (res["sides"]["sglang + mla-backends"]["decode_tokens_per_s"]
              / res["sides"]["vllm + mla-backends"]["decode_tokens_per_s"])
     res["speed_ratio_sglang_over_vllm"] = round(ratio, 3)

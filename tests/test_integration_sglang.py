@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mla_backends import BatchMetadata, configure_backend
+from mla_backends import BatchMetadata, LatentKVCache, configure_backend
 from mla_backends.integrations import sglang as plugin_pkg
+from mla_backends.integrations.engine_core import LayerCaches
 from mla_backends.integrations.sglang.selection import (
     SGLangSelectionError,
     request_from_runner,
@@ -24,10 +25,11 @@ from mla_backends.integrations.sglang.selection import (
 from mla_backends.integrations.sglang.step import (
     batch_absorbed,
     decode_metadata,
+    dense_up_projection,
     extend_metadata,
     page_table,
+    pool_pages,
     sglang_policy,
-    wrap_pool_buffer,
 )
 from mla_backends.integrations.sglang.versions import UnsupportedSGLangVersionError, check_sglang_version
 from mla_backends.layer.dispatch import PerBatchPolicy, PerRequestPolicy
@@ -106,7 +108,7 @@ def test_kv_cache_dtype_refusals() -> None:
 def test_request_per_rank_heads_and_selection(monkeypatch: pytest.MonkeyPatch, cpu_fused_not_built: None) -> None:
     monkeypatch.delenv("MLA_BACKEND", raising=False)
     req = request_from_runner(HF, tp_size=2, dtype=torch.float32, kv_cache_dtype="auto", page_size=16, device="cpu")
-    assert req.dims.num_heads == 2 and req.dims.tp_size == 2 and req.page_size == 16
+    assert req.dims.num_heads == 2 and req.dims.tp_size == 2 and req.block_size == 16
     sel = req.select()
     assert sel.name == "REF_TORCH"
     line = startup_line(sel, model="m", num_heads=2)
@@ -149,15 +151,16 @@ def test_page_table_page_size_1_and_16() -> None:
         page_table(req_to_token, torch.tensor([1]), 65, 16)
 
 
-def test_wrap_pool_buffer_shares_memory_and_refuses_bad_layouts() -> None:
+def test_pool_pages_share_memory_once_per_layer_and_refuse_bad_layouts() -> None:
     buf = _pool(64, 16)
-    cache = wrap_pool_buffer(buf, 16, kv_lora_rank=R, model_dtype=torch.float32)
+    caches = LayerCaches(R, torch.float32)
+    cache = caches.get(3, pool_pages(buf, 16), 1.0)
     assert cache.data.data_ptr() == buf.data_ptr() and tuple(cache.data.shape) == (5, 16, R + ROPE)
-    assert wrap_pool_buffer(buf, 16, kv_lora_rank=R, model_dtype=torch.float32, previous=cache) is cache
+    assert caches.get(3, pool_pages(buf, 16), 1.0) is cache  # the layer's wrapper, made once
     with pytest.raises(ValueError, match="buffer: got 80 slots; supported a multiple of page_size 32"):
-        wrap_pool_buffer(buf, 32, kv_lora_rank=R, model_dtype=torch.float32)
+        pool_pages(buf, 32)
     with pytest.raises(ValueError, match=r"supported \[slots, 1, row\]"):
-        wrap_pool_buffer(torch.zeros(16, 2, R + ROPE), 1, kv_lora_rank=R, model_dtype=torch.float32)
+        pool_pages(torch.zeros(16, 2, R + ROPE), 1)
 
 
 def _decode(pool: torch.Tensor, req_to_token: torch.Tensor, lens: list[int], page: int) -> torch.Tensor:
@@ -173,7 +176,7 @@ def _decode(pool: torch.Tensor, req_to_token: torch.Tensor, lens: list[int], pag
     meta = decode_metadata(req_to_token, torch.arange(len(lens)), torch.tensor(lens, dtype=torch.int32), lens, page)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(len(lens), 4, R + ROPE, generator=g)
-    cache = wrap_pool_buffer(pool, page, kv_lora_rank=R, model_dtype=torch.float32)
+    cache = LatentKVCache.from_tensor(pool_pages(pool, page), kv_lora_rank=R, model_dtype=torch.float32)
     out, _ = backend.forward_mqa(q[..., :R], q[..., R:], cache, meta, scale=dims.softmax_scale,
                                  plan=plan_step(meta, [backend]))
     return out
@@ -249,27 +252,14 @@ def test_env_reports_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
         assert st["reason"] == "SGLang is not installed" and st["version"] is None
 
 
-def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: list[int], scale: float) -> torch.Tensor:
-    """Query ``i`` at position ``pos[i]`` attends keys ``0..pos[i]``, in float64."""
-    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
-    allowed = torch.arange(k.shape[0]).unsqueeze(0) <= torch.tensor(pos).unsqueeze(1)
-    s = s.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", s.softmax(-1), v.double())
-
-
-def test_expanded_attention_with_and_without_a_cached_prefix() -> None:
-    from mla_backends.integrations.sglang.step import expanded_attention
-
+def test_dense_up_projection_is_the_weight_or_the_projection_of_the_identity() -> None:
     g = torch.Generator().manual_seed(5)
-    prefix = [3, 0]  # request 0: 3 cached + 2 new tokens; request 1: 4 new
-    q = torch.randn(6, 2, 80, generator=g)
-    k = torch.randn(3 + 2 + 4, 2, 80, generator=g)
-    v = torch.randn(9, 2, 16, generator=g)
-    out = expanded_attention(q, k, v, (0, 2, 6), (0, 5, 9), prefix, scale=0.1)
-    torch.testing.assert_close(out[:2].double(), _naive(q[:2], k[:5], v[:5], [3, 4], 0.1), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out[2:].double(), _naive(q[2:], k[5:], v[5:], [0, 1, 2, 3], 0.1), atol=1e-5,
-                               rtol=1e-5)
-    with pytest.raises(ValueError, match="k_starts: request 0 has 5 keys; supported its prefix 0 \\+ 2 new tokens"):
-        expanded_attention(q, k, v, (0, 2, 6), (0, 5, 9), [0, 0], scale=0.1)
-    with pytest.raises(ValueError, match="q/k/v: got 6, 9 and 9 rows; supported 6 queries and 8 keys"):
-        expanded_attention(q, k, v, (0, 2, 6), (0, 4, 8), prefix, scale=0.1)
+    w = torch.randn(4 * (16 + 16), R, generator=g)
+    assert dense_up_projection(w, lambda x: x @ w.t(), rows=128, kv_lora_rank=R, dtype=torch.float32) is w
+    # a projection whose weight is stored otherwise (here: bfloat16 with a scale, as a quantised kv_b_proj is)
+    stored, scale = (w / 3).to(torch.bfloat16), 3.0
+    dense = dense_up_projection(stored, lambda x: (x @ stored.float().t()) * scale, rows=128, kv_lora_rank=R,
+                                dtype=torch.float32)
+    torch.testing.assert_close(dense, stored.float() * scale)
+    with pytest.raises(ValueError, match=r"kv_b_proj\(identity\): got shape \[512, 64\]; supported \[512, 128\]"):
+        dense_up_projection(stored, lambda x: x[:, :64], rows=128, kv_lora_rank=R, dtype=torch.float32)

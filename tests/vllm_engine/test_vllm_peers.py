@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from harness import HAVE_VLLM, SKIP_REASON
+from vllm_env import HAVE_VLLM, SKIP_REASON
 
 from mla_backends.testing import build_matrix, checks, hints
 from mla_backends.testing.inputs import prepare

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from harness import HAVE_VLLM, SKIP_REASON  # noqa: E402
+from vllm_env import HAVE_VLLM, SKIP_REASON  # noqa: E402
 
 if not HAVE_VLLM:
     pytest.skip(SKIP_REASON, allow_module_level=True)
@@ -22,9 +22,11 @@ from vllm_cases import BS, R, decode_case, reference  # noqa: E402
 
 from mla_backends import Capabilities  # noqa: E402
 from mla_backends.integrations import vllm as plugin_pkg  # noqa: E402
+from mla_backends.integrations.engine_core import LayerCaches, check_internals  # noqa: E402
 from mla_backends.integrations.vllm import backend as vb  # noqa: E402
 from mla_backends.integrations.vllm import plugin  # noqa: E402
-from mla_backends.integrations.vllm.selection import VLLMSelectionError, declarations  # noqa: E402
+from mla_backends.integrations.vllm.internals import INTERNALS  # noqa: E402
+from mla_backends.integrations.vllm.selection import ENGINE, VLLMSelectionError, declarations  # noqa: E402
 from mla_backends.integrations.vllm.step import decode_batch_metadata  # noqa: E402
 from mla_backends.integrations.vllm.versions import UnsupportedVLLMVersionError  # noqa: E402
 from mla_backends.ref_torch import RefTorchBackend
@@ -143,12 +145,15 @@ def _decode_md(impl, table, lens):  # type: ignore[no-untyped-def]
         plan=plan_step(meta, [impl.mla_backend])))
 
 
-def _impl(need_lse: bool):  # type: ignore[no-untyped-def]
+def _impl(need_lse: bool = False, kv_cache_dtype: str = "auto", backend=None):  # type: ignore[no-untyped-def]
+    """An impl as its start-up leaves it (without vLLM's configuration): tiny dims, REF_TORCH by default."""
     impl = object.__new__(vb.MLABackendsCPUImpl)
     impl.kv_lora_rank, impl.scale, impl.need_to_return_lse_for_decode = R, 0.3, need_lse
-    impl.kv_cache_dtype = "auto"
-    impl.mla_backend = RefTorchBackend()
+    impl.kv_cache_dtype = kv_cache_dtype
+    impl.mla_backend = backend if backend is not None else RefTorchBackend()
     impl.mla_scale = impl.scale
+    impl.mla_fp8 = vb.fp8_cache_view_dtype(kv_cache_dtype)
+    impl.mla_caches = LayerCaches(R, torch.float32)
     return impl
 
 
@@ -165,7 +170,7 @@ def test_forward_mqa_runs_the_selected_backend(need_lse: bool) -> None:
         torch.testing.assert_close(lse.double(), ref_lse, atol=2e-5, rtol=2e-5)
     else:
         assert lse is None
-    one, _ = impl.forward_mqa(torch.cat([ql, qr], dim=-1), cache, md, SimpleNamespace())  # one fused tensor
+    one, _ = impl.forward_mqa(torch.cat([ql, qr], dim=-1), cache, md, SimpleNamespace(_k_scale_float=1.0))
     torch.testing.assert_close(one, out)
     with pytest.raises(RuntimeError, match="carries no BatchMetadata"):
         impl.forward_mqa((ql, qr), cache, SimpleNamespace(decode=SimpleNamespace()), None)
@@ -174,6 +179,42 @@ def test_forward_mqa_runs_the_selected_backend(need_lse: bool) -> None:
         plan=plan_step(decode_batch_metadata(table, torch.tensor(lens), lens, BS), [impl.mla_backend])))
     with pytest.raises(ValueError, match="made for other metadata"):  # a plan must be the batch's own
         impl.forward_mqa((ql, qr), cache, other, SimpleNamespace(_k_scale_float=1.0))
+
+
+def _poison_outside(cache: torch.Tensor, table: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """A copy of ``cache`` with NaN in every slot the requests do not own: the slots past each request's
+    length in its last page, and every page outside the tables."""
+    out = torch.full_like(cache, float("nan"))
+    for b, s in enumerate(lens):
+        for p in range(s):
+            blk, off = int(table[b, p // BS]), p % BS
+            out[blk, off] = cache[blk, off]
+    return out
+
+
+#: the backends the adapter-level NaN test runs: REF_TORCH reads the NaN of unowned slots into its value product
+#: (0 x NaN) until issue 48 item 1's masking lands; TRITON_MLA (interpreted on the CPU) does not
+NAN_BACKENDS = [pytest.param("REF_TORCH", marks=pytest.mark.xfail(
+                    strict=True, reason="REF_TORCH propagates NaN from slots no request owns: the REF_TORCH NaN "
+                                        "masking fix (issue 48 item 1) is another change")),
+                "TRITON_MLA"]
+
+
+@pytest.mark.parametrize("name", NAN_BACKENDS)
+def test_nan_outside_the_steps_slots_does_not_change_the_output(name: str) -> None:
+    """vLLM's layer cache with NaN in every slot no request of the step owns: the adapter's decode gives the
+    float64 reference's answer (nothing outside the requests' rows is read)."""
+    from mla_backends.triton_mla import TritonMLABackend
+
+    lens = [6, 13, 1]  # a partly used last page, a page and a bit, a one-token request
+    cache, table, ql, qr = decode_case(lens, num_blocks=9)
+    backend = RefTorchBackend() if name == "REF_TORCH" else TritonMLABackend()
+    impl = _impl(backend=backend)
+    out, _ = impl.forward_mqa((ql, qr), _poison_outside(cache, table, lens), _decode_md(impl, table, lens),
+                              SimpleNamespace(_k_scale_float=1.0))
+    ref_out, _ = reference(cache, table, lens, ql, qr, 0.3)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-4, rtol=2e-4)
 
 
 class _Base032:
@@ -210,12 +251,7 @@ FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": 
 
 
 def _cpu_impl(kv_cache_dtype: str):  # type: ignore[no-untyped-def]
-    impl = object.__new__(vb.MLABackendsCPUImpl)
-    impl.kv_lora_rank, impl.scale, impl.need_to_return_lse_for_decode = R, 0.3, False
-    impl.kv_cache_dtype = kv_cache_dtype
-    impl.mla_backend = RefTorchBackend()
-    impl.mla_scale = impl.scale
-    return impl
+    return _impl(kv_cache_dtype=kv_cache_dtype)
 
 
 @pytest.mark.parametrize("name", sorted(FP8))
@@ -281,26 +317,53 @@ def test_fp8_cache_read_as_written_whatever_view_vllm_hands_over(name: str) -> N
     torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
 
 
-def test_fp8_cache_without_host_scale_is_refused() -> None:
-    lens = [5]
-    cache32, table, ql, qr = decode_case(lens)
-    fp8 = cache32.to(torch.float8_e4m3fn)
-    impl = _cpu_impl("fp8")
-    md = _decode_md(impl, table, lens)
-    for layer in (SimpleNamespace(), SimpleNamespace(_k_scale_float=None), SimpleNamespace(_k_scale_float="1")):
-        with pytest.raises(VLLMSelectionError, match="has _k_scale_float = .*; supported a float"):
-            impl.forward_mqa((ql, qr), fp8, md, layer)
-    # at start-up: the metadata builder checks every layer of an fp8 cache
-    ctx = {"l0": SimpleNamespace(_k_scale_float=1.0), "l1": SimpleNamespace()}
-    cfg = SimpleNamespace(cache_config=SimpleNamespace(cache_dtype="fp8_e5m2"),
-                          compilation_config=SimpleNamespace(static_forward_context=ctx))
-    with pytest.raises(VLLMSelectionError, match="layer 'l1' has _k_scale_float = None"):
-        vb.check_layer_scales(cfg, ["l0", "l1"])
-    vb.check_layer_scales(cfg, ["l0"])
+def _config(cache_dtype: str, layers: dict) -> SimpleNamespace:
+    return SimpleNamespace(cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+                           compilation_config=SimpleNamespace(static_forward_context=layers),
+                           model_config=SimpleNamespace(model="m"),
+                           parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+
+
+def test_layers_are_checked_at_start_up() -> None:
+    """The metadata builder checks every MLA layer once: its internals (a layer without ``_k_scale_float`` is
+    refused naming it, never read with a default), its host scale under an fp8 cache, and that its impl runs the
+    builder's configured backend (the plan the builder makes is the one the impls run)."""
+    backend = RefTorchBackend()
+    impl = _impl(backend=backend)
+    good = SimpleNamespace(_k_scale_float=0.5, impl=impl)
+    vb._check_layers(_config("fp8_e5m2", {"l0": good}), ["l0"], backend)
+    with pytest.raises(VLLMSelectionError, match=r"vLLM internal layer\._k_scale_float is missing on layer 'l1'"):
+        vb._check_layers(_config("auto", {"l0": good, "l1": SimpleNamespace(impl=impl)}), ["l0", "l1"], backend)
+    for bad in (None, "1", 0.0, float("nan"), True):
+        with pytest.raises(VLLMSelectionError, match="layer 'l1' has _k_scale_float = .*; supported a positive"):
+            vb._check_layers(_config("fp8", {"l1": SimpleNamespace(_k_scale_float=bad, impl=impl)}), ["l1"],
+                             backend)
+    vb._check_layers(_config("auto", {"l1": SimpleNamespace(_k_scale_float=None, impl=impl)}), ["l1"], backend)
     with pytest.raises(VLLMSelectionError, match="layer 'l9' is not in vLLM's static_forward_context"):
-        vb.check_layer_scales(cfg, ["l0", "l9"])
-    cfg.cache_config.cache_dtype = "auto"
-    vb.check_layer_scales(cfg, ["l0", "l1"])  # no fp8 cache, no scale needed
+        vb._check_layers(_config("auto", {"l0": good}), ["l0", "l9"], backend)
+    with pytest.raises(VLLMSelectionError, match="layer 'l0' runs .*configured apart from the metadata builder's"):
+        vb._check_layers(_config("auto", {"l0": good}), ["l0"], RefTorchBackend())
+    with pytest.raises(VLLMSelectionError, match=r"internal config\.model_config\.model is missing"):
+        cfg = _config("auto", {"l0": good})
+        del cfg.model_config.model
+        vb._check_layers(cfg, ["l0"], backend)
+
+
+def test_a_missing_vllm_internal_refuses_start_up(monkeypatch: pytest.MonkeyPatch, clean_registry: None) -> None:
+    """Every row of the table resolves on the installed vLLM; one renamed away refuses registration naming it."""
+    from vllm.v1.attention import backend as vllm_backend
+
+    check_internals(ENGINE, INTERNALS)
+    monkeypatch.delattr(vllm_backend.CommonAttentionMetadata, "seq_lens_cpu_upper_bound")
+    monkeypatch.setattr(vllm_backend.CommonAttentionMetadata, "__dataclass_fields__", {})
+    with pytest.raises(VLLMSelectionError, match="vLLM internal CommonAttentionMetadata.seq_lens_cpu_upper_bound is "
+                                                 "missing"):
+        plugin.register_backends()
+    assert not AttentionBackendEnum.CUSTOM.is_overridden()
+    with pytest.raises(VLLMSelectionError, match=r"internal impl\.dcp_world_size is missing on X"):
+        check_internals(ENGINE, INTERNALS, role="impl", obj=SimpleNamespace(
+            num_heads=4, scale=0.1, kv_lora_rank=R, kv_cache_dtype="auto", need_to_return_lse_for_decode=False,
+            can_return_lse_for_decode=False, supports_quant_query_input=False), where="X")
 
 
 def test_vllm_layers_carry_the_host_scale() -> None:

@@ -1,78 +1,109 @@
-"""The SGLang attention backend that runs absorbed MLA on mla-backends (imports SGLang).
+"""The SGLang attention backend that runs MLA on mla-backends (imports SGLang).
 
 :class:`MLABackendsAttnBackend` is an SGLang ``AttentionBackend``. At start-up (its constructor, once per rank) it
-calls ``select_backend()`` with the rank's dims (heads / tensor-parallel size), dtype, cache dtype and page size
-and fails with the selection's reasons when nothing fits. Its per-batch hook (``init_forward_metadata``) builds
-the batch's one :class:`~mla_backends.step.metadata.BatchMetadata` and :class:`~mla_backends.step.plan.StepPlan`
-for every layer, and makes the MHA-or-absorbed decision the DeepSeek handler returns. Every absorbed call (decode,
-and extend batches mla-backends absorbs) writes the new latent rows with SGLang's own pool write and runs
-``forward_mqa`` of the selected class on SGLang's pool buffer wrapped without a copy. Extend batches the handler
-sends to SGLang's one-shot MHA arrive with expanded ``q``/``k``/``v``; the backend attends over them with
-PyTorch's SDPA (causal, offset by each request's cached prefix).
+checks the SGLang internals it touches (:mod:`.internals`), walks the model for its MLA attention modules, calls
+``select_backend()`` with the rank's heads, dtype, cache dtype and page size, takes the configured backend
+(:func:`~..engine_core.configured_backend`), and fixes everything per layer: the layer's fp8 scale, its cache
+wrapper and its up-projection matrix; it fails with the reasons when anything does not fit. Its per-batch hook
+(``init_forward_metadata``) builds the batch's one :class:`~mla_backends.step.metadata.BatchMetadata` and, for
+absorbed batches, its :class:`~mla_backends.step.plan.StepPlan`, and makes the MHA-or-absorbed decision the
+DeepSeek handler returns.
+
+Absorbed calls (decode, and the extend batches mla-backends absorbs) write the new latent rows through the
+batch's metadata with ``LatentKVCache.write`` (the layer's fp8 scale) and run ``forward_mqa`` of the selected
+class on SGLang's pool buffer wrapped without a copy. Expanded batches go through SGLang's MHA prepare, whose
+``prepare_prefill_qkv`` hook is this backend's: it ropes ``q`` and the new key as SGLang does, writes the new rows
+the same way and hands ``q`` on; the layer's ``attn_mha`` call then runs the library's ``forward_mha`` (new tokens
+causal, the cached prefix read from the pool in chunks through the shared prefill workspace).
 """
 
 from __future__ import annotations
 
 import logging
-import math
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from ...backends.contract import configure_backend
-from ...core.validation import require_device
+from ...layer.prefill import forward_mha
+from ...layer.workspace import PrefillWorkspace, default_workspace_rows, shared_workspace
+from ...step.cache import LatentKVCache
 from ...step.metadata import BatchMetadata
 from ...step.plan import StepPlan, plan_step
-from .selection import SGLangSelectionError, request_from_runner, startup_line
+from .. import engine_core as core
+from .internals import INTERNALS
+from .selection import ENGINE, SGLangSelectionError, request_from_runner, startup_line
 from .step import (
     batch_absorbed,
     decode_metadata,
-    expanded_attention,
+    dense_up_projection,
     extend_metadata,
+    pool_pages,
     sglang_policy,
-    wrap_pool_buffer,
 )
 
-__all__ = ["MLABackendsAttnBackend", "SGLangBatch"]
+__all__ = ["MLABackendsAttnBackend", "SGLangBatch", "MLALayer", "mla_modules"]
 
 logger = logging.getLogger("sglang.mla_backends")
-_LOGGED: set[str] = set()
 
 
 @dataclass(frozen=True)
 class SGLangBatch:
     """What the metadata hook worked out for one forward batch, read by every layer.
 
-    ``absorbed``: the handler's answer (decode batches: True). ``meta``/``plan``: the batch's metadata and plan
-    (absorbed batches only). ``q_starts``/``k_starts``/``prefix``: host offsets of each request's query rows,
-    key rows (SGLang's one-shot MHA passes every cached and new token) and cached prefix (expanded batches).
+    ``batch``: a weak reference to the SGLang ``ForwardBatch`` it was made for (the handler and the layers check
+    that they are handed that very batch). ``absorbed``: the handler's answer (decode batches: True). ``meta``:
+    the batch's metadata (None for idle batches); ``plan``: its plan (absorbed batches); ``workspace``: the
+    shared prefill workspace (expanded batches).
     """
 
-    forward_batch_id: int
+    batch: weakref.ReferenceType
     absorbed: bool
     meta: BatchMetadata | None = None
     plan: StepPlan | None = None
-    q_starts: tuple[int, ...] = ()
-    k_starts: tuple[int, ...] = ()
-    k_starts_new_only: tuple[int, ...] = ()
-    prefix: tuple[int, ...] = ()
+    workspace: PrefillWorkspace | None = None
 
 
-def _device_name(device: Any) -> str:
-    dev = require_device("model_runner.device", device)
-    if dev.type == "cuda":
-        return f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
-    return dev.type
+@dataclass(frozen=True)
+class MLALayer:
+    """One MLA layer as the backend runs it, fixed at start-up: its pool layer id, fp8 ``scale`` (1.0 for other
+    caches), ``kv_b`` (the ``[heads * (nope + v), kv_lora_rank]`` up-projection of the expanded path),
+    ``qk_nope_head_dim`` and the module itself (its ``rotary_emb``)."""
+
+    layer_id: int
+    scale: float
+    kv_b: torch.Tensor
+    qk_nope_head_dim: int
+    module: Any
 
 
-def _starts(lens: list[int]) -> tuple[int, ...]:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return tuple(out)
+def mla_modules(model: Any) -> list[Any]:
+    """The MLA attention modules of SGLang's ``model`` (every module with an ``attn_mqa``), in model order."""
+    return [m for m in model.modules() if hasattr(m, "attn_mqa")]
+
+
+def _layer_scale(radix: Any, fp8: bool, where: str) -> float:
+    """The fp8 scale the layer's rows are written and read with (1.0 for a cache that is not fp8).
+
+    SGLang's layer carries ``k_scale`` (the loaded tensor) and ``k_scale_float`` (its host copy) when the
+    checkpoint's quantisation config gives the attention a KV-cache method; without one both are None and SGLang
+    stores a plain cast, which is scale 1.0. A loaded tensor without its host copy, or a scale of more than one
+    value (per token or per channel), is refused: the library reads one per-tensor scale."""
+    if not fp8:
+        return 1.0
+    tensor, host = radix.k_scale, radix.k_scale_float
+    if tensor is None and host is None:
+        return 1.0
+    if isinstance(tensor, torch.Tensor) and tensor.numel() != 1:
+        raise SGLangSelectionError(f"mla-backends: {where} has k_scale of shape {list(tensor.shape)}; supported one "
+                                   "per-tensor fp8 scale (per-token or per-channel cache scales are not read)")
+    if host is None:
+        raise SGLangSelectionError(f"mla-backends: {where} has k_scale {tensor!r} but k_scale_float None; supported "
+                                   "a loaded scale with its host copy (SGLang's KV-cache quantisation method sets "
+                                   "both)")
+    return core.fp8_scale(ENGINE, host, attr="k_scale_float", where=where)
 
 
 class MLABackendsAttnBackend(AttentionBackend):
@@ -82,103 +113,145 @@ class MLABackendsAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner: Any) -> None:
         super().__init__()
+        core.check_internals(ENGINE, INTERNALS)
+        core.check_internals(ENGINE, INTERNALS, role="runner", obj=model_runner, where="SGLang's model runner")
+        core.check_internals(ENGINE, INTERNALS, role="pool", obj=model_runner.token_to_kv_pool,
+                        where="SGLang's token-to-KV pool")
+        if not model_runner.spec_algorithm.is_none():
+            raise SGLangSelectionError(
+                f"mla-backends: speculative_algorithm: got {model_runner.spec_algorithm.name}; supported none (SGLang "
+                "0.5.23's speculative workers build their draft attention from a fixed list of SGLang's own "
+                "backends and, on the CPU, call sgl_kernel's CPU kernels: docs/integrations.md, 'Speculative "
+                "decoding'). Start SGLang without --speculative-algorithm")
+        modules = mla_modules(model_runner.model)
+        if not modules:
+            raise SGLangSelectionError(f"mla-backends: {type(model_runner.model).__name__} has no MLA attention "
+                                       "module (attn_mqa); supported DeepSeek-style MLA models")
+        for m in modules:
+            where = f"MLA layer {type(m).__name__} {m.attn_mqa.layer_id}"
+            core.check_internals(ENGINE, INTERNALS, role="mla", obj=m, where=where)
+            core.check_internals(ENGINE, INTERNALS, role="radix", obj=m.attn_mqa, where=f"{where} (attn_mqa)")
+            core.check_internals(ENGINE, INTERNALS, role="radix", obj=m.attn_mha, where=f"{where} (attn_mha)")
         self.device = model_runner.device
-        self.req_to_token_pool = model_runner.req_to_token_pool
-        self.token_to_kv_pool = model_runner.token_to_kv_pool
-        self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
+        self.page_size = int(model_runner.page_size)
+        self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        self.pool = model_runner.token_to_kv_pool
         cfg = model_runner.model_config
-        hf = getattr(cfg, "hf_text_config", None) or cfg.hf_config
-        tp = int(getattr(model_runner, "tp_size", 1) or 1)
-        kv_name = str(getattr(model_runner.server_args, "kv_cache_dtype", "auto"))
-        request = request_from_runner(hf, tp_size=tp, dtype=model_runner.dtype, kv_cache_dtype=kv_name,
-                                      page_size=self.page_size, device=_device_name(self.device))
+        heads = modules[0].attn_mqa.tp_q_head_num  # this rank's query heads, as the layers run them
+        total = int(cfg.hf_text_config.num_attention_heads)
+        if heads < 1 or total % heads:
+            raise SGLangSelectionError(f"mla-backends: attn_mqa.tp_q_head_num: got {heads} of the model's {total} "
+                                       "heads; supported an even split")
+        kv_name = str(model_runner.kv_cache_dtype_str)
+        request = request_from_runner(cfg.hf_text_config, tp_size=total // heads, dtype=model_runner.dtype,
+                                      kv_cache_dtype=kv_name, page_size=self.page_size,
+                                      device=core.device_name(self.device))
         sel = request.select()  # SGLangSelectionError with the reasons: start-up fails
         self.mla_request = request
         self.mla_selection = sel
         self.mla_scale = request.dims.softmax_scale
-        self.mla_backend = configure_backend(sel.backend, sel.spec, self.mla_scale)
+        self.mla_backend = core.configured_backend(sel, self.mla_scale)  # the one configured instance
         self.mla_policy = sglang_policy(sel.name)
         self.kv_lora_rank = request.dims.kv_lora_rank
-        self.num_heads = request.dims.num_heads
-        self._caches: dict[int, Any] = {}
-        self.forward_metadata: SGLangBatch | None = None
-        model = str(getattr(model_runner.server_args, "model_path", "?"))
-        line = startup_line(sel, model=model, num_heads=self.num_heads)
-        if line not in _LOGGED:
-            _LOGGED.add(line)
-            logger.info(line)
+        self.num_heads = heads
+        self.mla_caches = core.LayerCaches(self.kv_lora_rank, model_runner.dtype)
+        self.workspace_rows = default_workspace_rows(int(cfg.context_len), 1, self.page_size)
+        fp8 = request.kv_cache_dtype in core.FP8_STORAGE
+        self.num_pages = pool_pages(self.pool.get_key_buffer(modules[0].attn_mqa.layer_id), self.page_size).shape[0]
+        self.mla_layers: dict[int, MLALayer] = {}
+        for m in modules:
+            self.mla_layers[m.attn_mqa.layer_id] = self._layer(m, fp8, model_runner.dtype)
+        self._batch: SGLangBatch | None = None
+        self._expanded_inputs: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        scales = sorted({lay.scale for lay in self.mla_layers.values()})
+        extra = f" fp8 cache {request.kv_cache_dtype}, k_scale {', '.join(map(str, scales))}." if fp8 else ""
+        core.log_once(logger, startup_line(sel, model=str(cfg.model_path), num_heads=heads, extra=extra))
+
+    def _layer(self, m: Any, fp8: bool, dtype: torch.dtype) -> MLALayer:
+        """Everything per layer, fixed at start-up: the scale checks, the fp8 scale, the up-projection, and the
+        pool buffer wrapped once (its wrapper is re-made only if SGLang hands another buffer)."""
+        mqa, mha = m.attn_mqa, m.attn_mha
+        where = f"MLA layer {mqa.layer_id}"
+        if mqa.tp_q_head_num != self.num_heads or m.num_local_heads != self.num_heads:
+            raise SGLangSelectionError(f"mla-backends: {where} runs {mqa.tp_q_head_num} heads; supported the "
+                                       f"{self.num_heads} every layer of this rank runs")
+        core.check_softmax_scale(ENGINE, mqa.scaling, self.mla_scale)
+        core.check_softmax_scale(ENGINE, mha.scaling, self.mla_scale)
+        scale = _layer_scale(mqa, fp8, where)
+        nope, v = int(m.qk_nope_head_dim), int(mha.v_head_dim)
+        kv_b = dense_up_projection(m.kv_b_proj.weight, lambda x: m.kv_b_proj(x)[0], rows=self.num_heads * (nope + v),
+                                   kv_lora_rank=self.kv_lora_rank, dtype=dtype)
+        self.mla_caches.get(mqa.layer_id, pool_pages(self.pool.get_key_buffer(mqa.layer_id), self.page_size), scale)
+        return MLALayer(mqa.layer_id, scale, kv_b, nope, m)
 
     # ---- per batch -------------------------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """Once per forward batch, before any layer: the decision, the metadata and the plan (host data from
         SGLang's host lists; see :mod:`.step` for where a device read remains)."""
         mode = forward_batch.forward_mode
-        fid = id(forward_batch)
+        ref = weakref.ref(forward_batch)
         if mode.is_idle():
-            self.forward_metadata = SGLangBatch(fid, True)
+            self._batch = SGLangBatch(ref, True)
             return
-        req_to_token = self.req_to_token_pool.req_to_token
         if mode.is_decode():
-            lens = [int(v) for v in forward_batch.seq_lens_cpu.tolist()]
-            meta = decode_metadata(req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, lens,
-                                   self.page_size)
-            self.forward_metadata = SGLangBatch(fid, True, meta, plan_step(meta, [self.mla_backend]))
+            lens = forward_batch.seq_lens_cpu.tolist()
+            meta = decode_metadata(self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, lens,
+                                   self.page_size, slot_mapping=forward_batch.out_cache_loc)
+            self._batch = SGLangBatch(ref, True, meta, plan_step(meta, [self.mla_backend]))
             return
         if not mode.is_extend_without_speculative():
             raise RuntimeError(f"mla-backends: forward mode {mode!r}; supported decode, extend (mixed included) and "
-                               "idle batches (no speculative decoding yet)")
-        prefix = [int(v) for v in forward_batch.extend_prefix_lens_cpu]
-        ext = [int(v) for v in forward_batch.extend_seq_lens_cpu]
-        absorbed = batch_absorbed(self.mla_policy, self.mla_backend.capabilities, ext, prefix)
-        if absorbed:
-            num_pages = self.token_to_kv_pool.get_key_buffer(0).shape[0] // self.page_size
-            meta = extend_metadata(req_to_token, forward_batch.req_pool_indices, prefix, ext, self.page_size,
-                                   num_pages)
-            self.forward_metadata = SGLangBatch(fid, True, meta, plan_step(meta, [self.mla_backend]))
-            return
-        seqs = [p + e for p, e in zip(prefix, ext, strict=True)]
-        if any(prefix):  # SGLang's one-shot MHA gathers the prefix rows by these slots (its own kernel is Triton)
-            rows = req_to_token.index_select(0, forward_batch.req_pool_indices.to(torch.long))
-            forward_batch.mha_one_shot_kv_indices = torch.cat(
-                [rows[b, :s] for b, s in enumerate(seqs)]).to(torch.int32)
-        self.forward_metadata = SGLangBatch(fid, False, q_starts=_starts(ext), k_starts=_starts(seqs),
-                                            k_starts_new_only=_starts(ext), prefix=tuple(prefix))
+                               "idle batches (no speculative decoding)")
+        prefix = list(forward_batch.extend_prefix_lens_cpu)
+        ext = list(forward_batch.extend_seq_lens_cpu)
+        meta = extend_metadata(self.req_to_token, forward_batch.req_pool_indices, prefix, ext, self.page_size,
+                               self.num_pages)
+        # plan protocol: replace with plan_step's runs (issue 42 item 2). SGLang runs one forward method per
+        # batch, so the dispatch policy's per-request answer becomes one answer for the whole batch here.
+        if batch_absorbed(self.mla_policy, self.mla_backend.capabilities, ext, prefix):
+            self._batch = SGLangBatch(ref, True, meta, plan_step(meta, [self.mla_backend]))
+        else:
+            ws = shared_workspace(self.req_to_token.device, self.mla_caches.model_dtype, self.workspace_rows)
+            self._batch = SGLangBatch(ref, False, meta, workspace=ws)
+
+    def _current(self, forward_batch: Any) -> SGLangBatch:
+        """The state :meth:`init_forward_metadata` made for this very ``forward_batch``."""
+        fm = self._batch
+        if fm is None or fm.batch() is not forward_batch:
+            raise RuntimeError("mla-backends: a layer ran before init_forward_metadata for its batch; supported "
+                               "SGLang's order (metadata first, for the same ForwardBatch)")
+        return fm
 
     def batch_absorbed(self, forward_batch: Any) -> bool:
         """The decision :meth:`init_forward_metadata` made for ``forward_batch`` (the handler's answer)."""
-        fm = self.forward_metadata
-        if fm is None or fm.forward_batch_id != id(forward_batch):
-            raise RuntimeError("mla-backends: the DeepSeek handler ran before init_forward_metadata for this "
-                               "batch; supported SGLang's order (metadata first)")
-        return fm.absorbed
+        return self._current(forward_batch).absorbed
 
     # ---- absorbed ---------------------------------------------------------------------------------------------
-    def _absorbed(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Any,
-                  forward_batch: Any, save_kv_cache: bool, q_rope: torch.Tensor | None,
-                  k_rope: torch.Tensor | None) -> torch.Tensor:
-        fm = self.forward_metadata
-        if fm is None or fm.meta is None or fm.plan is None:
+    def _cache(self, layer_id: int) -> tuple[LatentKVCache, MLALayer]:
+        lay = self.mla_layers[layer_id]
+        buf = self.pool.get_key_buffer(layer_id)  # SGLang's contract per layer (it waits for a layer's transfer)
+        return self.mla_caches.get(layer_id, pool_pages(buf, self.page_size), lay.scale), lay
+
+    def _absorbed(self, q: torch.Tensor, k: torch.Tensor | None, layer: Any, fm: SGLangBatch, save_kv_cache: bool,
+                  q_rope: torch.Tensor | None, k_rope: torch.Tensor | None) -> torch.Tensor:
+        if fm.meta is None or fm.plan is None:
             raise RuntimeError("mla-backends: an absorbed call without the batch's metadata; supported batches "
                                "init_forward_metadata prepared (absorbed)")
         r = self.kv_lora_rank
+        cache, _ = self._cache(layer.layer_id)
         if save_kv_cache and k is not None:
-            row = k if k_rope is None else torch.cat([k.reshape(k.shape[0], 1, -1),
-                                                      k_rope.reshape(k_rope.shape[0], 1, -1)], dim=-1)
-            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc.for_batch(forward_batch),
-                                                row.reshape(row.shape[0], 1, -1), v)
-        heads = layer.tp_q_head_num
+            n = k.shape[0]
+            if k_rope is None:
+                rows = k.reshape(n, -1)
+                cache.write(rows[:, :r], rows[:, r:], fm.meta)
+            else:
+                cache.write(k.reshape(n, r), k_rope.reshape(n, -1), fm.meta)
+        heads = self.num_heads
         if q_rope is None:
             q3 = q.reshape(q.shape[0], heads, -1)
             q_latent, q_pe = q3[..., :r], q3[..., r:]
         else:
             q_latent, q_pe = q.reshape(q.shape[0], heads, r), q_rope.reshape(q_rope.shape[0], heads, -1)
-        if not math.isclose(float(layer.scaling), self.mla_scale, rel_tol=1e-5):
-            raise SGLangSelectionError(f"mla-backends: SGLang's softmax scale {layer.scaling} differs from the model "
-                                       f"config's {self.mla_scale} (MLADims.softmax_scale); supported equal scales")
-        buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        cache = wrap_pool_buffer(buf, self.page_size, kv_lora_rank=r, model_dtype=q_latent.dtype,
-                                 previous=self._caches.get(layer.layer_id))
-        self._caches[layer.layer_id] = cache
         out, _ = self.mla_backend.forward_mqa(q_latent, q_pe, cache, fm.meta, scale=self.mla_scale, plan=fm.plan)
         return out.reshape(out.shape[0], heads * r)
 
@@ -186,42 +259,55 @@ class MLABackendsAttnBackend(AttentionBackend):
                        save_kv_cache: bool = True, q_rope: torch.Tensor | None = None,
                        k_rope: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
         """SGLang's decode call on the MLA layer's ``attn_mqa``: ``q [B, H, 576]``, ``k [B, 1, 576]`` (the new
-        latent rows, written here with SGLang's pool write), ``v`` its first 512; returns ``[B, H * 512]``."""
+        latent rows, written here), ``v`` its first 512; returns ``[B, H * 512]``."""
         if kwargs.get("topk_indices") is not None:
             raise RuntimeError("mla-backends: topk_indices given; supported dense MLA on SGLang (no DSA yet)")
-        return self._absorbed(q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope)
+        return self._absorbed(q, k, layer, self._current(forward_batch), save_kv_cache, q_rope, k_rope)
 
     # ---- extend -----------------------------------------------------------------------------------------------
-    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,
-                       save_kv_cache: bool = True, q_rope: torch.Tensor | None = None,
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Any,
+                       forward_batch: Any, save_kv_cache: bool = True, q_rope: torch.Tensor | None = None,
                        k_rope: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        """An extend batch: absorbed (``attn_mqa``, as :meth:`forward_decode`) when the handler chose MLA, else
-        SGLang's one-shot MHA (``attn_mha``: ``q [T, H, 192]``, ``k``/``v`` expanded for every cached and new
-        token, nothing to write), computed with SDPA."""
+        """An extend batch: absorbed (``attn_mqa``, as :meth:`forward_decode`) when the handler chose MLA; else
+        the expanded call on ``attn_mha`` (``q [T, H, 192]`` from :meth:`prepare_prefill_qkv`, ``k``/``v`` None):
+        the library's ``forward_mha``; returns ``[T, H * v_head_dim]``."""
         if kwargs.get("topk_indices") is not None:
             raise RuntimeError("mla-backends: topk_indices given; supported dense MLA on SGLang (no DSA yet)")
-        fm = self.forward_metadata
-        if fm is not None and fm.absorbed:
-            return self._absorbed(q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope)
-        if fm is None:
-            raise RuntimeError("mla-backends: forward_extend before init_forward_metadata; supported SGLang's order")
-        return self._expanded(q, k, v, layer, fm)
+        fm = self._current(forward_batch)
+        if fm.absorbed:
+            return self._absorbed(q, k, layer, fm, save_kv_cache, q_rope, k_rope)
+        pending, self._expanded_inputs = self._expanded_inputs, None
+        if pending is None or pending[0] != layer.layer_id or k is not None:
+            raise RuntimeError("mla-backends: an expanded call without its prepare_prefill_qkv; supported SGLang's "
+                               "MHA prepare followed by the layer's attn_mha call")
+        _, kv_c, k_pe = pending
+        cache, lay = self._cache(layer.layer_id)
+        assert fm.meta is not None
+        out = forward_mha(q, kv_c, k_pe, cache, fm.meta, lay.kv_b, scale=self.mla_scale, workspace=fm.workspace)
+        return out.reshape(out.shape[0], -1)
 
-    def _expanded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, fm: SGLangBatch
-                  ) -> torch.Tensor:
-        heads, dq, dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
-        k3 = k.reshape(k.shape[0], -1, dq)
-        # one-shot MHA passes every token of the sequences when a prefix is cached, only the new ones otherwise
-        if k3.shape[0] == fm.k_starts[-1]:
-            k_starts, prefix = fm.k_starts, fm.prefix
-        elif k3.shape[0] == fm.k_starts_new_only[-1] and not any(fm.prefix):
-            k_starts, prefix = fm.k_starts_new_only, fm.prefix
-        else:
-            raise RuntimeError(f"mla-backends: MHA keys of {k3.shape[0]} tokens; supported {fm.k_starts[-1]} (every "
-                               "cached and new token, SGLang's one-shot MHA)")
-        out = expanded_attention(q.reshape(-1, heads, dq), k3, v.reshape(v.shape[0], -1, dv), fm.q_starts,
-                                 k_starts, prefix, scale=float(layer.scaling))
-        return out.reshape(out.shape[0], heads * dv)
+    def prepare_prefill_qkv(self, *, q: torch.Tensor, q_pe: torch.Tensor, kv_a: torch.Tensor, k_pe: torch.Tensor,
+                            positions: torch.Tensor, layer: Any, forward_batch: Any
+                            ) -> tuple[torch.Tensor, None, None]:
+        """SGLang's MHA prepare hook (its ``forward_normal_prepare`` calls it on expanded batches): ropes ``q``'s
+        rope part (``q_pe``, a view of ``q [T, H, nope + rope]``) and the new key ``k_pe [T, 1, rope]`` with the
+        layer's ``rotary_emb`` as SGLang's own prepare does, writes the new latent rows ``kv_a [T, R]`` (already
+        normalised) with the layer's scale, and returns ``(q, None, None)``: the layer's ``attn_mha`` call then
+        finds the latent and the rope key here (:meth:`forward_extend`), with nothing expanded by SGLang."""
+        fm = self._current(forward_batch)
+        lay = self.mla_layers[layer.attn_mqa.layer_id]
+        if lay.module is not layer or fm.absorbed or fm.meta is None:
+            raise RuntimeError("mla-backends: prepare_prefill_qkv for a batch the handler did not send expanded; "
+                               "supported SGLang's MHA prepare on expanded batches")
+        if layer.rotary_emb is not None:
+            q_pe, k_pe = layer.rotary_emb(positions, q_pe, k_pe)
+            q[..., lay.qk_nope_head_dim:] = q_pe
+        n = kv_a.shape[0]
+        k_pe = k_pe.reshape(n, -1)
+        cache, _ = self._cache(lay.layer_id)
+        cache.write(kv_a, k_pe, fm.meta)
+        self._expanded_inputs = (lay.layer_id, kv_a, k_pe)
+        return q, None, None
 
     # ---- what SGLang asks of every backend ----------------------------------------------------------------------
     def support_triton(self) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import struct
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -32,10 +31,12 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.platforms import current_platform
 from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 
-from ...backends.contract import configure_backend
 from ...step.metadata import BatchMetadata
 from ...step.plan import StepPlan, plan_step
+from .. import engine_core as core
+from .internals import INTERNALS
 from .selection import (
+    ENGINE,
     VLLMSelectionError,
     declarations,
     fp8_cache_view_dtype,
@@ -45,20 +46,17 @@ from .selection import (
     startup_line,
     vllm_path,
 )
-from .step import decode_batch_metadata, host_seq_lens, wrap_cache
+from .step import decode_batch_metadata, host_seq_lens
 
 __all__ = ["MLABackendsBackend", "MLABackendsMetadataBuilder", "MLABackendsDecodeMetadata", "MLABackendsImpl",
-           "MLABackendsCPUImpl"]
+           "MLABackendsCPUImpl", "SCALE_ATTR"]
 
 logger = init_logger("vllm.mla_backends")
-_LOGGED: set[str] = set()
 
 
 def _device() -> str:
     """The device ``select_backend()`` is asked about: vLLM's CPU platform or this process's CUDA device."""
-    if current_platform.is_cpu():
-        return "cpu"
-    return f"cuda:{torch.cuda.current_device()}"
+    return core.device_name("cpu" if current_platform.is_cpu() else "cuda")
 
 
 def _member() -> str:
@@ -92,35 +90,31 @@ def _current_declarations() -> Any:
 SCALE_ATTR = "_k_scale_float"
 
 
-def layer_scale(layer: Any, name: str = "") -> float:
-    """vLLM layer ``layer``'s host fp8 scale (:data:`SCALE_ATTR`); no default: a layer without one is refused,
-    naming the attribute (a silent 1.0 would misread every cache value written with another scale)."""
-    value = getattr(layer, SCALE_ATTR, None)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        where = f"layer {name!r}" if name else f"layer {type(layer).__name__}"
-        raise VLLMSelectionError(
-            f"mla-backends: {where} has {SCALE_ATTR} = {value!r}; supported a float (the host copy of vLLM's "
-            "fp8 k_scale, which an fp8 KV cache is read with; this vLLM build does not provide it)")
-    return float(value)
-
-
 def _same_float32(a: float, b: float) -> bool:
     """True when ``a`` and ``b`` are one float32 (the cache keeps its scale as a float32 tensor)."""
     return struct.pack("<f", a) == struct.pack("<f", b)
 
 
-def check_layer_scales(vllm_config: Any, layer_names: Any) -> None:
-    """At start-up (the metadata builder): every layer of an fp8 cache has its host scale
-    (:func:`layer_scale`)."""
-    if fp8_cache_view_dtype(vllm_config.cache_config.cache_dtype) is None:
-        return
-    ctx = getattr(getattr(vllm_config, "compilation_config", None), "static_forward_context", None) or {}
+def _check_layers(vllm_config: Any, layer_names: Any, backend: Any) -> None:
+    """At start-up (the metadata builder): the configuration's and every MLA layer's internals
+    (:mod:`.internals`), every layer's impl running ``backend`` (the builder's configured backend: the plan it
+    makes is the one they run), and, for an fp8 cache, every layer's host scale (a positive float)."""
+    core.check_internals(ENGINE, INTERNALS, role="config", obj=vllm_config, where="vLLM's configuration")
+    ctx = vllm_config.compilation_config.static_forward_context
+    fp8 = fp8_cache_view_dtype(vllm_config.cache_config.cache_dtype) is not None
     for name in layer_names or ():
         if name not in ctx:
             raise VLLMSelectionError(f"mla-backends: layer {name!r} is not in vLLM's static_forward_context; "
-                                     f"supported layers registered there (its {SCALE_ATTR} is checked for the "
-                                     "fp8 cache)")
-        layer_scale(ctx[name], name)
+                                     "supported layers registered there (each is checked at start-up)")
+        layer = ctx[name]
+        core.check_internals(ENGINE, INTERNALS, role="layer", obj=layer, where=f"layer {name!r}")
+        if isinstance(layer.impl, _DecodeOnMLABackends) and layer.impl.mla_backend is not backend:
+            raise VLLMSelectionError(
+                f"mla-backends: layer {name!r} runs {layer.impl.mla_backend!r}, configured apart from the metadata "
+                f"builder's {backend!r}; supported one configured backend for every layer of a step (the same "
+                "selection, spec and softmax scale)")
+        if fp8:
+            core.fp8_scale(ENGINE, layer._k_scale_float, attr=SCALE_ATTR, where=f"layer {name!r}")
 
 
 @dataclass
@@ -132,27 +126,29 @@ class MLABackendsDecodeMetadata(MLACommonDecodeMetadata):
     plan: StepPlan | None = None
 
 
-def _configured_backend(vllm_config: Any, *, num_heads: int | None = None) -> tuple[Any, Any, float]:
-    """``(selection, configured backend, softmax scale)`` for ``vllm_config``'s MLA layers: the same choice and
-    configuration in the metadata builder (which plans the step) and in every layer's impl (which runs it):
-    ``configure_backend`` hands both the same object, so the plan's prepared state is the impl's."""
+def _configured(vllm_config: Any, *, num_heads: int | None = None) -> tuple[Any, Any, float]:
+    """``(selection, configured backend, softmax scale)`` for ``vllm_config``'s MLA layers: the same choice
+    and the same configured instance (:func:`~..engine_core.configured_backend`) in the metadata builder, which
+    plans the step, and in every layer's impl, which runs it."""
     request = request_from_vllm(vllm_config, device=_device(), num_heads=num_heads)
-    dcp = int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1)
+    dcp = int(vllm_config.parallel_config.decode_context_parallel_size or 1)
     if dcp == 1 and request.need_lse:
         request = replace(request, need_lse=False)
     sel = select_at_startup(request, _path())  # VLLMSelectionError, both sides' reasons: start-up fails
     scale = request.dims.softmax_scale
-    return sel, configure_backend(sel.backend, sel.spec, scale), scale  # one object for equal configurations
+    return sel, core.configured_backend(sel, scale), scale
 
 
 class MLABackendsMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
-    """vLLM's MLA builder; each step's decode part also gets its :class:`BatchMetadata` here, once. Made at
-    start-up, it checks that every layer of an fp8 cache has its host scale."""
+    """vLLM's MLA builder; each step's decode part also gets its :class:`BatchMetadata` and plan here, once.
+    Made at start-up (after every layer's impl), it takes the configured backend and checks the layers
+    (:func:`_check_layers`)."""
 
     def __init__(self, kv_cache_spec: Any, layer_names: Any, vllm_config: Any, device: Any, *args: Any,
                  **kwargs: Any) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, *args, **kwargs)
-        check_layer_scales(vllm_config, layer_names)
+        self._mla_backend = _configured(vllm_config)[1]
+        _check_layers(vllm_config, layer_names, self._mla_backend)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
@@ -163,18 +159,16 @@ class MLABackendsMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             return AttentionCGSupport.NEVER
         return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE if caps.cuda_graphs else AttentionCGSupport.NEVER
 
-    _mla_backend: Any = None
-
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
         m = super().build(common_prefix_len, common_attn_metadata, fast_build)
         d = m.decode
         if d is not None:
-            if self._mla_backend is None:  # made once, configured as every layer's impl configures its own
-                self._mla_backend = _configured_backend(self.vllm_config)[1]
+            # plan protocol: replace with plan_step's runs (issue 42 item 2). vLLM's build split the step into
+            # its decode rows (single-token, first) and prefill rows; the adapter plans the decode rows as one
+            # absorbed batch for the configured backend.
             common = common_attn_metadata
-            upper = common.seq_lens_cpu_upper_bound
-            if d.dcp_tot_seq_lens is not None:  # DCP: the decode lengths are this rank's local ones
-                upper = getattr(common, "dcp_local_seq_lens_cpu_upper_bound", None)
+            upper = (common.seq_lens_cpu_upper_bound if d.dcp_tot_seq_lens is None  # DCP: this rank's lengths
+                     else common.dcp_local_seq_lens_cpu_upper_bound)
             batch = decode_batch_metadata(d.block_table, d.seq_lens, host_seq_lens(d.seq_lens, upper),
                                           self.page_size)
             m.decode = MLABackendsDecodeMetadata(block_table=d.block_table, seq_lens=d.seq_lens,
@@ -184,7 +178,12 @@ class MLABackendsMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
 
 
 @functools.cache
-def _takes_skip_scale(method: Any) -> bool:
+def _takes_skip_scale(impl: type) -> bool:
+    """Whether vLLM's cache write under ``impl`` (the base after :class:`_DecodeOnMLABackends` in its MRO) takes
+    ``skip_scale`` (vLLM 0.33); decided once per class."""
+    mro = impl.__mro__
+    base = mro[mro.index(_DecodeOnMLABackends) + 1:]
+    method = next(c.__dict__["do_kv_cache_update"] for c in base if "do_kv_cache_update" in c.__dict__)
     try:
         return "skip_scale" in inspect.signature(method).parameters
     except (TypeError, ValueError):
@@ -192,62 +191,55 @@ def _takes_skip_scale(method: Any) -> bool:
 
 
 class _DecodeOnMLABackends:
-    """What both impls add to vLLM's: the start-up selection, ``forward_mqa`` on it, version-tolerant cache
-    writes."""
+    """What both impls add to vLLM's: the start-up checks and selection, ``forward_mqa`` on the configured
+    backend, version-tolerant cache writes."""
 
     lse_base_on_e: bool = True  # forward_mqa's LSE is the natural log
     mla_selection: Any
-    _mla_cache: Any = None
+    mla_backend: Any
+    mla_scale: float
+    mla_fp8: torch.dtype | None  # the fp8 format the layer cache holds (None: not fp8)
+    mla_caches: core.LayerCaches
+    _mla_write_cache: Any = None  # the wrapper the CPU impl wrote fp8 rows through
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        core.check_internals(ENGINE, INTERNALS, role="impl", obj=self, where=type(self).__name__)
         cfg = get_current_vllm_config()
-        dcp = int(getattr(self, "dcp_world_size", 1) or 1)
-        sel, backend, scale = _configured_backend(cfg, num_heads=self.num_heads)  # type: ignore[attr-defined]
-        vllm_scale = float(self.scale)  # type: ignore[attr-defined]
-        if not math.isclose(vllm_scale, scale, rel_tol=1e-5):
-            raise VLLMSelectionError(f"mla-backends: vLLM's softmax scale {vllm_scale} differs from the model "
-                                     f"config's {scale} (MLADims.softmax_scale); supported equal scales")
+        sel, backend, scale = _configured(cfg, num_heads=self.num_heads)  # type: ignore[attr-defined]
+        self.mla_scale = core.check_softmax_scale(ENGINE, self.scale, scale)  # type: ignore[attr-defined]
         self.mla_selection = sel
         self.mla_backend = backend
-        self.mla_scale = scale  # the scale the step plan prepared with (vLLM's, to 1e-5)
+        self.mla_fp8 = fp8_cache_view_dtype(self.kv_cache_dtype)  # type: ignore[attr-defined]
+        self.mla_caches = core.LayerCaches(self.kv_lora_rank, cfg.model_config.dtype)  # type: ignore[attr-defined]
         self.can_return_lse_for_decode = sel.backend.capabilities.returns_lse
-        self.need_to_return_lse_for_decode = dcp > 1 and self.can_return_lse_for_decode
+        self.need_to_return_lse_for_decode = self.dcp_world_size > 1 and self.can_return_lse_for_decode  # type: ignore[attr-defined]
         self.supports_quant_query_input = False  # queries reach forward_mqa in the model dtype, as a pair
-        line = startup_line(_member(), sel, model=str(getattr(cfg.model_config, "model", "?")),
-                            num_heads=int(self.num_heads))  # type: ignore[attr-defined]
-        if line not in _LOGGED:
-            _LOGGED.add(line)
-            logger.info(line)
+        core.log_once(logger, startup_line(_member(), sel, model=str(cfg.model_config.model),
+                                      num_heads=int(self.num_heads)))  # type: ignore[attr-defined]
 
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
                     attn_metadata: Any, layer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """vLLM's decode call: ``q`` is ``(ql_nope [B, H, R], q_pe [B, H, rope])`` (or one ``[B, H, R + rope]``
         tensor), the cache ``[num_blocks, block_size, R + rope]``; returns ``(out [B, H, R], lse [B, H] or
-        None)`` from the selected backend's ``forward_mqa``."""
-        meta = getattr(attn_metadata.decode, "batch", None)
-        plan = getattr(attn_metadata.decode, "plan", None)
-        if meta is None or plan is None:
+        None)`` from the configured backend's ``forward_mqa`` under the step's plan."""
+        d = attn_metadata.decode
+        if not isinstance(d, MLABackendsDecodeMetadata) or d.batch is None or d.plan is None:
             raise RuntimeError("mla-backends: the decode metadata carries no BatchMetadata and plan; supported "
                                "metadata built by MLABackendsMetadataBuilder (the backend's own builder)")
         r = self.kv_lora_rank  # type: ignore[attr-defined]
         q_latent, q_rope = q if isinstance(q, tuple) else q.split([r, q.shape[-1] - r], dim=-1)
-        stored = fp8_cache_view_dtype(self.kv_cache_dtype)  # type: ignore[attr-defined]
-        data = kv_c_and_k_pe_cache
-        scale = 1.0
-        if stored is not None:  # read as the format it was written in (vLLM views every fp8 cache as e4m3)
-            data = data if data.dtype == stored else data.view(stored)
-            scale = layer_scale(layer)
-            written = getattr(self, "_mla_write_cache", None)  # the CPU impl's own fp8 writes
+        data, scale = kv_c_and_k_pe_cache, 1.0
+        if self.mla_fp8 is not None:  # read as the format it was written in (vLLM views every fp8 cache as e4m3)
+            data = data if data.dtype == self.mla_fp8 else data.view(self.mla_fp8)
+            scale = layer._k_scale_float
+            written = self._mla_write_cache  # the CPU impl's own fp8 writes (None elsewhere)
             if written is not None and not _same_float32(written.scale_value, scale):
                 raise RuntimeError(f"mla-backends: fp8 rows were written with k_scale {written.scale_value} and "
                                    f"would be read with {SCALE_ATTR} {scale}; supported one scale for both")
-        cache = wrap_cache(data, kv_lora_rank=r, model_dtype=q_latent.dtype, scale=scale, previous=self._mla_cache)
-        self._mla_cache = cache
-        if meta.block_size != cache.block_size:
-            raise RuntimeError(f"mla-backends: metadata block size {meta.block_size}; supported the cache's "
-                               f"{cache.block_size} (vLLM kernel block size)")
-        out, lse = self.mla_backend.forward_mqa(q_latent, q_rope, cache, meta, scale=self.mla_scale, plan=plan)
+        cache = self.mla_caches.get("read", data, scale)
+        out, lse = self.mla_backend.forward_mqa(q_latent, q_rope, cache, d.batch, scale=self.mla_scale,
+                                                plan=d.plan)
         return out, (lse if self.need_to_return_lse_for_decode else None)
 
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -255,7 +247,7 @@ class _DecodeOnMLABackends:
                            skip_scale: bool = False) -> None:
         """vLLM's own cache write; ``skip_scale`` (vLLM 0.33) is passed on when vLLM's base takes it."""
         base = super().do_kv_cache_update  # type: ignore[misc]
-        if _takes_skip_scale(getattr(base, "__func__", base)):
+        if _takes_skip_scale(type(self)):
             base(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale, skip_scale=skip_scale)
             return
         if skip_scale:
@@ -279,12 +271,10 @@ class MLABackendsCPUImpl(_DecodeOnMLABackends, _cpu_impl_base()):  # type: ignor
     fp8 caches are written here instead (vLLM's CPU write casts values to the cache's raw uint8, which is no
     fp8 encoding): rows quantised with the layer's ``k_scale`` by :meth:`LatentKVCache.write`."""
 
-    _mla_write_cache: Any = None
-
     def do_kv_cache_update(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, kv_cache_dtype: str, k_scale: torch.Tensor,
                            skip_scale: bool = False) -> None:
-        stored = fp8_cache_view_dtype(kv_cache_dtype)
+        stored = self.mla_fp8  # the impl's kv_cache_dtype, which vLLM passes as kv_cache_dtype
         if stored is None or kv_cache.numel() == 0:
             super().do_kv_cache_update(kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale,
                                        skip_scale=skip_scale)
@@ -294,8 +284,7 @@ class MLABackendsCPUImpl(_DecodeOnMLABackends, _cpu_impl_base()):  # type: ignor
                             "(they are always quantised with the layer's k_scale)")
         data = kv_cache if kv_cache.dtype == stored else kv_cache.view(stored)
         scale = float(k_scale.reshape(-1)[0])  # host memory on the CPU: no sync
-        cache = wrap_cache(data, kv_lora_rank=self.kv_lora_rank, model_dtype=kv_c_normed.dtype,  # type: ignore[attr-defined]
-                           scale=scale, previous=self._mla_write_cache)
+        cache = self.mla_caches.get("write", data, scale)
         self._mla_write_cache = cache
         slots = slot_mapping.reshape(-1)
         n = slots.shape[0]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from ..engine_core import check_internals
 from . import BACKEND_PATH
+from .internals import INTERNALS
+from .selection import ENGINE
 from .versions import check_vllm_version
 
 __all__ = ["register_backends", "registered_members"]
@@ -16,10 +19,12 @@ def register_backends() -> list[str]:
 
     Raises:
         UnsupportedVLLMVersionError: the installed vLLM is outside the supported range (start-up fails).
+        VLLMSelectionError: a vLLM internal the adapter uses (:mod:`.internals`) is missing, named.
     """
     import vllm
 
     check_vllm_version(getattr(vllm, "__version__", "unknown"))
+    check_internals(ENGINE, INTERNALS)  # the module-level rows: vLLM's classes and hooks the adapter touches
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

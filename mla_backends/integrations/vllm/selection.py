@@ -7,6 +7,7 @@ backend validation on CUDA).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -15,9 +16,11 @@ import torch
 from ...backends.contract import Capabilities
 from ...core.dims import MLADims
 from ...core.dtypes import FP8_CACHE_DTYPES
-from ..engine_selection import chosen_line, engine_kv_cache_dtype, select_or_raise, startup_who
+from ...core.env_switches import VLLM_SWITCH
+from ..engine_core import FP8_STORAGE, EngineAdapterError, EngineInfo, EngineRequest, engine_kv_cache_dtype
+from ..engine_core import startup_line as core_startup_line
 
-__all__ = ["VLLMRequest", "Declarations", "VLLMSelectionError", "vllm_kv_cache_dtype", "request_from_vllm",
+__all__ = ["ENGINE", "Declarations", "VLLMSelectionError", "vllm_kv_cache_dtype", "request_from_vllm",
            "select_for_vllm", "declarations", "startup_line", "VLLM_KV_NAMES", "VLLMPath", "vllm_path",
            "path_reasons", "intersect", "select_at_startup", "fp8_cache_view_dtype"]
 
@@ -29,46 +32,37 @@ VLLM_KV_NAMES = {"bfloat16": ("bfloat16",), "float16": ("float16",), "fp8_e4m3":
                  "fp8_e5m2": ("fp8_e5m2",)}
 
 
-class VLLMSelectionError(RuntimeError):
+class VLLMSelectionError(EngineAdapterError):
     """mla-backends cannot run this vLLM configuration (raised at vLLM start-up, with the selection's
     reasons)."""
 
 
+#: vLLM as the engine-neutral adapter core knows it
+ENGINE = EngineInfo(name="vLLM", switch=VLLM_SWITCH, error=VLLMSelectionError, kv_names=_FROM_VLLM,
+                    page_word="block size", runs="MLA decode")
+
+
+def __getattr__(name: str) -> Any:
+    """``VLLMRequest``, the 0.3/0.4 name of a vLLM model's request: now the engine-neutral
+    :class:`~mla_backends.integrations.engine_core.EngineRequest` (kept, with a warning, until 0.6)."""
+    if name == "VLLMRequest":
+        warnings.warn("mla_backends.integrations.vllm.selection.VLLMRequest is deprecated and removed in 0.6; use "
+                      "mla_backends.integrations.engine_core.EngineRequest (the same class)", DeprecationWarning,
+                      stacklevel=2)
+        return EngineRequest
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def vllm_kv_cache_dtype(name: object) -> str:
     """mla-backends' cache dtype name for vLLM's ``cache_config.cache_dtype`` ``name``."""
-    return engine_kv_cache_dtype(name, _FROM_VLLM, engine="vLLM", error=VLLMSelectionError,
-                                 accepted="a vLLM cache dtype name")
+    return engine_kv_cache_dtype(ENGINE, name)
 
 
-@dataclass(frozen=True)
-class VLLMRequest:
-    """What one vLLM MLA layer asks of ``select_backend()`` (per-rank heads; the kernel sees ``dims.num_heads``
-    query heads, times the DCP group size under decode context parallelism)."""
-
-    dims: MLADims
-    dtype: torch.dtype
-    kv_cache_dtype: str
-    block_size: int | None
-    need_lse: bool
-    device: str
-
-    def select(self) -> Any:
-        """``select_backend()`` for this request; :class:`VLLMSelectionError` with its reasons on refusal."""
-        return select_or_raise(VLLMSelectionError, f"vLLM MLA model ({self.describe()})", dims=self.dims,
-                               dtype=self.dtype, kv_cache_dtype=self.kv_cache_dtype, block_size=self.block_size,
-                               device=self.device, need_lse=self.need_lse)
-
-    def describe(self) -> str:
-        bs = "vLLM's choice" if self.block_size is None else str(self.block_size)
-        return (f"{self.dims.num_heads} heads, kv_lora_rank {self.dims.kv_lora_rank}, rope "
-                f"{self.dims.qk_rope_head_dim}, dtype {str(self.dtype).removeprefix('torch.')}, kv cache "
-                f"{self.kv_cache_dtype}, block size {bs}, device {self.device}")
-
-
-def request_from_vllm(vllm_config: Any, *, device: str, num_heads: int | None = None) -> VLLMRequest:
+def request_from_vllm(vllm_config: Any, *, device: str, num_heads: int | None = None) -> EngineRequest:
     """The request of ``vllm_config``'s MLA layers: ``MLADims`` from the model's HF text config with this rank's
-    heads (``num_heads``, default heads / tensor-parallel size), the model dtype, vLLM's cache dtype and block
-    size (None when vLLM has not fixed it yet), and an LSE when decode context parallelism is on."""
+    heads (``num_heads``, default heads / tensor-parallel size; the kernel sees them times the DCP group size under
+    decode context parallelism), the model dtype, vLLM's cache dtype and block size (None when vLLM has not
+    fixed it yet), and an LSE when decode context parallelism is on."""
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     dims = MLADims.from_hf_config(model.hf_text_config)
     tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
@@ -76,8 +70,8 @@ def request_from_vllm(vllm_config: Any, *, device: str, num_heads: int | None = 
     heads = num_heads if num_heads is not None else dims.num_heads // tp
     dims = replace(dims, num_heads=heads * dcp, tp_size=max(1, tp // dcp))
     block = getattr(cache, "block_size", None)
-    return VLLMRequest(dims=dims, dtype=model.dtype, kv_cache_dtype=vllm_kv_cache_dtype(cache.cache_dtype),
-                       block_size=int(block) if block else None, need_lse=dcp > 1, device=device)
+    return EngineRequest(ENGINE, dims=dims, dtype=model.dtype, kv_cache_dtype=vllm_kv_cache_dtype(cache.cache_dtype),
+                         block_size=int(block) if block else None, need_lse=dcp > 1, device=device)
 
 
 def select_for_vllm(vllm_config: Any, *, device: str, num_heads: int | None = None) -> Any:
@@ -88,8 +82,7 @@ def select_for_vllm(vllm_config: Any, *, device: str, num_heads: int | None = No
 def startup_line(member: str, selection: Any, *, model: str | None = None, num_heads: int | None = None) -> str:
     """The one start-up log line: the model, this rank's query heads, the vLLM member taken and the selection's
     ``Chosen:`` line (two models in one process, or two head counts, each get their own line)."""
-    return (f"mla-backends: vLLM attention backend {member} runs MLA decode on mla-backends"
-            f"{startup_who(model, num_heads)}. {chosen_line(selection)}")
+    return core_startup_line(ENGINE, member, selection, model=model, num_heads=num_heads)
 
 
 @dataclass(frozen=True)
@@ -134,15 +127,11 @@ def declarations(caps: Capabilities) -> Declarations:
                         block_size_multiple=multiple, returns_lse=caps.returns_lse, cuda_graphs=caps.cuda_graphs)
 
 
-#: what vLLM's MLA layer does with a cache, per vLLM cache dtype family: the storage it is read back as
-_FP8_TORCH = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
-
 def fp8_cache_view_dtype(kv_cache_dtype: str) -> torch.dtype | None:
     """The fp8 dtype a layer cache of vLLM's ``kv_cache_dtype`` (``fp8``, ``fp8_e4m3``, ``fp8_e5m2``) holds,
     whatever view vLLM hands over (0.32 views every fp8 cache as its platform's e4m3 type before decode); None
     for a non-fp8 cache."""
-    return _FP8_TORCH.get(vllm_kv_cache_dtype(kv_cache_dtype))
+    return FP8_STORAGE.get(vllm_kv_cache_dtype(kv_cache_dtype))
 
 
 @dataclass(frozen=True)
@@ -195,7 +184,7 @@ def _names(values: tuple[Any, ...]) -> str:
     return ", ".join(str(v).removeprefix("torch.") for v in values) if values else "any"
 
 
-def _fields(request: VLLMRequest) -> list[tuple[str, Any, str]]:
+def _fields(request: EngineRequest) -> list[tuple[str, Any, str]]:
     """(field, value, text) of the request for :func:`path_reasons`."""
     d = request.dims
     width = d.kv_lora_rank + d.qk_rope_head_dim
@@ -220,7 +209,7 @@ def _backend_values(decl: Declarations, field: str) -> tuple[Any, ...]:
     return {"head size": decl.head_sizes, "dtype": decl.dtypes}[field]
 
 
-def path_reasons(request: VLLMRequest, path: VLLMPath, decl: Declarations | None = None,
+def path_reasons(request: EngineRequest, path: VLLMPath, decl: Declarations | None = None,
                  backend: str | None = None) -> list[str]:
     """Every field of ``request`` vLLM's ``path`` cannot take, as "<field>: got X; supported A by vLLM's MLA
     path on P (why)[, B by backend]" (``decl``: the selected backend's declarations, for the second part)."""
@@ -259,7 +248,7 @@ def intersect(decl: Declarations, path: VLLMPath) -> Declarations:
                    block_size_multiple=multiple)
 
 
-def select_at_startup(request: VLLMRequest, path: VLLMPath) -> Any:
+def select_at_startup(request: EngineRequest, path: VLLMPath) -> Any:
     """``request.select()`` where vLLM's ``path`` also takes the request; otherwise
     :class:`VLLMSelectionError` with both sides' reasons (the selection's, and every field vLLM's path
     refuses, with what each side supports)."""

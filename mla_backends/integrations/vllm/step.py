@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ...step.cache import LatentKVCache
 from ...step.metadata import BatchMetadata
+from ..engine_core import wrap_engine_cache as wrap_cache  # the core's wrapper, under its 0.4 name
 
 __all__ = ["decode_batch_metadata", "host_seq_lens", "wrap_cache"]
 
@@ -47,17 +47,3 @@ def decode_batch_metadata(block_table: torch.Tensor, seq_lens: torch.Tensor, seq
         slot_mapping: ``[B]`` slots of the new tokens (vLLM writes them itself; default all ``-1``).
     """
     return BatchMetadata.for_decode(block_table, seq_lens, seq_lens_host, block_size, slot_mapping=slot_mapping)
-
-
-def wrap_cache(data: torch.Tensor, *, kv_lora_rank: int, model_dtype: torch.dtype, scale: float,
-               previous: LatentKVCache | None = None) -> LatentKVCache:
-    """``data`` (vLLM's layer cache ``[num_blocks, block_size, 576]``, fp8 already viewed as fp8) as a
-    :class:`LatentKVCache` sharing its memory; ``previous`` is returned as it is when it wraps the same tensor
-    (address, shape, strides, dtype) with the same scale (the wrapper is made once per layer, not per step)."""
-    if (previous is not None and previous.data.data_ptr() == data.data_ptr() and previous.data.shape == data.shape
-            and previous.data.stride() == data.stride() and previous.data.dtype == data.dtype
-            and previous.scale_value == scale):
-        return previous
-    fp8 = data.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    return LatentKVCache.from_tensor(data, kv_lora_rank=kv_lora_rank, model_dtype=model_dtype,
-                                     scale=scale if fp8 else 1.0)

