@@ -23,7 +23,6 @@ from mla_backends.integrations.sglang.selection import (
     startup_line,
 )
 from mla_backends.integrations.sglang.step import (
-    batch_absorbed,
     decode_metadata,
     dense_up_projection,
     extend_metadata,
@@ -222,16 +221,27 @@ def test_extend_metadata_keeps_sglang_order_and_checks_pages() -> None:
         extend_metadata(rt, torch.tensor([0, 1]), [3], [2, 5], 1, num_pages=12)
 
 
+def _batch_absorbed(policy, ext: list[int], prefix: list[int]) -> bool:  # type: ignore[no-untyped-def]
+    """The adapter's decision for an extend batch: planned with the handler's policy, absorbed when every run is."""
+    from mla_backends.backends.capabilities import AttentionSpec
+
+    page = 16
+    pages = -(-max(e + p for e, p in zip(ext, prefix, strict=True)) // page)
+    table = torch.arange(len(ext) * pages, dtype=torch.int32).reshape(len(ext), pages)
+    meta = BatchMetadata.build(ext, prefix, table, page, reorder=False)
+    backend = configure_backend(RefTorchBackend, AttentionSpec(num_heads=4, dtype=torch.float32, block_size=page),
+                                0.125)
+    plan = plan_step(meta, [backend], dispatch=policy)
+    return all(rb.run.absorbed for rb in plan.runs_of(backend))
+
+
 def test_batch_absorbed_follows_the_policy_and_the_backend() -> None:
-    caps = RefTorchBackend.capabilities
     per_batch = PerBatchPolicy()
-    assert batch_absorbed(per_batch, caps, [7, 3], [0, 0]) is False  # a cold prefill: SGLang's MHA
-    assert batch_absorbed(per_batch, caps, [1, 5], [6, 32]) is True  # a cached prefix below the crossover
-    assert batch_absorbed(per_batch, caps, [1, 5], [6, 9000]) is False  # past SGLang's 8192 crossover
-    assert batch_absorbed(PerRequestPolicy(threshold=2), caps, [1, 5], [6, 32]) is False  # one request expanded
-    assert batch_absorbed(PerRequestPolicy(threshold=8), caps, [1, 5], [0, 0]) is True  # measured: absorb short
-    with pytest.raises(TypeError, match="capabilities: got str"):
-        batch_absorbed(per_batch, "caps", [1], [0])  # type: ignore[arg-type]
+    assert _batch_absorbed(per_batch, [7, 3], [0, 0]) is False  # a cold prefill: SGLang's MHA
+    assert _batch_absorbed(per_batch, [1, 5], [6, 32]) is True  # a cached prefix below the crossover
+    assert _batch_absorbed(per_batch, [1, 5], [6, 9000]) is False  # past SGLang's 8192 crossover
+    assert _batch_absorbed(PerRequestPolicy(threshold=2), [1, 5], [6, 32]) is False  # one request expanded
+    assert _batch_absorbed(PerRequestPolicy(threshold=8), [1, 5], [0, 0]) is True  # measured: absorb short
 
 
 def test_policy_defaults_to_sglang_rule_and_reads_a_table(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

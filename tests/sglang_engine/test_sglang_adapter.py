@@ -289,11 +289,15 @@ def test_the_expanded_path_runs_forward_mha_over_the_cached_prefix(page: int) ->
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
-#: REF_TORCH reads the NaN of unowned slots into its value product (0 x NaN) until issue 48 item 1's masking lands
-NAN_BACKENDS = [pytest.param("REF_TORCH", marks=pytest.mark.xfail(
-                    strict=True, reason="REF_TORCH propagates NaN from slots no request owns: the REF_TORCH NaN "
-                                        "masking fix (issue 48 item 1) is another change")),
-                "TRITON_MLA"]
+def _cpu_fused_param():  # type: ignore[no-untyped-def]
+    from mla_backends.cpu_fused import build
+
+    return pytest.param("CPU_FUSED", marks=pytest.mark.skipif(
+        not build.is_built(), reason="CPU_FUSED is not built for this machine (mla-backends build)"))
+
+
+#: the backends the adapter-level NaN test runs: every CPU backend (TRITON_MLA interpreted)
+NAN_BACKENDS = ["REF_TORCH", "TRITON_MLA", _cpu_fused_param()]
 
 
 @pytest.mark.parametrize("name", NAN_BACKENDS)

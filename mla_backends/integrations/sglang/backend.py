@@ -31,12 +31,11 @@ from ...layer.prefill import forward_mha
 from ...layer.workspace import PrefillWorkspace, default_workspace_rows, shared_workspace
 from ...step.cache import LatentKVCache
 from ...step.metadata import BatchMetadata
-from ...step.plan import StepPlan, plan_step
+from ...step.plan import RunBatch, StepPlan, plan_step
 from .. import engine_core as core
 from .internals import INTERNALS
 from .selection import ENGINE, SGLangSelectionError, request_from_runner, startup_line
 from .step import (
-    batch_absorbed,
     decode_metadata,
     dense_up_projection,
     extend_metadata,
@@ -55,14 +54,16 @@ class SGLangBatch:
 
     ``batch``: a weak reference to the SGLang ``ForwardBatch`` it was made for (the handler and the layers check
     that they are handed that very batch). ``absorbed``: the handler's answer (decode batches: True). ``meta``:
-    the batch's metadata (None for idle batches); ``plan``: its plan (absorbed batches); ``workspace``: the
-    shared prefill workspace (expanded batches).
+    the batch's metadata (None for idle batches); ``plan``: its plan (absorbed batches) and ``runs``, the
+    plan's absorbed runs with their planned sub-batches (one for the whole batch, unless the backend takes one
+    query length a call); ``workspace``: the shared prefill workspace (expanded batches).
     """
 
     batch: weakref.ReferenceType
     absorbed: bool
     meta: BatchMetadata | None = None
     plan: StepPlan | None = None
+    runs: tuple[RunBatch, ...] = ()
     workspace: PrefillWorkspace | None = None
 
 
@@ -197,7 +198,8 @@ class MLABackendsAttnBackend(AttentionBackend):
             lens = forward_batch.seq_lens_cpu.tolist()
             meta = decode_metadata(self.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, lens,
                                    self.page_size, slot_mapping=forward_batch.out_cache_loc)
-            self._batch = SGLangBatch(ref, True, meta, plan_step(meta, [self.mla_backend]))
+            plan = plan_step(meta, [self.mla_backend])
+            self._batch = SGLangBatch(ref, True, meta, plan, plan.runs_of(self.mla_backend))
             return
         if not mode.is_extend_without_speculative():
             raise RuntimeError(f"mla-backends: forward mode {mode!r}; supported decode, extend (mixed included) and "
@@ -206,10 +208,12 @@ class MLABackendsAttnBackend(AttentionBackend):
         ext = list(forward_batch.extend_seq_lens_cpu)
         meta = extend_metadata(self.req_to_token, forward_batch.req_pool_indices, prefix, ext, self.page_size,
                                self.num_pages)
-        # plan protocol: replace with plan_step's runs (issue 42 item 2). SGLang runs one forward method per
-        # batch, so the dispatch policy's per-request answer becomes one answer for the whole batch here.
-        if batch_absorbed(self.mla_policy, self.mla_backend.capabilities, ext, prefix):
-            self._batch = SGLangBatch(ref, True, meta, plan_step(meta, [self.mla_backend]))
+        # the plan splits the step (plan_step with the handler's dispatch policy, as a layer's runs); SGLang runs
+        # one forward method per batch, so one expanded run makes the whole batch expanded
+        plan = plan_step(meta, [self.mla_backend], dispatch=self.mla_policy)
+        runs = plan.runs_of(self.mla_backend)
+        if all(rb.run.absorbed for rb in runs):
+            self._batch = SGLangBatch(ref, True, meta, plan, runs)
         else:
             ws = shared_workspace(self.req_to_token.device, self.mla_caches.model_dtype, self.workspace_rows)
             self._batch = SGLangBatch(ref, False, meta, workspace=ws)
@@ -243,16 +247,25 @@ class MLABackendsAttnBackend(AttentionBackend):
             n = k.shape[0]
             if k_rope is None:
                 rows = k.reshape(n, -1)
-                cache.write(rows[:, :r], rows[:, r:], fm.meta)
+                cache.write(rows[:, :r], rows[:, r:], fm.plan)
             else:
-                cache.write(k.reshape(n, r), k_rope.reshape(n, -1), fm.meta)
+                cache.write(k.reshape(n, r), k_rope.reshape(n, -1), fm.plan)
         heads = self.num_heads
         if q_rope is None:
             q3 = q.reshape(q.shape[0], heads, -1)
             q_latent, q_pe = q3[..., :r], q3[..., r:]
         else:
             q_latent, q_pe = q.reshape(q.shape[0], heads, r), q_rope.reshape(q_rope.shape[0], heads, -1)
-        out, _ = self.mla_backend.forward_mqa(q_latent, q_pe, cache, fm.meta, scale=self.mla_scale, plan=fm.plan)
+        if len(fm.runs) == 1:  # the whole batch in one call (SGLang's order is the processing order)
+            out, _ = self.mla_backend.forward_mqa(q_latent, q_pe, cache, fm.runs[0].batch, scale=self.mla_scale,
+                                                  plan=fm.plan)
+            return out.reshape(out.shape[0], heads * r)
+        out = q_latent.new_empty(q_latent.shape)
+        starts = fm.meta.query_starts_list
+        for rb in fm.runs:  # one call per planned run (a uniform-length backend: one query length a call)
+            t0, t1 = starts[rb.run.start], starts[rb.run.stop]
+            self.mla_backend.forward_mqa(q_latent[t0:t1], q_pe[t0:t1], cache, rb.batch, scale=self.mla_scale,
+                                         plan=fm.plan, out=out[t0:t1])
         return out.reshape(out.shape[0], heads * r)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any, forward_batch: Any,

@@ -34,8 +34,9 @@ def handle_attention(attn: Any, forward_batch: Any) -> Any:
     """SGLang's DeepSeek dispatch hook for ``mla_backends``: which forward method a batch takes.
 
     Decode (and idle) batches: absorbed MLA. An extend batch: mla-backends' decision, made once per batch in the
-    backend's metadata hook (:func:`.step.batch_absorbed`, the measured threshold table when
-    ``MLA_BACKENDS_THRESHOLD_TABLE`` names one, else SGLang's per-batch rule): absorbed MLA, or SGLang's MHA
+    backend's metadata hook (the plan's runs under :func:`.step.sglang_policy`: the measured threshold table
+    when ``MLA_BACKENDS_THRESHOLD_TABLE`` names one, else SGLang's per-batch rule; absorbed when every run is):
+    absorbed MLA, or SGLang's MHA
     prepare (its ``prepare_prefill_qkv`` hook is the backend's), which hands the latent on to ``forward_mha``.
     """
     from sglang.srt.model_executor.forward_context import get_attn_backend

@@ -23,12 +23,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ...backends.contract import Capabilities
 from ...core.validation import require_int, require_tensor
-from ...layer.dispatch import DispatchPolicy, PerBatchPolicy, clamp_to_backend, policy_from_table, table_from_env
+from ...layer.dispatch import DispatchPolicy, PerBatchPolicy, policy_from_table, table_from_env
 from ...step.metadata import BatchMetadata
 
-__all__ = ["page_table", "decode_metadata", "extend_metadata", "pool_pages", "sglang_policy", "batch_absorbed",
+__all__ = ["page_table", "decode_metadata", "extend_metadata", "pool_pages", "sglang_policy",
            "dense_up_projection"]
 
 
@@ -101,21 +100,6 @@ def sglang_policy(backend_name: str) -> DispatchPolicy:
         if policy is not None:
             return policy
     return PerBatchPolicy()
-
-
-def batch_absorbed(policy: DispatchPolicy, capabilities: Capabilities, extend_lens: Sequence[int],
-                   prefix_lens: Sequence[int]) -> bool:
-    """mla-backends' decision for one SGLang extend batch: True (absorbed ``forward_mqa``) when ``policy``
-    absorbs every request and the backend takes their query lengths, False (SGLang's expanded MHA) otherwise.
-    SGLang runs one method per batch, so one expanded request makes the batch expanded."""
-    if not isinstance(capabilities, Capabilities):
-        raise TypeError(f"capabilities: got {type(capabilities).__name__}; supported Capabilities")
-    q = [int(v) for v in extend_lens]
-    c = [int(v) for v in prefix_lens]
-    if len(q) != len(c):
-        raise ValueError(f"prefix_lens: got {len(c)} entries; supported one per request ({len(q)} extend_lens)")
-    wanted = policy.absorbed(q, c, backend_threshold=capabilities.decode_threshold)
-    return all(clamp_to_backend(list(wanted), q, capabilities.query_len))
 
 
 def dense_up_projection(weight: torch.Tensor, project: Callable[[torch.Tensor], torch.Tensor], *, rows: int,

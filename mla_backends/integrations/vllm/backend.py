@@ -163,9 +163,9 @@ class MLABackendsMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
         m = super().build(common_prefix_len, common_attn_metadata, fast_build)
         d = m.decode
         if d is not None:
-            # plan protocol: replace with plan_step's runs (issue 42 item 2). vLLM's build split the step into
-            # its decode rows (single-token, first) and prefill rows; the adapter plans the decode rows as one
-            # absorbed batch for the configured backend.
+            # vLLM's own layer splits the step (its decode rows first, by its reorder threshold, and runs the
+            # prefill rows on its MHA path); the library plans the decode rows, the whole of them absorbed, once
+            # here: every layer's impl reads the plan (no dispatch of its own to mirror)
             common = common_attn_metadata
             upper = (common.seq_lens_cpu_upper_bound if d.dcp_tot_seq_lens is None  # DCP: this rank's lengths
                      else common.dcp_local_seq_lens_cpu_upper_bound)
