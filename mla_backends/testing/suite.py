@@ -24,6 +24,7 @@ from ..backends.contract import MLABackend
 from . import checks, context_split
 from .cases import Case, DeclaredProbe, Matrix, UnsupportedProbe
 from .matrix import build_matrix
+from .v4_cases import V4_CASES, V4Case, run_v4_case
 
 __all__ = ["BackendConformance", "resolve_backend"]
 
@@ -59,7 +60,10 @@ class BackendConformance:
       context parallelism's layout, a share of a short request holding no row) merge by LSE to the reference;
     - ``test_no_host_sync``: backends declaring ``host_sync_free`` run dense calls under
       :func:`mla_backends.testing.no_host_sync` (skipped for the others and for sparse cases, whose top-k
-      window check reads device values).
+      window check reads device values);
+    - ``test_v4_case``: the DeepSeek-V4 cases (sliding windows, compressed entries, sinks, fp8 records) against
+      their own float64 reference, judged like the others; skipped with the reasons where the backend does not
+      declare V4's inputs.
     """
 
     backend: ClassVar[str | type[MLABackend] | None] = None
@@ -98,10 +102,11 @@ class BackendConformance:
             "repeat_case": matrix.determinism,
             "declared_probe": matrix.declared,
             "unsupported_probe": matrix.unsupported,
+            "v4_case": V4_CASES,
         }
         for name, values in params.items():
             if name in metafunc.fixturenames:
-                metafunc.parametrize(name, values, ids=[v.id for v in values])
+                metafunc.parametrize(name, values, ids=[getattr(v, "id", None) or f"v4-{v.name}" for v in values])
 
     @pytest.fixture
     def conformance_backend(self, request: pytest.FixtureRequest) -> type[MLABackend]:
@@ -179,6 +184,20 @@ class BackendConformance:
         self, conformance_backend: type[MLABackend], unsupported_probe: UnsupportedProbe
     ) -> None:
         checks.check_unsupported_rejected(conformance_backend, unsupported_probe)
+
+    # ---- DeepSeek V4 ---------------------------------------------------------------------------------------
+    def test_v4_case(self, conformance_backend: type[MLABackend], conformance_device: torch.device,
+                     v4_case: V4Case) -> None:
+        """One DeepSeek-V4 case (:mod:`~mla_backends.testing.v4_cases`: windows, compressed entries, sinks,
+        records, NaN in every unowned slot) against its own float64 reference; skipped, with the backend's
+        reasons, where it does not declare the case's inputs."""
+        if conformance_device.type == "cuda" and not torch.cuda.is_available():
+            pytest.skip(f"{conformance_backend.name} cannot run V4 case {v4_case.name} on cuda: device: got no CUDA "
+                        "device (torch.cuda.is_available() is False); supported a CUDA device")
+        result = run_v4_case(conformance_backend, v4_case, conformance_device)
+        if result.status == "skipped":
+            pytest.skip(f"{conformance_backend.name} does not declare V4 case {v4_case.name}: {result.detail}")
+        assert result.status == "passed", f"V4 case {v4_case.name}: {result.detail}"
 
     # ---- input validation ----------------------------------------------------------------------------------
     def test_rejects_bad_inputs(
