@@ -87,16 +87,19 @@ class AttentionClock:
 
 
 class MqaClock:
-    """Times every ``forward_mqa`` call of the patched layers' backends (an instance attribute each)."""
+    """Times every ``forward_mqa`` call of the patched layers' backends: their classes' method wrapped for the
+    run (a layer's configured backend is replaced when its cache is allocated, so an instance patch would miss
+    the object the layers call)."""
 
     def __init__(self, model) -> None:
         self.total = 0.0
-        self.backends = []
+        self.classes: dict[type, object] = {}
         for layer in model.model.layers:
             mla = getattr(layer.self_attn, "mla", None)
-            if mla is not None:
-                self.backends.append(mla.backend)
-                mla.backend.forward_mqa = self._timed(type(mla.backend).forward_mqa.__get__(mla.backend))
+            cls = type(mla.backend) if mla is not None else None
+            if cls is not None and cls not in self.classes:
+                self.classes[cls] = cls.__dict__.get("forward_mqa")
+                cls.forward_mqa = self._timed(cls.forward_mqa)
 
     def _timed(self, fn):
         def call(*args, **kwargs):
@@ -108,8 +111,11 @@ class MqaClock:
         return call
 
     def remove(self) -> None:
-        for backend in self.backends:
-            del backend.forward_mqa
+        for cls, own in self.classes.items():
+            if own is None:
+                del cls.forward_mqa  # the inherited method again
+            else:
+                cls.forward_mqa = own
 
 
 def run(model, ids: torch.Tensor, new_tokens: int) -> dict[str, object]:
