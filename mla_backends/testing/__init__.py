@@ -28,9 +28,12 @@ import warnings
 from typing import Any
 
 __all__ = ["BackendConformance", "resolve_backend", "build_matrix", "reference_mqa", "no_host_sync",
-           "HostSyncError", "host_sync_allowed", "GuardThreadError", "random_hf_state_dict", "randomise_parameters"]
+           "HostSyncError", "host_sync_allowed", "GuardThreadError", "random_hf_state_dict", "randomise_parameters",
+           "run_v4_cases", "V4_CASES"]
 
 _LAZY = {
+    "run_v4_cases": ".v4_cases",
+    "V4_CASES": ".v4_cases",
     "no_host_sync": "..core.host_sync",
     "HostSyncError": "..core.host_sync",
     "host_sync_allowed": "..core.host_sync",
