@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     res["speed_ratio_mla_backends_over_cpu_mla"] = round(ratio, 3)
     same = tokens["mla-backends"] == tokens["vllm CPU_MLA"]
     res["tokens_identical"] = same
-    print(f"mla-backends ({res['mla_backends_choice']}) / CPU_MLA decode speed: {ratio:.3f}x (target >= 1.3x, issue 44; "
+    print(f"mla-backends ({res['mla_backends_choice']}) / CPU_MLA decode speed: {ratio:.3f}x (target >= 1.3x; "
           f"noisy on a shared machine); greedy tokens identical: {same}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
