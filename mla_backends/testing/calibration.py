@@ -320,6 +320,10 @@ def _honest_backends(engine: str | None) -> list[tuple[str, type[MLABackend]]]:
         dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         return [(p.backend(dev).name, p.backend(dev)) for p in engine_peers(engine) if p.not_runnable(dev) is None]
     out: list[tuple[str, type[MLABackend]]] = [("REF_TORCH", RefTorchBackend)]
+    from ..cpu_fused import CpuFusedBackend, build
+
+    if build.is_built():  # the compiled CPU kernel, where `mla-backends build` made it for this machine
+        out.append(("CPU_FUSED", CpuFusedBackend))
     try:
         import triton  # noqa: F401
 
