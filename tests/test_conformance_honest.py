@@ -1,10 +1,10 @@
 """The honest side of issue 43: correct kernels pass the suite over many random cases, far from its edges, with
 no hint.
 
-REF_TORCH and CPU_FUSED (where built) run their quick matrix and 16 random cases, TRITON_MLA (under Triton's interpreter: float32 and float16,
-bf16 withheld there) 3 random cases beyond its quick matrix (tests/test_conformance_triton.py); vLLM's and
-SGLang's kernels run in tests/vllm_engine/test_vllm_peers.py and tests/sglang_engine/test_sglang_peers.py. Every
-case poisons the slots no request owns.
+REF_TORCH and CPU_FUSED (where built) run their quick matrix and 16 random cases, TRITON_MLA (under Triton's
+interpreter: float32 and float16, bf16 withheld there) 3 random cases beyond its quick matrix
+(tests/test_conformance_triton.py); vLLM's and SGLang's kernels run in tests/vllm_engine/test_vllm_peers.py and
+tests/sglang_engine/test_sglang_peers.py. Every case poisons the slots no request owns.
 """
 
 from __future__ import annotations
