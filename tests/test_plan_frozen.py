@@ -216,6 +216,31 @@ def test_the_layer_configures_once_and_refuses_another_cache_after_planning():
     assert layer.backend.layer_spec.block_size == BS
 
 
+def test_a_racing_allocate_of_the_same_configuration_after_another_thread_planned_is_fine(monkeypatch):
+    """Threads sharing a model each allocate a cache: one may read the layer's first (incomplete) configuration,
+    then another completes it and plans. The late one gets the very object the other swapped in (configured
+    backends are one per configuration), so it is not refused; another page size still is."""
+    import mla_backends.layer.attention as attention
+
+    layer = _layer()
+    bt, nb = scattered_block_tables(2, 8, BS)
+    real = attention.configure_backend
+    raced = []
+
+    def other_thread_first(backend, spec, scale):  # the late thread, paused where it completes the configuration
+        if not raced:
+            raced.append(True)
+            layer.allocate_cache(nb, BS)  # the other thread: completes it ...
+            plan_step(_meta((1, 1), (5, 3), bt, nb, layer), [layer])  # ... and plans
+        return real(backend, spec, scale)
+
+    monkeypatch.setattr(attention, "configure_backend", other_thread_first)
+    layer.allocate_cache(nb, BS)
+    assert raced and layer.backend.layer_spec.block_size == BS
+    with pytest.raises(ValueError, match=r"allocate_cache: got page size 8 .* has taken part in a step plan"):
+        layer.allocate_cache(nb, 8)
+
+
 # ---- one protocol: an engine reads the layer's split from the plan ---------------------------------------------
 @pytest.mark.parametrize("dispatch", ["per-request", "per-batch"])
 def test_an_engine_gets_the_runs_a_layer_with_its_policy_gets(dispatch):

@@ -303,7 +303,11 @@ class MLAAttention(torch.nn.Module):
             raise ValueError(f"allocate_cache: backend {self.backend_cls.name} cannot use this cache: "
                              + "; ".join(map(str, reasons)))
         spec = self._spec(resolve_kv_cache_dtype(kv_name, self.dtype), block_size)
-        if spec != self.backend.layer_spec and self._planned:
+        current = self.backend
+        # the configured backend of the completed configuration: the same object for every thread asking (threads
+        # allocating caches of one model race here, and one may already have swapped it in and planned)
+        target = current if spec == current.layer_spec else configure_backend(current, spec, self.scale)
+        if target is not self.backend and self._planned:
             raise ValueError(
                 f"allocate_cache: got page size {block_size} and cache dtype {spec.kv_cache_dtype} for layer "
                 f"{self.layer_idx}, whose backend is configured for page size {self.backend.layer_spec.block_size} "
@@ -314,8 +318,8 @@ class MLAAttention(torch.nn.Module):
         extra = {} if self.dims.indexer is None else {"layer_idx": self.layer_idx, "indexer_storage": storage}
         cache = cache_cls.allocate(self.dims, num_blocks, block_size, kv_cache_dtype, model_dtype=self.dtype,
                                    device=self.device, scale=scale, **extra)
-        if spec != self.backend.layer_spec:  # the configuration completed: page size and cache dtype
-            self.backend = configure_backend(self.backend, spec, self.scale)
+        if target is not self.backend:  # the configuration completed: page size and cache dtype
+            self.backend = target
         return cache
 
     def workspace_rows(self, block_size: int) -> int:

@@ -222,7 +222,9 @@ class V4Attention(torch.nn.Module):
                                       device=self.device, row_format=row_format, indexer_storage=indexer_storage,
                                       indexer_scale_fmt=indexer_scale_fmt, pool_pages=pool_pages)
         spec = self._spec(cache.kv_cache_dtype, block_size)
-        if spec != self.backend.layer_spec:  # the configuration completed: page size and cache dtype
+        current = self.backend  # (threads allocating for one model get the same configured object: see MLAAttention)
+        target = current if spec == current.layer_spec else configure_backend(current, spec, self.scale)
+        if target is not self.backend:  # the configuration completed: page size and cache dtype
             if self.__dict__["_planned"]:
                 raise ValueError(
                     f"allocate_cache: got page size {block_size} and cache dtype {spec.kv_cache_dtype} for layer "
@@ -230,7 +232,7 @@ class V4Attention(torch.nn.Module):
                     f"{self.backend.layer_spec.block_size} and cache dtype {self.backend.layer_spec.kv_cache_dtype} "
                     "and has taken part in a step plan; supported the configuration it planned with (a layer is "
                     "configured once: build another layer for another cache)")
-            self.backend = configure_backend(self.backend, spec, self.scale)
+            self.backend = target
         return cache
 
     def runs(self, meta: BatchMetadata) -> tuple[Run, ...]:
