@@ -193,9 +193,9 @@ def test_dims_outside_the_kernel_are_refused(cls, monkeypatch):
 
 
 def test_declared_support_is_derived_when_planned_and_looked_up(monkeypatch):
-    """A configured backend's combination is asked of its declarations once, when the step is planned; the
-    calls of every layer then look it up in the plan. Other combinations (an LSE asked for) are asked in full,
-    and a rejection is never recorded."""
+    """A configured backend's combination, with and without an LSE, is asked of its declarations once, when the
+    step is planned; the calls of every layer then look it up in the plan. Without a plan a call is asked in
+    full, and a rejection is never recorded."""
     from mla_backends.backends.contract import AttentionSpec, configure_backend
     from mla_backends.backends.inputs import check_declared_support
     from mla_backends.ref_torch import RefTorchBackend
@@ -213,11 +213,10 @@ def test_declared_support_is_derived_when_planned_and_looked_up(monkeypatch):
     backend = configure_backend(RefTorchBackend, AttentionSpec(num_heads=16, dtype=torch.bfloat16, block_size=64),
                                 0.1)
     plan = plan_step(meta, [backend])
-    assert calls == [False] and plan.accepted
+    assert calls == [False, True] and plan.accepted  # without and with an LSE
     for _ in range(3):  # three layers of one step
         check_declared_support(RefTorchBackend, q, cache, meta, plan=plan)
-    assert calls == [False]
-    check_declared_support(RefTorchBackend, q, cache, meta, lse_out=torch.empty(2, 16), plan=plan)
+        check_declared_support(RefTorchBackend, q, cache, meta, lse_out=torch.empty(2, 16), plan=plan)
     assert calls == [False, True]
     check_declared_support(RefTorchBackend, q, cache, meta)  # no plan: asked in full
     assert calls == [False, True, False]

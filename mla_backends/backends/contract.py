@@ -559,7 +559,8 @@ class MLABackend:
         key = self._configuration
         if key is not None:  # a configured backend runs what it was configured for
             self._check_configured_call(q_latent, cache, topk_indices, scale, v4)
-        if not (plan is not None and key is not None and lse_out is None and (key.token, id(meta)) in plan.accepted
+        vouched = None if key is None else (key.token, id(meta)) if lse_out is None else (key.token, id(meta), "lse")
+        if not (plan is not None and key is not None and vouched in plan.accepted
                 and cache.kv_cache_dtype == self._kv_name):  # (else: what the configuration did not vouch for)
             check_declared_support(type(self), q_latent, cache, meta, topk_indices=topk_indices, lse_out=lse_out,
                                    plan=plan, v4=v4)

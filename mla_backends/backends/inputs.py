@@ -119,8 +119,9 @@ def planned_declarations(backend: object, meta: BatchMetadata, *, sparse: bool =
     step is planned: the combination its configuration (``backend.layer_spec``: heads, dims, dtypes; the page
     size, ``meta``'s when the configuration leaves it open) describes, when the backend accepts it, as its
     declaration key and as ``(configuration token, id(meta))``, which a configured backend's ``forward_mqa``
-    looks up without rebuilding the key. Empty for an unconfigured backend (its calls are then checked in
-    full) or a refused combination."""
+    looks up without rebuilding the key; the same with an LSE wanted (a call passing ``lse_out``:
+    ``(token, id(meta), "lse")``) when the declarations accept that too. Empty for an unconfigured backend (its
+    calls are then checked in full) or a refused combination."""
     spec = getattr(backend, "layer_spec", None)
     if not isinstance(spec, AttentionSpec):
         return frozenset()
@@ -133,13 +134,20 @@ def planned_declarations(backend: object, meta: BatchMetadata, *, sparse: bool =
     key = declaration_key(type(backend), spec.dtype, spec.num_heads, kv, block_size, spec.kv_lora_rank,
                           spec.qk_rope_head_dim, meta.device, sparse=sparse, need_lse=False, meta=meta,
                           v4=(spec.sinks, spec.window, spec.compressed))
+    lse_key = declaration_key(type(backend), spec.dtype, spec.num_heads, kv, block_size, spec.kv_lora_rank,
+                              spec.qk_rope_head_dim, meta.device, sparse=sparse, need_lse=True, meta=meta,
+                              v4=(spec.sinks, spec.window, spec.compressed))  # calls that pass ``lse_out``
     try:
         if declared_reasons(key):
             return frozenset()
+        with_lse = not declared_reasons(lse_key)
     except TypeError:  # a declaration that cannot be hashed (a plugin's own field type): checked per call
         return frozenset()
     token = getattr(getattr(backend, "_configuration", None), "token", None)
-    return frozenset({key} if token is None or block_size != meta.block_size else {key, (token, id(meta))})
+    keys = {key, lse_key} if with_lse else {key}
+    if token is not None and block_size == meta.block_size:
+        keys |= {(token, id(meta))} | ({(token, id(meta), "lse")} if with_lse else set())
+    return frozenset(keys)
 
 
 def check_declared_support(
