@@ -119,6 +119,23 @@ class Drivers:
             log.close()  # type: ignore[attr-defined]
 
 
+def cpu_choice() -> str:
+    """The backend the selector gives the CPU on this machine: CPU_FUSED where ``mla-backends build`` made its
+    kernel, else REF_TORCH (what the engines' start-up lines name)."""
+    from mla_backends.cpu_fused import build
+
+    return "CPU_FUSED" if build.is_built() else "REF_TORCH"
+
+
+def nan_backends() -> list:
+    """The CPU backends the adapter-level NaN tests run (TRITON_MLA interpreted; CPU_FUSED skipped where it is
+    not built)."""
+    from mla_backends.cpu_fused import build
+
+    return ["REF_TORCH", "TRITON_MLA", pytest.param("CPU_FUSED", marks=pytest.mark.skipif(
+        not build.is_built(), reason="CPU_FUSED is not built for this machine (mla-backends build)"))]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -216,25 +216,32 @@ def test_the_layer_configures_once_and_refuses_another_cache_after_planning():
     assert layer.backend.layer_spec.block_size == BS
 
 
-def test_a_racing_allocate_of_the_same_configuration_after_another_thread_planned_is_fine(monkeypatch):
-    """Threads sharing a model each allocate a cache: one may read the layer's first (incomplete) configuration,
-    then another completes it and plans. The late one gets the very object the other swapped in (configured
-    backends are one per configuration), so it is not refused; another page size still is."""
-    import mla_backends.layer.attention as attention
-
+def test_a_racing_allocate_of_the_same_configuration_after_another_thread_planned_is_fine():
+    """Threads sharing a model each allocate a cache: one reads the layer's first (incomplete) configuration,
+    then, before it looks whether the layer has planned, another thread completes the configuration and plans.
+    The late one must get the very object the other swapped in (configured backends are one per
+    configuration), not a "configured once" refusal; another page size is still refused."""
     layer = _layer()
     bt, nb = scattered_block_tables(2, 8, BS)
-    real = attention.configure_backend
     raced = []
 
-    def other_thread_first(backend, spec, scale):  # the late thread, paused where it completes the configuration
-        if not raced:
-            raced.append(True)
-            layer.allocate_cache(nb, BS)  # the other thread: completes it ...
-            plan_step(_meta((1, 1), (5, 3), bt, nb, layer), [layer])  # ... and plans
-        return real(backend, spec, scale)
+    class Racing(type(layer)):
+        @property
+        def _planned(self):  # the late thread's look at "planned": the other thread runs first
+            if not raced:
+                raced.append(True)
+                type(layer).__bases__[0].allocate_cache(layer, nb, BS)  # completes the configuration ...
+                plan_step(_meta((1, 1), (5, 3), bt, nb, layer), [layer])  # ... and plans
+            return self.__dict__["_planned"]
 
-    monkeypatch.setattr(attention, "configure_backend", other_thread_first)
+        @_planned.setter
+        def _planned(self, value):
+            self.__dict__["_planned"] = value
+
+    layer.__class__ = Racing
+    real = layer.backend  # the incomplete configuration the late thread starts from
+    layer.__dict__["_planned"] = False
+    assert real.layer_spec.block_size is None
     layer.allocate_cache(nb, BS)
     assert raced and layer.backend.layer_spec.block_size == BS
     with pytest.raises(ValueError, match=r"allocate_cache: got page size 8 .* has taken part in a step plan"):

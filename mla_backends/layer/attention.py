@@ -303,11 +303,13 @@ class MLAAttention(torch.nn.Module):
             raise ValueError(f"allocate_cache: backend {self.backend_cls.name} cannot use this cache: "
                              + "; ".join(map(str, reasons)))
         spec = self._spec(resolve_kv_cache_dtype(kv_name, self.dtype), block_size)
+        # threads allocating caches of one model race here: read "planned" first (a layer's backend is swapped in
+        # before it plans), then compare with the completed configuration's backend, the same object for every
+        # thread asking
+        planned = self._planned
         current = self.backend
-        # the configured backend of the completed configuration: the same object for every thread asking (threads
-        # allocating caches of one model race here, and one may already have swapped it in and planned)
         target = current if spec == current.layer_spec else configure_backend(current, spec, self.scale)
-        if target is not self.backend and self._planned:
+        if planned and target is not self.backend:
             raise ValueError(
                 f"allocate_cache: got page size {block_size} and cache dtype {spec.kv_cache_dtype} for layer "
                 f"{self.layer_idx}, whose backend is configured for page size {self.backend.layer_spec.block_size} "

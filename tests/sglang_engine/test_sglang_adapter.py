@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_harness import nan_backends
 from sglang_env import HAVE_SGLANG, SKIP_REASON
 
 if not HAVE_SGLANG:
@@ -289,15 +290,7 @@ def test_the_expanded_path_runs_forward_mha_over_the_cached_prefix(page: int) ->
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
-def _cpu_fused_param():  # type: ignore[no-untyped-def]
-    from mla_backends.cpu_fused import build
-
-    return pytest.param("CPU_FUSED", marks=pytest.mark.skipif(
-        not build.is_built(), reason="CPU_FUSED is not built for this machine (mla-backends build)"))
-
-
-#: the backends the adapter-level NaN test runs: every CPU backend (TRITON_MLA interpreted)
-NAN_BACKENDS = ["REF_TORCH", "TRITON_MLA", _cpu_fused_param()]
+NAN_BACKENDS = nan_backends()  # every CPU backend
 
 
 @pytest.mark.parametrize("name", NAN_BACKENDS)

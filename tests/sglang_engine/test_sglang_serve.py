@@ -6,13 +6,13 @@ this time (no ``MLA_BACKEND``)."""
 
 from __future__ import annotations
 
+from engine_harness import cpu_choice
+
 
 def test_served_tokens_equal_offline(report_v2: dict) -> None:
     served = report_v2["serve"]
     assert not served.get("error"), served.get("log", "")[-4000:]
     assert served["tokens"] == report_v2["hf"] == report_v2["plugin"]["standard"]["single"]
-    from mla_backends.cpu_fused import build
-
-    chosen = "CPU_FUSED" if build.is_built() else "REF_TORCH"  # the compiled kernel where built for this machine
+    chosen = cpu_choice()  # the compiled kernel where built for this machine
     assert (f"runs absorbed MLA on mla-backends (model {served['model']}, 4 heads on this rank). Chosen: "
             f"{chosen}") in served["server_log"]

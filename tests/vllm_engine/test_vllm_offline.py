@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from engine_harness import cpu_choice
 
 KINDS = ["v2", "v3"]
 #: forward_mqa calls of one phase: 2 layers x 9 decode steps x (1 batched + 4 single generates), + 2 layers x
@@ -58,15 +59,13 @@ def test_decode_went_through_mla_backends(report: dict) -> None:
 def test_selected_backend_tokens_equal_vllm_and_transformers(report_v2: dict) -> None:
     """With no backend forced the plugin runs the selector's choice: CPU_FUSED where its kernel is built for
     this machine (``mla-backends build``; the environment's build step runs it), REF_TORCH otherwise."""
-    from mla_backends.cpu_fused import build
-
     selected = report_v2["selected"]
     assert selected["batched"] == report_v2["hf"] and selected["single"] == report_v2["hf"]
     assert selected["batched"] == report_v2["own"]["batched"]
     log = report_v2["log"].split("=== phase selected\n")[1].split("=== phase selected done")[0]
     chosen = set(re.findall(r"runs MLA decode on mla-backends \(model \S+, 4 heads on this rank\)\. Chosen: (\w+),",
                             log))
-    assert chosen == {"CPU_FUSED" if build.is_built() else "REF_TORCH"}, log[-3000:]
+    assert chosen == {cpu_choice()}, log[-3000:]
 
 
 def test_without_switch_vllm_choice_unchanged(report: dict) -> None:
@@ -130,12 +129,10 @@ def test_fp8_drift_from_fp32_is_bounded(report_v2: dict, name: str, fake: str) -
 
 
 def test_rows_vllm_cannot_take_are_refused_at_startup(report_v2: dict) -> None:
-    from mla_backends.cpu_fused import build
-
     err = report_v2["refused_288"]["error"]
     assert err is not None and err.startswith("VLLMSelectionError: mla-backends cannot run this vLLM MLA model")
     assert "kv_lora_rank 256, rope 32" in err
-    chosen = "CPU_FUSED" if build.is_built() else "REF_TORCH"  # the selector's choice takes 288-wide rows
+    chosen = cpu_choice()  # the selector's choice takes 288-wide rows
     assert ("head size: got 288 (kv_lora_rank 256 + rope 32); supported 320, 512, 576 by vLLM's MLA path on CPU "
             f"(vLLM's MLACommonMetadata), any by {chosen}") in err
     assert "Head dimension 288 is not supported" not in err  # vLLM's own mid-generation failure

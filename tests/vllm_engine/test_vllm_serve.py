@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_harness import engine_env, free_port, served, served_tokens
+from engine_harness import cpu_choice, engine_env, free_port, served, served_tokens
 from vllm_env import ENV, HAVE_VLLM, LLM_ARGS, SKIP_REASON
 
 HERE = Path(__file__).resolve().parent
@@ -37,8 +37,6 @@ def server(report_v3: dict, workdir: Path):  # type: ignore[no-untyped-def]
 
 def test_served_tokens_equal_offline(server: dict, report_v3: dict) -> None:
     assert served_tokens(server["port"], server["model"]) == report_v3["plugin"]["single"]
-    from mla_backends.cpu_fused import build
-
-    chosen = "CPU_FUSED" if build.is_built() else "REF_TORCH"  # the selector's CPU choice on this machine
+    chosen = cpu_choice()  # the selector's CPU choice on this machine
     assert (f"runs MLA decode on mla-backends (model {server['model']}, 4 heads on this rank). Chosen: {chosen}, "
             "block_size 16") in server["log"].read_text()

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_harness import cpu_choice, nan_backends
 from vllm_env import HAVE_VLLM, SKIP_REASON  # noqa: E402
 
 if not HAVE_VLLM:
@@ -192,15 +193,7 @@ def _poison_outside(cache: torch.Tensor, table: torch.Tensor, lens: list[int]) -
     return out
 
 
-def _cpu_fused_param():  # type: ignore[no-untyped-def]
-    from mla_backends.cpu_fused import build
-
-    return pytest.param("CPU_FUSED", marks=pytest.mark.skipif(
-        not build.is_built(), reason="CPU_FUSED is not built for this machine (mla-backends build)"))
-
-
-#: the backends the adapter-level NaN test runs: every CPU backend (TRITON_MLA interpreted)
-NAN_BACKENDS = ["REF_TORCH", "TRITON_MLA", _cpu_fused_param()]
+NAN_BACKENDS = nan_backends()  # every CPU backend
 
 
 @pytest.mark.parametrize("name", NAN_BACKENDS)
@@ -401,9 +394,7 @@ def test_supports_combination_refuses_what_vllm_cannot_run(monkeypatch: pytest.M
     monkeypatch.setattr(vb, "get_current_vllm_config_or_none", lambda: cfg)
     msg = vb.MLABackendsBackend.supports_combination(288, torch.float32, "auto", 16, True, False, False, False,
                                                      None)
-    from mla_backends.cpu_fused import build
-
-    chosen = "CPU_FUSED" if build.is_built() else "REF_TORCH"  # the selector's CPU choice on this machine
+    chosen = cpu_choice()  # the selector's CPU choice on this machine
     assert msg is not None and "head size: got 288" in msg and f"any by {chosen}" in msg
     hf.update(kv_lora_rank=512, qk_rope_head_dim=64)
     assert vb.MLABackendsBackend.supports_combination(576, torch.float32, "auto", 16, True, False, False, False,

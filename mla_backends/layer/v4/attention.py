@@ -222,10 +222,11 @@ class V4Attention(torch.nn.Module):
                                       device=self.device, row_format=row_format, indexer_storage=indexer_storage,
                                       indexer_scale_fmt=indexer_scale_fmt, pool_pages=pool_pages)
         spec = self._spec(cache.kv_cache_dtype, block_size)
-        current = self.backend  # (threads allocating for one model get the same configured object: see MLAAttention)
+        planned = self.__dict__["_planned"]  # read first: threads allocating for one model race (see MLAAttention)
+        current = self.backend
         target = current if spec == current.layer_spec else configure_backend(current, spec, self.scale)
         if target is not self.backend:  # the configuration completed: page size and cache dtype
-            if self.__dict__["_planned"]:
+            if planned:
                 raise ValueError(
                     f"allocate_cache: got page size {block_size} and cache dtype {spec.kv_cache_dtype} for layer "
                     f"{self.layer_idx}, whose backend is configured for page size "
