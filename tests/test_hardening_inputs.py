@@ -103,6 +103,25 @@ def test_outputs_may_not_alias_inputs(step):
     assert torch.equal(cache.data, before)
 
 
+def test_the_overlap_rule_on_views_empties_and_meta_tensors():
+    """The aliasing rule itself (``require_separate``, which ``forward_mqa`` runs on every call): byte spans of
+    strided views, empty and meta tensors never overlap, outputs are checked against earlier outputs first."""
+    from mla_backends.core.validation import require_separate, tensors_overlap
+
+    base = torch.zeros(4, 8)
+    assert tensors_overlap(base[:, :2], base[:, 6:])  # interleaved columns: spans meet (conservative)
+    assert not tensors_overlap(base[:2], base[2:])  # disjoint rows
+    assert tensors_overlap(base[1:3].t(), base[2])  # a transposed view still covers its rows' bytes
+    assert not tensors_overlap(base[:0], base)  # empty: no memory
+    assert not tensors_overlap(torch.empty(4, device="meta"), torch.empty(4, device="meta"))
+    require_separate({"out": base[:2], "lse_out": base[2:, :4]}, {"q": base[3:3], "k": None})
+    msg = _raises(ValueError, "lse_out", require_separate, {"out": base[1, :2], "lse_out": base[1, 1:6]},
+                  {"cache": base[1, 4:]})  # overlaps out and the cache: out is named, as the earlier output
+    assert "sharing memory with out" in msg
+    msg = _raises(ValueError, "out", require_separate, {"out": base[3]}, {"q": base[:1], "cache": base[2:]})
+    assert "with cache" in msg
+
+
 def test_loading_weights_is_all_or_nothing():
     """Class: a state dict that fails part-way (a meta tensor, say) leaves every parameter and fold as it was."""
     from mla_backends.loading.hf import StateDictError, fold_kv_b, random_hf_state_dict

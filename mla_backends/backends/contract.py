@@ -691,11 +691,11 @@ class MLABackend:
         problems = []
         if returned is not None:
             problems.append(f"returned {type(returned).__name__}; supported None (write into out and lse_out)")
-        if tuple(out.shape) != shape or out.dtype != q_latent.dtype or out.device != q_latent.device:
+        if out.shape != shape or out.dtype != q_latent.dtype or out.device != q_latent.device:
             problems.append(f"out: got {list(out.shape)} {dtype_name(out.dtype)} on {out.device}; supported "
                             f"{list(shape)} {dtype_name(q_latent.dtype)} on {q_latent.device} (written in place)")
         want_lse = lse_dtype(q_latent.dtype)
-        if lse_out is not None and (tuple(lse_out.shape) != shape[:2] or lse_out.dtype != want_lse
+        if lse_out is not None and (lse_out.shape != shape[:2] or lse_out.dtype != want_lse
                                     or lse_out.device != q_latent.device):
             problems.append(f"lse_out: got {list(lse_out.shape)} {dtype_name(lse_out.dtype)} on {lse_out.device}; "
                             f"supported {list(shape[:2])} {dtype_name(want_lse)} on {q_latent.device} "

@@ -8,7 +8,7 @@ import torch
 
 from ..core.device import device_info_for
 from ..core.dtypes import MODEL_DTYPES, lse_dtype
-from ..core.validation import require_no_alias, require_on_device, require_scale, require_tensor
+from ..core.validation import require_on_device, require_scale, require_separate, require_tensor
 from ..step.cache import LatentKVCache
 from ..step.checks import require_graph_support, require_whole_sequences
 from ..step.metadata import BatchMetadata
@@ -63,11 +63,9 @@ def check_mqa_inputs(
     optional = {"topk_indices": topk_indices, "out": out, "lse_out": lse_out}
     require_on_device(cache.device, q_latent=q_latent, q_rope=q_rope, **{"meta.block_table": meta.block_table},
                       **{k: v for k, v in optional.items() if v is not None})
-    inputs = {"cache": cache.data, "q_latent": q_latent, "q_rope": q_rope, "topk_indices": topk_indices}
-    if out is not None:
-        require_no_alias("out", out, **inputs)
-    if lse_out is not None:
-        require_no_alias("lse_out", lse_out, out=out, **inputs)
+    if out is not None or lse_out is not None:
+        require_separate({"out": out, "lse_out": lse_out},
+                         {"cache": cache.data, "q_latent": q_latent, "q_rope": q_rope, "topk_indices": topk_indices})
     if plan is not None:
         plan.check_cache(cache)  # the step's block-id maximum, from planning (no device read)
     else:

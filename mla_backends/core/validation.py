@@ -15,7 +15,7 @@ import torch
 from .dtypes import dtype_name
 
 __all__ = ["require_tensor", "require_int", "require_on_device", "require_finite", "require_scale",
-           "require_device", "DEVICE_TYPES", "tensors_overlap", "require_no_alias"]
+           "require_device", "DEVICE_TYPES", "tensors_overlap", "require_no_alias", "require_separate"]
 
 
 def require_tensor(
@@ -30,15 +30,18 @@ def require_tensor(
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: got {type(x).__name__}; supported torch.Tensor")
     if shape is not None:
-        ndim = len(shape)
-    if ndim is not None and x.dim() != ndim:
-        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]" if shape else f"{ndim}-D"
-        raise ValueError(f"{name}: got shape {list(x.shape)}; supported {want}")
-    if shape is not None:
-        for got, want in zip(x.shape, shape, strict=True):
-            if want is not None and got != want:
-                spec = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-                raise ValueError(f"{name}: got shape {list(x.shape)}; supported {spec}")
+        got = x.shape
+        bad = len(got) != len(shape)
+        if not bad:
+            for g, w in zip(got, shape, strict=True):
+                if w is not None and g != w:
+                    bad = True
+                    break
+        if bad:
+            spec = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]" if shape else "0-D"
+            raise ValueError(f"{name}: got shape {list(got)}; supported {spec}")
+    elif ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: got shape {list(x.shape)}; supported {ndim}-D")
     if dtypes is not None and x.dtype not in dtypes:
         names = ", ".join(dtype_name(d) for d in dtypes)
         raise TypeError(f"{name}: got dtype {dtype_name(x.dtype)}; supported {names}")
@@ -129,9 +132,20 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """``[start, end)`` bytes of memory ``t`` can touch (its first to last element, strides included)."""
     start = t.data_ptr()
     if t.is_contiguous():  # the common case, without a Python loop over the dims
-        return start, start + t.numel() * t.element_size()
+        return start, start + t.nbytes
     extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
     return start, start + (extent + 1) * t.element_size()
+
+
+def _memory(t: torch.Tensor | None) -> tuple[int, int] | None:
+    """``[start, end)`` of the bytes ``t`` can touch; None for None and for a tensor without memory (empty, or on
+    the meta device: its data pointer is 0)."""
+    if t is None:
+        return None
+    start = t.data_ptr()
+    if not start or not t.numel():
+        return None
+    return _byte_span(t)
 
 
 def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -140,17 +154,29 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     Host metadata only (pointers, shapes, strides; no device read). Conservative: two interleaved views whose
     spans intersect count as overlapping. Meta tensors never overlap (they have no memory).
     """
-    if a.device != b.device or a.device.type == "meta" or not a.numel() or not b.numel():
-        return False
-    a0, a1 = _byte_span(a)
-    b0, b1 = _byte_span(b)
-    return a0 < b1 and b0 < a1
+    ma, mb = _memory(a), _memory(b)
+    return ma is not None and mb is not None and ma[0] < mb[1] and mb[0] < ma[1] and a.device == b.device
+
+
+def require_separate(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
+    """Raise ``ValueError`` naming the first output (in ``outputs``' order) that shares memory with an earlier
+    output or with one of ``inputs`` (what the kernel reads while it writes the outputs; aliasing them corrupts
+    results silently). Each tensor's span is worked out once (this runs on every ``forward_mqa`` call)."""
+    ins = [(n, t, m) for n, t in inputs.items() if (m := _memory(t)) is not None]
+    outs: list[tuple[str, torch.Tensor, tuple[int, int]]] = []
+    for name, x in outputs.items():
+        mx = _memory(x)
+        if mx is None:
+            continue
+        x0, x1 = mx
+        for other_name, other, (o0, o1) in outs + ins:  # earlier outputs first, then the inputs
+            if x0 < o1 and o0 < x1 and other.device == x.device:  # (devices compared only where spans meet)
+                raise ValueError(f"{name}: got a buffer sharing memory with {other_name}; supported a separate "
+                                 "buffer (an output may not alias an input or another output)")
+        outs.append((name, x, mx))
 
 
 def require_no_alias(name: str, x: torch.Tensor, **others: torch.Tensor | None) -> None:
     """Raise ``ValueError`` when the output buffer ``x`` shares memory with one of ``others`` (inputs the
     kernel reads while it writes ``x``; aliasing them corrupts results silently)."""
-    for other_name, other in others.items():
-        if other is not None and tensors_overlap(x, other):
-            raise ValueError(f"{name}: got a buffer sharing memory with {other_name}; supported a separate "
-                             "buffer (an output may not alias an input or another output)")
+    require_separate({name: x}, others)

