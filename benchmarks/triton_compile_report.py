@@ -8,7 +8,8 @@ For the architecture, every (heads, query dtype, cache dtype, dense/sparse, ``fp
 :data:`POINTS` goes through :func:`mla_backends.triton_mla.configs.fitting_configs` with that architecture's
 shared memory: the configuration the table chooses (``"chosen": true``) and the fallbacks it can take
 (``--chosen-only`` skips those), the chosen one at split counts 1, 2 and 16 (Triton specialises the
-split count and the partials' strides on ``== 1`` and ``% 16``); each distinct launch (same constexprs and
+split count and the partials' strides on ``== 1`` and ``% 16``; ``--all-splits-at 128`` only at 128 heads, the
+others at 2, as the tests compile it), the fallbacks at 2; each distinct launch (same constexprs and
 integer specialisation) is compiled once. The launches come from
 :func:`mla_backends.triton_mla.launch.build_launches` on example CPU tensors of the real dims (576-wide
 rows, page 64), and Triton's own argument binder turns them into the signature a real launch compiles
@@ -219,9 +220,10 @@ def _record(configs: list, seen: dict, launch, cfg, chosen: bool, arch: str, cc:
 
 
 def report(arch: str, heads_filter: tuple[int, ...] | None = None, kv_filter: str | None = None,
-           chosen_only: bool = False) -> dict[str, object]:
+           chosen_only: bool = False, all_splits_at: tuple[int, ...] | None = None) -> dict[str, object]:
     """Compile every configuration the table can choose on ``arch`` (``chosen_only``: only the one it
-    chooses at the architecture's shared memory); the JSON document described above."""
+    chooses at the architecture's shared memory); the JSON document described above. ``all_splits_at``: the
+    head counts whose chosen configuration gets every split class (default: all); elsewhere split count 2."""
     import torch
     import triton
 
@@ -245,7 +247,8 @@ def report(arch: str, heads_filter: tuple[int, ...] | None = None, kv_filter: st
         for rank, cfg in enumerate(candidates[:1] if chosen_only else candidates):
             # the split count is an argument (and sets the partials' strides), so Triton specialises on it:
             # 1, a multiple of 16, and anything else compile apart; the chosen configuration gets all three
-            for splits in SPLIT_VARIANTS if rank == 0 else SPLIT_VARIANTS[1:2]:
+            every_class = rank == 0 and (not all_splits_at or heads in all_splits_at)
+            for splits in SPLIT_VARIANTS if every_class else SPLIT_VARIANTS[1:2]:
                 launches = build_launches(ql, qr, cache, meta, scale=0.1, topk_indices=topk, out=out,
                                           lse_out=lse, cfg=cfg, splits=splits, interpret=False)
                 for launch in launches:
@@ -324,12 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-dtype", help="only this cache dtype")
     p.add_argument("--chosen-only", action="store_true",
                    help="only the configuration the table chooses, not its fallbacks")
+    p.add_argument("--all-splits-at", type=int, nargs="+", metavar="HEADS",
+                   help="only at these head counts the chosen configuration gets split counts 1, 2 and 16 "
+                        "(elsewhere 2 alone; default: at every head count)")
     p.add_argument("--v4", action="store_true", help="the DeepSeek-V4 kernel's points (V4_POINTS) instead")
     args = p.parse_args(argv)
     if args.v4:
         doc = v4_report(args.arch, tuple(args.heads or ()))
     else:
-        doc = report(args.arch, tuple(args.heads or ()), args.kv_cache_dtype, args.chosen_only)
+        doc = report(args.arch, tuple(args.heads or ()), args.kv_cache_dtype, args.chosen_only,
+                     tuple(args.all_splits_at or ()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
