@@ -1,7 +1,6 @@
 # Shared by tools/vllm_env.sh and tools/sglang_env.sh (sourced, not run): the steps of an engine's environment.
 # Expects PYTHON and TORCH_SPEC; sets PY.
 
-# Large installs use pip's --no-compile (the Makefile says why).
 # engine_env_start VENV ENGINE_SPEC: a fresh venv at VENV, pip upgraded, torch ($TORCH_SPEC, the CPU build) first,
 # then ENGINE_SPEC without its dependencies (they would pull a CUDA torch)
 engine_env_start() {
@@ -9,8 +8,8 @@ engine_env_start() {
     "$PYTHON" -m venv "$1"
     PY="$1/bin/python"
     "$PY" -m pip install -q --upgrade pip
-    "$PY" -m pip install -q --no-compile "$TORCH_SPEC"
-    "$PY" -m pip install -q --no-compile --no-deps "$2"
+    "$PY" -m pip install -q "$TORCH_SPEC"
+    "$PY" -m pip install -q --no-deps "$2"
 }
 
 # engine_env_requirements DIST REQS NAME...: DIST's Requires-Dist lines minus extras and the NAMEs, written to
@@ -19,7 +18,7 @@ engine_env_requirements() {
     local dist="$1" reqs="$2"
     shift 2
     "$PY" tools/requires_without.py "$dist" "$reqs" "$@"
-    "$PY" -m pip install -q --no-compile -r "$reqs"
+    "$PY" -m pip install -q -r "$reqs"
 }
 
 # engine_env_done VENV STAMP MODULES...: import the MODULEs, print versions, leave STAMP and the build's time

@@ -28,5 +28,5 @@ engine_env_requirements sglang "$VENV/sglang-requirements.txt" torch torchvision
 # itself (no extras: they would move transformers past SGLang's pin) and the test tools
 "$PY" -m pip install -q --no-deps --no-build-isolation tests/sglang_engine/stand_in
 "$PY" -m pip install -q --no-deps -e .
-"$PY" -m pip install -q --no-compile pytest safetensors
+"$PY" -m pip install -q pytest safetensors
 engine_env_done "$VENV" .sglang-env-built torch sglang transformers sgl_kernel mla_backends

