@@ -77,35 +77,26 @@ $(SGLANG_EDITABLE): $(SGLANG_STAMP) pyproject.toml $(SGLANG_STAND_IN)
 
 sglang-env: $(SGLANG_EDITABLE)
 
+# the whole suite: the main one on $(TEST_WORKERS) workers and, beside it, tests/vllm_engine in .venv-vllm and then
+# tests/sglang_engine in .venv-sglang (their engines leave a core idle at times, and so does the main suite's tail),
+# each with a pytest cache folder of its own; their logs are printed when all are done, last. Fails unless all three
+# runs exit 0, so pytest's exit 5 (nothing collected) fails it too.
 # the three environments side by side (their builds are mostly downloads and unpacking, so on a fresh machine
 # they overlap well); output grouped per environment
 envs:
 	@$(MAKE) --no-print-directory -j3 --output-sync=target $(STAMP) $(VLLM_EDITABLE) $(SGLANG_EDITABLE)
 
-# the whole suite, in two chains that start together. The background chain builds .venv-vllm and .venv-sglang
-# side by side (each only when missing), then runs tests/vllm_engine in .venv-vllm and tests/sglang_engine in
-# .venv-sglang, each with a pytest cache folder of its own; it is the longer chain (engine start-ups), so it
-# keeps its CPU share. The foreground builds .venv, then runs the main suite on $(TEST_WORKERS) workers under
-# `nice` (it has minutes of slack: it takes the cores whenever the engines wait). The engines' logs are printed
-# when both chains are done, last. Fails unless the builds and all three runs exit 0, so pytest's exit 5
-# (nothing collected) fails it too.
-test:
-	@elog=$$(mktemp) && log=$$(mktemp) && slog=$$(mktemp) && src=$$(mktemp) && \
-	echo "make test: the engines' environments and tests run beside .venv and the main suite (their logs follow)" && \
-	{ { $(MAKE) --no-print-directory -j2 --output-sync=target $(VLLM_EDITABLE) $(SGLANG_EDITABLE) > $$elog 2>&1; \
-		erc=$$?; vrc=$$erc; grc=$$erc; if [ $$erc -eq 0 ]; then \
-		$(VLLM_VENV)/bin/python -m pytest -q -o cache_dir=.pytest_cache/vllm tests/vllm_engine $(PYTEST_ARGS) \
+test: envs drop-example-plugin
+	@log=$$(mktemp) && slog=$$(mktemp) && src=$$(mktemp) && \
+	{ { $(VLLM_VENV)/bin/python -m pytest -q -o cache_dir=.pytest_cache/vllm tests/vllm_engine $(PYTEST_ARGS) \
 		> $$log 2>&1; vrc=$$?; $(SGLANG_VENV)/bin/python -m pytest -q -o cache_dir=.pytest_cache/sglang \
-		tests/sglang_engine $(PYTEST_ARGS) > $$slog 2>&1; grc=$$?; fi; echo "$$erc $$vrc $$grc" > $$src; } & } && \
-	vpid=$$! && { $(MAKE) --no-print-directory $(STAMP) drop-example-plugin && \
-		nice -n 10 $(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS); main=$$?; } ; \
-	wait $$vpid; read envs vllm sglang < $$src; \
-	echo "make test: main suite rc=$$main, engine environments rc=$$envs, tests/vllm_engine rc=$$vllm," \
-		"tests/sglang_engine rc=$$sglang"; \
-	echo "the log of the engine environments' build (.venv-vllm, .venv-sglang):"; cat $$elog; \
+		tests/sglang_engine $(PYTEST_ARGS) > $$slog 2>&1; echo "$$vrc $$?" > $$src; } & } && vpid=$$! && \
+	{ $(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS); main=$$?; } ; \
+	wait $$vpid; read vllm sglang < $$src; \
+	echo "make test: main suite rc=$$main, tests/vllm_engine rc=$$vllm, tests/sglang_engine rc=$$sglang"; \
 	echo "the log of tests/vllm_engine (.venv-vllm):"; cat $$log; \
-	echo "the log of tests/sglang_engine (.venv-sglang):"; cat $$slog; rm -f $$elog $$log $$slog $$src; \
-	test $$main -eq 0 -a $$envs -eq 0 -a $$vllm -eq 0 -a $$sglang -eq 0
+	echo "the log of tests/sglang_engine (.venv-sglang):"; cat $$slog; rm -f $$log $$slog $$src; \
+	test $$main -eq 0 -a $$vllm -eq 0 -a $$sglang -eq 0
 
 # the unit tests, minutes faster: the main suite without the tests tests/slow_tests.txt names (no vLLM)
 test-fast: $(STAMP) drop-example-plugin

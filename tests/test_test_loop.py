@@ -97,15 +97,14 @@ def test_marked_slow_by_the_list(request, case):
 
 
 def test_the_makefile_fails_on_a_run_that_collects_nothing():
-    """``make test`` builds .venv and runs the main suite beside the engines' two environments (built side by
-    side when missing) and their two pytest runs (tests/vllm_engine, tests/sglang_engine), and fails unless the
-    builds and all three runs exit 0: pytest's exit 5 (no test collected) fails it like any failure, and the fast
-    target is a plain pytest call (make fails on any non-zero). ``make envs`` builds the three environments."""
+    """``make test`` runs its three pytest runs (main suite, tests/vllm_engine, tests/sglang_engine, building
+    the three environments side by side when missing: ``make envs``) and fails unless all exit 0: pytest's
+    exit 5 (no test collected) fails it like any failure, and the fast target is a plain pytest call (make
+    fails on any non-zero)."""
     text = (ROOT / "Makefile").read_text()
     recipe = text.split("\ntest:", 1)[1].split("\n\n", 1)[0]
-    assert re.search(r"test \$\$main -eq 0 -a \$\$envs -eq 0 -a \$\$vllm -eq 0 -a \$\$sglang -eq 0", recipe), recipe
-    assert "tests/sglang_engine" in recipe and "$(STAMP)" in recipe
-    assert all(t in recipe for t in ("-j2", "$(VLLM_EDITABLE)", "$(SGLANG_EDITABLE)")), recipe
+    assert re.search(r"test \$\$main -eq 0 -a \$\$vllm -eq 0 -a \$\$sglang -eq 0", recipe), recipe
+    assert "tests/sglang_engine" in recipe and "envs" in recipe.split("\n", 1)[0]
     envs = text.split("\nenvs:", 1)[1].split("\n\n", 1)[0]  # the three environments, built side by side
     assert all(t in envs for t in ("-j3", "$(STAMP)", "$(VLLM_EDITABLE)", "$(SGLANG_EDITABLE)")), envs
     assert "|| true" not in recipe and "-m \"not slow\"" in text.split("\ntest-fast:", 1)[1].split("\n\n", 1)[0]
