@@ -551,9 +551,10 @@ class MLABackend:
             plan = require_plan(plan, "forward_mqa")
         check_mqa_inputs(q_latent, q_rope, cache, meta, scale=scale, topk_indices=topk_indices, out=out,
                          lse_out=lse_out, check_values=not capturing, plan=plan)
-        check_v4_inputs(q_latent, cache, meta, sinks=sinks, window=window, compressed=compressed,
-                        topk_indices=topk_indices, check_values=not capturing)
         v4 = v4_flags(sinks, window, compressed)
+        if any(v4):
+            check_v4_inputs(q_latent, cache, meta, sinks=sinks, window=window, compressed=compressed,
+                            topk_indices=topk_indices, check_values=not capturing)
         T, H, r = q_latent.shape
         planned = plan.state(self, meta) if plan is not None and T else None  # bound to the plan's batches
         key = self._configuration
@@ -688,6 +689,11 @@ class MLABackend:
     def _check_result(self, returned: object, out: torch.Tensor, lse_out: torch.Tensor | None,
                       shape: tuple[int, int, int], q_latent: torch.Tensor) -> None:
         """Host-side metadata checks of what the kernel method left (no device reads)."""
+        if (returned is None and out.shape == shape and out.dtype == q_latent.dtype
+                and (lse_out is None or lse_out.shape == shape[:2])):
+            # the common case: what the caller handed over, reshaped by nothing (in-place writes cannot move a
+            # tensor to another device, and lse_out's dtype was checked on the way in)
+            return
         problems = []
         if returned is not None:
             problems.append(f"returned {type(returned).__name__}; supported None (write into out and lse_out)")
@@ -712,7 +718,18 @@ _LEGACY_WARNED: set[type] = set()
 
 def _legacy_kernel(cls: type) -> bool:
     """Whether ``cls``'s most derived kernel method is the deprecated ``_forward_mqa_impl`` (warned once per
-    class)."""
+    class; the answer kept per class, since this runs on every call)."""
+    known = _LEGACY_KNOWN.get(cls)
+    if known is None:
+        known = _LEGACY_KNOWN[cls] = _find_legacy_kernel(cls)
+    return known
+
+
+#: ``_legacy_kernel``'s answers, per class
+_LEGACY_KNOWN: dict[type, bool] = {}
+
+
+def _find_legacy_kernel(cls: type) -> bool:
     for klass in cls.__mro__:
         if klass is MLABackend:
             return False
@@ -723,6 +740,6 @@ def _legacy_kernel(cls: type) -> bool:
                 _LEGACY_WARNED.add(cls)
                 warnings.warn(f"{cls.__module__}.{cls.__qualname__}: _forward_mqa_impl is deprecated; implement "
                               "forward_mqa_kernel(..., state) instead (state: what prepare(meta) returned)",
-                              DeprecationWarning, stacklevel=3)
+                              DeprecationWarning, stacklevel=4)
             return True
     return False

@@ -59,6 +59,11 @@ def require_int(name: str, x: object, *, minimum: int | None = None) -> int:
 
 def require_on_device(device: torch.device, owner: str = "the cache's", **tensors: torch.Tensor) -> None:
     """Check that every named tensor lives on ``device`` (``owner`` names whose device it is in the message)."""
+    if device.type == "cpu":  # the common case on the CPU: a flag, not a device object per tensor
+        for name, t in tensors.items():
+            if not t.is_cpu:
+                raise ValueError(f"{name}: got device {t.device}; supported {owner} device {device}")
+        return
     for name, t in tensors.items():
         if t.device != device:
             raise ValueError(f"{name}: got device {t.device}; supported {owner} device {device}")
@@ -85,6 +90,8 @@ def require_scale(name: str, x: object, *, tensor_ok: bool = False,
     With ``tensor_ok`` a one-element real tensor is accepted too and read on the host (a sync on GPU
     tensors; never on a hot path); a tensor of more elements (``tensor([2., 3.])``) is refused.
     """
+    if type(x) is float and 0.0 < x < math.inf:  # the common case (every forward_mqa call), without the checks below
+        return x
     if isinstance(x, torch.Tensor) and tensor_ok:
         if x.numel() != 1 or x.is_complex() or x.dtype == torch.bool:
             raise ValueError(f"{name}: got a tensor of shape {list(x.shape)} dtype {dtype_name(x.dtype)}; "
