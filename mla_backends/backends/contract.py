@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import importlib.util
-import itertools
 import threading
 import warnings
 import weakref
@@ -47,6 +46,7 @@ from .capabilities import (
     Tolerance,
     env_switch_on,
 )
+from .configuration import ConfigurationKey, check_configuration
 from .dispatch import resolve_policy, runs_key, step_runs
 from .inputs import check_declared_support, check_mqa_inputs, planned_declarations
 from .reasons import Reason, ReasonKind, as_reason, returned_reasons
@@ -85,31 +85,6 @@ def contract_problems(cls: type) -> list[str]:
     return problems
 
 
-class ConfigurationKey:
-    """What a configured backend was configured for: ``(class, options, spec, scale)``, hashed once (every layer
-    call looks its prepared state up by it). Equal keys share prepared states in a step plan."""
-
-    __slots__ = ("parts", "_hash", "token")
-    _tokens = itertools.count(1)
-
-    def __init__(self, parts: tuple[Hashable, ...]) -> None:
-        self.parts = parts
-        self._hash = hash(parts)
-        #: a small int naming this key object (the plan records accepted declarations under it)
-        self.token = next(ConfigurationKey._tokens)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, ConfigurationKey) and self._hash == other._hash
-                                 and self.parts == other.parts)
-
-    def __repr__(self) -> str:
-        cls, _options, spec, scale = self.parts
-        return f"{getattr(cls, 'name', cls)} configured for {spec!r}, scale {scale!r}"
-
-
 #: the configured backends alive now, by configuration (:func:`configure_backend`): one object per
 #: configuration, shared by every layer and engine part that asks for it, dropped when none holds it
 _CONFIGURED: weakref.WeakValueDictionary[Hashable, MLABackend] = weakref.WeakValueDictionary()
@@ -121,14 +96,6 @@ RECENT_CONFIGURATIONS = 8
 _LEGACY_WARNED_CONFIGURE: set[type] = set()
 #: attributes fixed once an instance is configured
 _CONFIG_ATTRS = frozenset({"layer_spec", "layer_scale", "resources", "_configuration", "_options", "_kv_resolved"})
-
-
-def _check_configuration(spec: object, scale: object) -> float:
-    if not isinstance(spec, AttentionSpec):
-        raise TypeError(f"spec: got {type(spec).__name__}; supported AttentionSpec")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0 or scale == float("inf"):
-        raise ValueError(f"scale: got {scale!r}; supported a positive finite float (the unabsorbed softmax scale)")
-    return float(scale)
 
 
 def configure_backend(backend: type[MLABackend] | MLABackend, spec: AttentionSpec, scale: float) -> MLABackend:
@@ -158,7 +125,7 @@ def configure_backend(backend: type[MLABackend] | MLABackend, spec: AttentionSpe
             raise TypeError(f"backend: got class {backend.__name__}; supported an MLABackend subclass or instance")
     elif not isinstance(backend, MLABackend):
         raise TypeError(f"backend: got {type(backend).__name__}; supported an MLABackend subclass or instance")
-    scale = _check_configuration(spec, scale)
+    scale = check_configuration(spec, scale)
     cls = backend if isinstance(backend, type) else type(backend)
     with _CONFIGURED_LOCK:
         made: MLABackend | None = None
@@ -438,7 +405,7 @@ class MLABackend:
         warnings.warn("MLABackend.configure(spec, scale) is deprecated and removed in 0.6; use "
                       "configure_backend(backend, spec, scale), which returns the configured backend",
                       DeprecationWarning, stacklevel=2)
-        scale = _check_configuration(spec, scale)
+        scale = check_configuration(spec, scale)
         if self._configuration is not None:
             if (spec, scale) == (self.layer_spec, self.layer_scale):
                 return
@@ -688,24 +655,18 @@ class MLABackend:
 
     def _check_result(self, returned: object, out: torch.Tensor, lse_out: torch.Tensor | None,
                       shape: tuple[int, int, int], q_latent: torch.Tensor) -> None:
-        """Host-side metadata checks of what the kernel method left (no device reads)."""
-        if (returned is None and out.shape == shape and out.dtype == q_latent.dtype
-                and (lse_out is None or lse_out.shape == shape[:2])):
-            # the common case: what the caller handed over, reshaped by nothing (in-place writes cannot move a
-            # tensor to another device, and lse_out's dtype was checked on the way in)
-            return
+        """Host-side metadata checks of what the kernel method left (no device reads): nothing returned, ``out`` and
+        ``lse_out`` still of their shapes and dtypes (in-place writes cannot move a tensor to another device, so
+        devices are not compared: this runs on every call)."""
         problems = []
         if returned is not None:
             problems.append(f"returned {type(returned).__name__}; supported None (write into out and lse_out)")
-        if out.shape != shape or out.dtype != q_latent.dtype or out.device != q_latent.device:
-            problems.append(f"out: got {list(out.shape)} {dtype_name(out.dtype)} on {out.device}; supported "
-                            f"{list(shape)} {dtype_name(q_latent.dtype)} on {q_latent.device} (written in place)")
-        want_lse = lse_dtype(q_latent.dtype)
-        if lse_out is not None and (lse_out.shape != shape[:2] or lse_out.dtype != want_lse
-                                    or lse_out.device != q_latent.device):
-            problems.append(f"lse_out: got {list(lse_out.shape)} {dtype_name(lse_out.dtype)} on {lse_out.device}; "
-                            f"supported {list(shape[:2])} {dtype_name(want_lse)} on {q_latent.device} "
-                            "(written in place)")
+        if out.shape != shape or out.dtype != q_latent.dtype:
+            problems.append(f"out: got {list(out.shape)} {dtype_name(out.dtype)}; supported {list(shape)} "
+                            f"{dtype_name(q_latent.dtype)} (written in place)")
+        if lse_out is not None and (lse_out.shape != shape[:2] or lse_out.dtype != lse_dtype(q_latent.dtype)):
+            problems.append(f"lse_out: got {list(lse_out.shape)} {dtype_name(lse_out.dtype)}; supported "
+                            f"{list(shape[:2])} {dtype_name(lse_dtype(q_latent.dtype))} (written in place)")
         if problems:
             raise BackendContractError(f"{self.name} broke the forward_mqa contract: " + "; ".join(problems))
 
@@ -713,12 +674,9 @@ class MLABackend:
 #: the DeepSeek-V4 features a spec may need and a backend may declare: (field, what the reason names)
 _V4_FEATURES = (("sinks", "sinks"), ("window", "sliding window"), ("compressed", "compressed keys"))
 
-_LEGACY_WARNED: set[type] = set()
-
-
 def _legacy_kernel(cls: type) -> bool:
-    """Whether ``cls``'s most derived kernel method is the deprecated ``_forward_mqa_impl`` (warned once per
-    class; the answer kept per class, since this runs on every call)."""
+    """Whether ``cls``'s most derived kernel method is the deprecated ``_forward_mqa_impl`` (worked out, and
+    warned about, once per class: this runs on every call)."""
     known = _LEGACY_KNOWN.get(cls)
     if known is None:
         known = _LEGACY_KNOWN[cls] = _find_legacy_kernel(cls)
@@ -730,16 +688,12 @@ _LEGACY_KNOWN: dict[type, bool] = {}
 
 
 def _find_legacy_kernel(cls: type) -> bool:
-    for klass in cls.__mro__:
-        if klass is MLABackend:
-            return False
+    for klass in cls.__mro__:  # (MLABackend itself defines forward_mqa_kernel: the walk ends there at the latest)
         if "forward_mqa_kernel" in vars(klass):
             return False
         if "_forward_mqa_impl" in vars(klass):
-            if cls not in _LEGACY_WARNED:
-                _LEGACY_WARNED.add(cls)
-                warnings.warn(f"{cls.__module__}.{cls.__qualname__}: _forward_mqa_impl is deprecated; implement "
-                              "forward_mqa_kernel(..., state) instead (state: what prepare(meta) returned)",
-                              DeprecationWarning, stacklevel=4)
+            warnings.warn(f"{cls.__module__}.{cls.__qualname__}: _forward_mqa_impl is deprecated; implement "
+                          "forward_mqa_kernel(..., state) instead (state: what prepare(meta) returned)",
+                          DeprecationWarning, stacklevel=4)
             return True
     return False

@@ -59,13 +59,9 @@ def require_int(name: str, x: object, *, minimum: int | None = None) -> int:
 
 def require_on_device(device: torch.device, owner: str = "the cache's", **tensors: torch.Tensor) -> None:
     """Check that every named tensor lives on ``device`` (``owner`` names whose device it is in the message)."""
-    if device.type == "cpu":  # the common case on the CPU: a flag, not a device object per tensor
-        for name, t in tensors.items():
-            if not t.is_cpu:
-                raise ValueError(f"{name}: got device {t.device}; supported {owner} device {device}")
-        return
+    cpu = device.type == "cpu"  # on the CPU a flag is read, not a device object made per tensor (every call)
     for name, t in tensors.items():
-        if t.device != device:
+        if (not t.is_cpu) if cpu else t.device != device:
             raise ValueError(f"{name}: got device {t.device}; supported {owner} device {device}")
 
 
