@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import sys
 import threading
@@ -105,6 +106,33 @@ def test_fp8_bytes_decode_exactly_like_dequantize(fused, dtype):
     row[0, 0, 7] = 0x7F if dtype == torch.float8_e4m3fn else 0x7D
     out, _ = fused.forward_mqa(q, qr, cache, meta, scale=SCALE)
     assert bool(torch.isnan(out).all())
+
+
+def _gemm_min_rows() -> int:
+    """The kernel's GEMM_MIN_ROWS, read from its source: an item of at least this many rows takes the
+    transposed-query (GEMM-form) scores, a shorter one the dot form."""
+    found = re.search(r"GEMM_MIN_ROWS = (\d+);", fused_build.SOURCE.read_text())
+    assert found, "GEMM_MIN_ROWS is no longer in the kernel's source"
+    return int(found.group(1))
+
+
+@pytest.mark.parametrize("heads", [1, 16, 40])
+@pytest.mark.parametrize("model_dtype,kv,tol", [
+    (torch.float32, "auto", 2e-6), (torch.float32, "bfloat16", 2e-6), (torch.bfloat16, "fp8_e4m3", 3e-2)])
+def test_both_score_forms_around_the_gemm_threshold(fused, threads, heads, model_dtype, kv, tol):
+    """Items just below, at and above GEMM_MIN_ROWS rows, one thread (one item per request), so each request
+    runs in the form its length picks: 1 head (one lane in a padded vector), 16 (two lane vectors per block),
+    40 (two blocks of two and one vector alone); 32-bit rows read in place, 16-bit and fp8 rows (scale 0.37)
+    widened a block at a time; 3 tokens at the causal edge."""
+    threads(1)
+    n = _gemm_min_rows()
+    contexts, query_lens = [n - 2, n - 1, n + 1, 2 * n + 37], [1, 1, 3, 2]
+    step = fused_plan.plan_work(query_lens, contexts, heads, 1)
+    spans = (step.items[:, 4] - step.items[:, 3]).tolist()
+    assert min(spans) < n <= max(spans)  # both forms run
+    sc = Scenario(query_lens, contexts, heads=heads, block_size=16, model_dtype=model_dtype, kv_cache_dtype=kv,
+                  scale=0.37 if kv.startswith("fp8") else 1.0, seed=41 + heads)
+    sc.check(tol_v=tol, tol_latent=tol, tol_lse=max(tol, 2e-6) * 2, backend=fused)
 
 
 def test_long_context_many_splits_and_threads(fused, threads, monkeypatch):

@@ -5,7 +5,10 @@
 // tiles, register-blocked), updates the online softmax (running max and sum per lane), and adds
 // P x latent into fp32 accumulators [lanes, kv_lora_rank], while the tile is still in cache. Rows are read in
 // their stored width (fp32 rows straight from the page, bf16 / fp16 / fp8 rows widened in registers into a
-// small tile buffer). Items that cover only part of a request's rows (KV splits) leave a partial result
+// small tile buffer, a few rows at a time just before their scores). An item of many rows takes its scores in
+// GEMM form (queries transposed once, a row value broadcast against lane vectors); a short item in dot form
+// (rows and queries both along the latent, no transposition to pay for). Items that cover only part of a
+// request's rows (KV splits) leave a partial result
 // (unnormalised accumulator, max, sum) that a merge pass combines with the others by their LSE.
 //
 // The work list comes from Python (mla_backends/cpu_fused/plan.py, made once per step from host data); this
@@ -58,17 +61,26 @@ typedef uint8_t vb __attribute__((vector_size(VW * sizeof(uint8_t))));
 // rows per tile: the softmax and the value sum run once per tile, so each lane's accumulator row is loaded
 // and stored once per TILE_ROWS cached rows
 constexpr int TILE_ROWS = 32;
-// rows per score sub-tile: these rows and one lane block's queries stay in L1 while all lane blocks pass
+// rows per score sub-tile (dot form): these rows and one lane block's queries stay in L1 while all lane
+// blocks pass; also how many rows are widened at a time (bf16 / fp16 / fp8 caches) before their scores
 constexpr int SUB_ROWS = 6;
-// cache lines of the next tile requested (into L2) before each micro-kernel call: about a tile's worth over a
-// tile's compute at 16 heads, so the rows arrive while this tile is computed (measured here: 1.3x faster
-// than no software prefetch from 8 x 4,096 rows; the hardware prefetcher alone restarts at every page)
-constexpr int PF_LINES = 8;
-// register blocks: scores SR rows x SL lanes (8 accumulators, 2 rows and 4 queries in registers: 6 loads per
-// 8 FMAs; 16 heads are 4 blocks of 4), value sum PL lanes x PD vectors of the latent (12 accumulators, 3 latent
-// vectors and a broadcast weight: 7 loads per 12 FMAs); 16 vector registers either way
+// cache lines of the next tile requested (into L2) before each value-sum micro-kernel call (and each dot-form
+// score call): at 16 heads a tile has 88 value-sum calls, 12 lines each cover its 32 x 36 lines, so the rows
+// arrive while this tile is computed (measured here: 1.3x faster than no software prefetch from 8 x 4,096
+// rows; the hardware prefetcher alone restarts at every page; 8, 11, 14 and 16 lines were no faster)
+constexpr int PF_LINES = 12;
+// an item takes the GEMM-form scores from this many cached rows: below, transposing its queries (about 2 us
+// for 16 lanes) costs more than the faster scores save
+constexpr int64_t GEMM_MIN_ROWS = 128;
+// register blocks: dot-form scores SR rows x SL lanes (8 accumulators, 2 rows and 4 queries in registers: 6
+// loads per 8 FMAs; 16 heads are 4 blocks of 4); GEMM-form scores GR rows x 2 lane vectors (12 accumulators,
+// 2 query vectors and a broadcast row value: 8 loads per 12 FMAs, no horizontal sums), GR1 rows where one lane
+// vector is left; value sum PL lanes x PD vectors of the latent (12 accumulators, 3 latent vectors and a
+// broadcast weight: 7 loads per 12 FMAs); 16 vector registers in each
 constexpr int SR = 2;
 constexpr int SL = 4;
+constexpr int GR = 6;
+constexpr int GR1 = 8;
 constexpr int PL = 4;
 constexpr int PD = 3;
 // the running max is moved (and the accumulators rescaled) only when a tile's max exceeds it by this much:
@@ -370,6 +382,80 @@ static inline void scores_block(const float* const* rows, int nrows, const float
   }
 }
 
+// scores in GEMM form: s[r * s_stride + v * VW + k] = rows[r] . qt[:, v * VW + k] for R rows x LV lane vectors,
+// queries transposed (qt[d * q_stride + lane]); each row value is broadcast against the lane vectors
+template <int R, int LV>
+__attribute__((noinline)) static void scores_gemm_micro(const float* const* rows, const float* qt, int64_t q_stride,
+                                                        int64_t W, float* s, int64_t s_stride) {
+  vf acc[R][LV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < LV; ++v) acc[r][v] = vf{};
+  const float* rp[R];
+  for (int r = 0; r < R; ++r) rp[r] = rows[r];
+  for (int64_t d = 0; d < W; ++d) {
+    vf qv[LV];
+    for (int v = 0; v < LV; ++v) {
+      qv[v] = loadu(qt + d * q_stride + v * VW);
+      in_register(qv[v]);  // loaded once, used R times
+    }
+    for (int r = 0; r < R; ++r) {
+      const vf k = splat(rp[r][d]);
+      for (int v = 0; v < LV; ++v) acc[r][v] += k * qv[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < LV; ++v) storeu(s + r * s_stride + v * VW, acc[r][v]);
+}
+
+// nrows at most GR (two lane vectors) or GR1 (one)
+template <int LV>
+static inline void scores_gemm_rows(const float* const* rows, int nrows, const float* qt, int64_t q_stride,
+                                    int64_t W, float* s, int64_t s_stride) {
+  static_assert(GR == 6 && GR1 == 8, "the cases below list 1 .. GR1 rows");
+  if constexpr (LV == 1) {
+    if (nrows == 8) return scores_gemm_micro<8, 1>(rows, qt, q_stride, W, s, s_stride);
+    if (nrows == 7) return scores_gemm_micro<7, 1>(rows, qt, q_stride, W, s, s_stride);
+  }
+  switch (nrows) {
+    case 1: scores_gemm_micro<1, LV>(rows, qt, q_stride, W, s, s_stride); break;
+    case 2: scores_gemm_micro<2, LV>(rows, qt, q_stride, W, s, s_stride); break;
+    case 3: scores_gemm_micro<3, LV>(rows, qt, q_stride, W, s, s_stride); break;
+    case 4: scores_gemm_micro<4, LV>(rows, qt, q_stride, W, s, s_stride); break;
+    case 5: scores_gemm_micro<5, LV>(rows, qt, q_stride, W, s, s_stride); break;
+    default: scores_gemm_micro<6, LV>(rows, qt, q_stride, W, s, s_stride); break;
+  }
+}
+
+// dst[d * dst_stride + i] = src[i * src_stride + d] for i < n, d < W (W a multiple of 8): 8 x 8 blocks through
+// registers where AVX is present
+static void transpose_rows(const float* src, int64_t src_stride, int64_t n, int64_t W, float* dst,
+                           int64_t dst_stride) {
+  int64_t i0 = 0;
+#if defined(__AVX__)
+  for (; i0 + 8 <= n; i0 += 8)
+    for (int64_t d0 = 0; d0 < W; d0 += 8) {
+      __m256 a[8], t[8];
+      for (int k = 0; k < 8; ++k) a[k] = _mm256_loadu_ps(src + (i0 + k) * src_stride + d0);
+      for (int k = 0; k < 8; k += 2) {
+        t[k] = _mm256_unpacklo_ps(a[k], a[k + 1]);
+        t[k + 1] = _mm256_unpackhi_ps(a[k], a[k + 1]);
+      }
+      for (int k = 0; k < 8; k += 4) {
+        a[k] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        a[k + 1] = _mm256_shuffle_ps(t[k], t[k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        a[k + 2] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        a[k + 3] = _mm256_shuffle_ps(t[k + 1], t[k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+      }
+      for (int k = 0; k < 4; ++k) {
+        _mm256_storeu_ps(dst + (d0 + k) * dst_stride + i0, _mm256_permute2f128_ps(a[k], a[k + 4], 0x20));
+        _mm256_storeu_ps(dst + (d0 + k + 4) * dst_stride + i0, _mm256_permute2f128_ps(a[k], a[k + 4], 0x31));
+      }
+    }
+#endif
+  for (; i0 < n; ++i0)
+    for (int64_t d = 0; d < W; ++d) dst[d * dst_stride + i0] = src[i0 * src_stride + d];
+}
+
 // acc[i][d0 .. d0 + D * VW) += sum over the tile's rows of p[r][i] * rows[r][d0 ..], L lanes x D vectors
 template <int L, int D, bool FIRST>
 __attribute__((noinline)) static void pv_micro(const float* const* rows, int nrows, const float* p, int64_t p_stride, float* acc,
@@ -531,9 +617,11 @@ static void run_item(const Call<QT, KT>& c, const int64_t* it) {
   const int64_t row1 = std::min(it[4], ctx + j_max + 1);  // no lane sees past its own position
   const int64_t all_see = ctx + j_min;                    // rows up to here are visible to every lane
   constexpr bool direct = std::is_same<KT, float>::value;
+  const bool gemm = row1 - row0 >= GEMM_MIN_ROWS;
 
   Scratch& sc = thread_scratch();
-  const int64_t q_floats = G * W, acc_floats = G * r, s_floats = TILE_ROWS * Gp;
+  // q: the lanes' queries [G, W]; in GEMM form followed by their transpose qt [W, Gp] (padding lanes zero)
+  const int64_t q_floats = G * W + (gemm ? W * Gp : 0), acc_floats = G * r, s_floats = TILE_ROWS * Gp;
   const int64_t kt_floats = direct ? 0 : TILE_ROWS * W;
   float* q = sc.get(q_floats + acc_floats + s_floats + kt_floats + 3 * Gp);
   float* acc = q + q_floats;
@@ -553,16 +641,30 @@ static void run_item(const Call<QT, KT>& c, const int64_t* it) {
     load_scaled(b, c.qr_s2, c.rope, c.scale, qi + r);
     limit[i] = static_cast<float>(j);
   }
+  float* qt = q + G * W;
+  if (gemm) {
+    transpose_rows(q, W, G, W, qt, Gp);
+    for (int64_t d = 0; d < W; ++d)
+      for (int64_t i = G; i < Gp; ++i) qt[d * Gp + i] = 0.f;
+  }
   bool first = true;  // the first tile writes the accumulators instead of adding to them (no zeroing pass)
   for (int64_t i = 0; i < Gp; ++i) {
     m[i] = NO_MAX;
     l[i] = 0.f;
   }
-  if (Gp > G)  // padding lanes of the score tile: never visible
-    for (int64_t rr = 0; rr < TILE_ROWS; ++rr)
+  // padding lanes of the score tile: never visible (the GEMM form writes them, and resets them after each tile)
+  auto hide_padding = [&](int64_t nrows) {
+    for (int64_t rr = 0; rr < nrows; ++rr)
       for (int64_t i = G; i < Gp; ++i) s[rr * Gp + i] = -INFINITY;
+  };
+  if (Gp > G) hide_padding(TILE_ROWS);
 
   const float* rows[TILE_ROWS];
+  const KT* stored[TILE_ROWS];  // the tile's rows as stored, widened a score block at a time
+  auto widen = [&](int rb, int re) {
+    if constexpr (!direct)
+      for (int rr = rb; rr < re; ++rr) widen_row<KT>(stored[rr], kt + rr * W, W, c.kv_scale);
+  };
   const int64_t rvecs = r / VW;
   Prefetcher pf;
   pf.start(c, trow, row0, std::min(row1, row0 + TILE_ROWS));
@@ -574,15 +676,31 @@ static void run_item(const Call<QT, KT>& c, const int64_t* it) {
       if constexpr (direct) {
         rows[rr] = reinterpret_cast<const float*>(src);
       } else {
-        widen_row<KT>(src, kt + rr * W, W, c.kv_scale);
+        stored[rr] = src;
         rows[rr] = kt + rr * W;
       }
     }
-    // scores: sub-tiles of SUB_ROWS rows stay in L1 while every lane block passes over them; meanwhile the
-    // next tile's rows are fetched into L2, a few cache lines before each micro-kernel call
+    // meanwhile the next tile's rows are fetched into L2, a few cache lines before each micro-kernel call
     pf.start(c, trow, p0 + TILE_ROWS, std::min(row1, p0 + 2 * TILE_ROWS));
-    for (int r0 = 0; r0 < nr; r0 += SUB_ROWS) {
+    if (gemm) {
+      // scores in GEMM form: blocks of GR rows (widened now, in L1 while every lane block passes over them)
+      const int block_rows = Gp >= 2 * VW ? GR : GR1;
+      for (int rb = 0; rb < nr;) {
+        const int nrb = std::min(nr - rb, block_rows);
+        widen(rb, rb + nrb);
+        int64_t v0 = 0;
+        for (; v0 + 2 * VW <= Gp; v0 += 2 * VW)
+          scores_gemm_rows<2>(rows + rb, nrb, qt + v0, Gp, W, s + rb * Gp + v0, Gp);
+        if (v0 < Gp)  // an odd number of lane vectors: the last one alone over the same rows
+          scores_gemm_rows<1>(rows + rb, nrb, qt + v0, Gp, W, s + rb * Gp + v0, Gp);
+        rb += nrb;
+      }
+      if (Gp > G) hide_padding(nr);
+    }
+    // scores in dot form: sub-tiles of SUB_ROWS rows stay in L1 while every lane block passes over them
+    for (int r0 = 0; r0 < nr && !gemm; r0 += SUB_ROWS) {
       const int r1 = std::min(nr, r0 + SUB_ROWS);
+      widen(r0, r1);
       for (int64_t i0 = 0; i0 < G; i0 += SL) {
         const int lanes = static_cast<int>(std::min<int64_t>(SL, G - i0));
         for (int rb = r0; rb < r1; rb += SR) {
@@ -628,12 +746,12 @@ static void run_item(const Call<QT, KT>& c, const int64_t* it) {
       storeu(l + i, lsum);
     }
     // acc[i, :] += sum_r p[r, i] * latent[r, :], latent blocks outermost so each stays in L1 across lanes
-    for (int64_t v0 = 0; v0 < rvecs; v0 += PD) {
-      const int vecs = static_cast<int>(std::min<int64_t>(PD, rvecs - v0));
+    for (int64_t v0 = 0, vecs = 0; v0 < rvecs; v0 += vecs) {
+      vecs = rvecs - v0 == PD + 1 ? 2 : std::min<int64_t>(PD, rvecs - v0);  // 4 left: 2 + 2, not 3 + 1
       for (int64_t i0 = 0; i0 < G; i0 += PL) {
         pf.step(PF_LINES);
         pv_block(rows, nr, s + i0, Gp, acc + i0 * r, r, v0 * VW, static_cast<int>(std::min<int64_t>(PL, G - i0)),
-                 vecs, first);
+                 static_cast<int>(vecs), first);
       }
     }
     first = false;
