@@ -1,7 +1,7 @@
 // CPU_FUSED: absorbed MLA decode over a paged latent cache, each cached row read once, straight from its page.
 //
 // One work item is (request, group of lanes, range of cached rows); a lane is one (query token, head) pair of
-// the request. For every tile of TILE_ROWS rows the item computes the scores of all its lanes (small GEMM
+// the request. For every tile of rows (32 or 64) the item computes the scores of all its lanes (small GEMM
 // tiles, register-blocked), updates the online softmax (running max and sum per lane), and adds
 // P x latent into fp32 accumulators [lanes, kv_lora_rank], while the tile is still in cache. Rows are read in
 // their stored width (fp32 rows straight from the page, bf16 / fp16 / fp8 rows widened in registers into a
@@ -59,16 +59,27 @@ typedef uint8_t vb __attribute__((vector_size(VW * sizeof(uint8_t))));
 
 // ---- tiling ------------------------------------------------------------------------------------------------
 // rows per tile: the softmax and the value sum run once per tile, so each lane's accumulator row is loaded
-// and stored once per TILE_ROWS cached rows
-constexpr int TILE_ROWS = 32;
+// and stored once per tile. 32 fp32 rows (72 KiB, read in place) or 64 rows of a narrower cache (72 KiB as
+// stored, 144 KiB widened): about the same bytes to fetch per tile either way. Measured here (B = 8, 16 heads,
+// one thread): 64-row tiles are 4-12 % faster than 32 for bf16 rows and 4-8 % slower for fp32 rows, whose
+// next tile then no longer arrives in time.
+template <typename KT>
+constexpr int tile_rows() {
+  return sizeof(KT) >= sizeof(float) ? 32 : 64;
+}
+constexpr int MAX_TILE_ROWS = 64;
 // rows per score sub-tile (dot form): these rows and one lane block's queries stay in L1 while all lane
 // blocks pass; also how many rows are widened at a time (bf16 / fp16 / fp8 caches) before their scores
 constexpr int SUB_ROWS = 6;
 // cache lines of the next tile requested (into L2) before each value-sum micro-kernel call (and each dot-form
-// score call): at 16 heads a tile has 88 value-sum calls, 12 lines each cover its 32 x 36 lines, so the rows
-// arrive while this tile is computed (measured here: 1.3x faster than no software prefetch from 8 x 4,096
-// rows; the hardware prefetcher alone restarts at every page; 8, 11, 14 and 16 lines were no faster)
-constexpr int PF_LINES = 12;
+// score call): at 16 heads a tile has 88 value-sum calls, 12 lines each cover 32 fp32 rows' 1,152 lines, 16
+// lines 64 bf16 rows' 1,152, so the rows arrive while this tile is computed (measured here: 1.3x faster than no
+// software prefetch from 8 x 4,096 rows; the hardware prefetcher alone restarts at every page; for fp32 8, 11,
+// 14 and 16 lines were no faster, for bf16 at 64-row tiles 8 and 12 slower, 26 and 40 slower still)
+template <typename KT>
+constexpr int prefetch_lines() {
+  return sizeof(KT) >= sizeof(float) ? 12 : 16;
+}
 // an item takes the GEMM-form scores from this many cached rows: below, transposing its queries (about 2 us
 // for 16 lanes) costs more than the faster scores save
 constexpr int64_t GEMM_MIN_ROWS = 128;
@@ -575,7 +586,7 @@ struct Call {
 // brings the cache lines of a range of rows into L2 a few at a time (hints: no fault, nothing waits), so that
 // the next tile arrives while this one is computed instead of stalling the first loads of it
 struct Prefetcher {
-  const char* rows[TILE_ROWS];
+  const char* rows[MAX_TILE_ROWS];
   int64_t nrows = 0, row_bytes = 0, row = 0, off = 0;
   template <typename QT, typename KT>
   void start(const Call<QT, KT>& c, int64_t trow, int64_t p0, int64_t p1) {
@@ -617,6 +628,7 @@ static void run_item(const Call<QT, KT>& c, const int64_t* it) {
   const int64_t row1 = std::min(it[4], ctx + j_max + 1);  // no lane sees past its own position
   const int64_t all_see = ctx + j_min;                    // rows up to here are visible to every lane
   constexpr bool direct = std::is_same<KT, float>::value;
+  constexpr int TILE_ROWS = tile_rows<KT>(), PF_LINES = prefetch_lines<KT>();
   const bool gemm = row1 - row0 >= GEMM_MIN_ROWS;
 
   Scratch& sc = thread_scratch();
