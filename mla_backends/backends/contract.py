@@ -10,7 +10,10 @@ into *every* :class:`~mla_backends.backends.reasons.Reason` a request does not f
 shared :func:`~mla_backends.backends.inputs.check_mqa_inputs` and the backend's declarations,
 :func:`~mla_backends.backends.inputs.check_declared_support`), looks up the backend's per-step state in the step's
 :class:`~mla_backends.step.plan.StepPlan`, provides ``out`` / ``lse_out``, returns at once for zero tokens,
-calls the backend's kernel method :meth:`MLABackend.forward_mqa_kernel`, and checks what came back.
+calls the backend's kernel method :meth:`MLABackend.forward_mqa_kernel`, and checks what came back. A configured
+backend's dense call that the step's plan vouched for, every input as the configuration says, is recognised by
+:func:`~mla_backends.backends.inputs.is_vouched_call` (each fact compared once, no message built) and skips the
+full checks; anything else meets them, and they name what disagrees.
 
 A backend overrides three things, all public: :meth:`MLABackend.forward_mqa_kernel` (the kernel; required),
 :meth:`MLABackend.prepare` (per-step state, made once when the step is planned; optional) and
@@ -48,7 +51,14 @@ from .capabilities import (
 )
 from .configuration import ConfigurationKey, check_configuration
 from .dispatch import resolve_policy, runs_key, step_runs
-from .inputs import check_declared_support, check_mqa_inputs, planned_declarations
+from .inputs import (
+    PlannedCall,
+    check_declared_support,
+    check_mqa_inputs,
+    is_vouched_call,
+    planned_call,
+    planned_declarations,
+)
 from .reasons import Reason, ReasonKind, as_reason, returned_reasons
 from .v4_inputs import CompressedKeys, V4Keys, check_v4_inputs, v4_flags
 
@@ -95,7 +105,8 @@ _RECENT: collections.OrderedDict[Hashable, MLABackend] = collections.OrderedDict
 RECENT_CONFIGURATIONS = 8
 _LEGACY_WARNED_CONFIGURE: set[type] = set()
 #: attributes fixed once an instance is configured
-_CONFIG_ATTRS = frozenset({"layer_spec", "layer_scale", "resources", "_configuration", "_options", "_kv_resolved"})
+_CONFIG_ATTRS = frozenset({"layer_spec", "layer_scale", "resources", "_configuration", "_options", "_kv_resolved",
+                           "_planned_call"})
 
 
 def configure_backend(backend: type[MLABackend] | MLABackend, spec: AttentionSpec, scale: float) -> MLABackend:
@@ -315,6 +326,8 @@ class MLABackend:
     resources: object | None = None
     _configuration: ConfigurationKey | None = None
     _options: Hashable | None = None
+    #: what every call of this configuration carries (``forward_mqa``'s hot path); None: unconfigured, sparse, V4
+    _planned_call: PlannedCall | None = None
     #: whether :meth:`prepare` needs the configuration (heads, dtypes, scale) to build a complete step state.
     #: An unconfigured instance of such a class does not run its kernel on an incomplete state: each call
     #: runs on the configured backend its inputs describe, prepared for that call (built-in backends: True)
@@ -368,6 +381,7 @@ class MLABackend:
         object.__setattr__(self, "resources", None)
         with plugin_call(self, "make_resources()"):
             object.__setattr__(self, "resources", self.make_resources())
+        object.__setattr__(self, "_planned_call", planned_call(spec, scale, kv, key.token))
         object.__setattr__(self, "_configuration", key)
 
     @property
@@ -511,6 +525,15 @@ class MLABackend:
             StepPlanError: ``plan`` was made for other metadata or without this backend, or no plan was given
                 while a CUDA graph is being captured.
         """
+        call = self._planned_call
+        if (call is not None and isinstance(plan, StepPlan) and topk_indices is None and sinks is None
+                and window is None and compressed is None
+                and is_vouched_call(call, q_latent, q_rope, cache, meta, scale, out, lse_out, plan)):
+            # the hot path: a configured backend's dense call that the step's plan vouched for, every input as
+            # the configuration and the plan say (the checks below would all pass)
+            T, H, _ = q_latent.shape
+            return self._run_kernel(self, q_latent, q_rope, cache, meta, scale, None, out, lse_out,
+                                    plan.state(self, meta) if T else None, (False, False, False), {})
         # while a CUDA graph is captured, skip the checks that read device values (they would synchronise)
         capturing = (isinstance(cache, LatentKVCache) and cache.device.type == "cuda"
                      and torch.cuda.is_current_stream_capturing())
@@ -544,13 +567,24 @@ class MLABackend:
         elif runner is not self and T:  # a plan made with this unconfigured instance: prepared for this call
             with plugin_call(runner, "prepare()"):
                 planned = runner.prepare(meta)
+        extra = {"v4": V4Keys(sinks, window, compressed)} if any(v4) else {}  # only kernels declaring V4
+        return self._run_kernel(runner, q_latent, q_rope, cache, meta, scale, topk_indices, out, lse_out, planned,
+                                v4, extra)
+
+    def _run_kernel(self, runner: MLABackend, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                    meta: BatchMetadata, scale: float, topk_indices: torch.Tensor | None, out: torch.Tensor | None,
+                    lse_out: torch.Tensor | None, planned: object, v4: tuple[bool, bool, bool],
+                    extra: dict[str, V4Keys]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward_mqa`` after its checks: ``out`` / ``lse_out`` provided, nothing run for zero tokens, the
+        kernel method of ``runner`` (this backend, or the configured one an unconfigured call describes) called
+        with the prepared state ``planned``, and what it left checked."""
+        T, H, r = q_latent.shape
         if out is None:
             out = torch.empty_like(q_latent, memory_format=torch.contiguous_format)
         if lse_out is None and self.capabilities.returns_lse:
             lse_out = torch.empty(T, H, dtype=lse_dtype(q_latent.dtype), device=q_latent.device)
         if T == 0:
             return out, lse_out
-        extra = {"v4": V4Keys(sinks, window, compressed)} if any(v4) else {}  # only kernels declaring V4
         try:  # plugin_call's rule (sys.exit() in a kernel becomes PluginCodeError), free while nothing is raised
             if _legacy_kernel(type(self)):
                 returned = runner._forward_mqa_impl(q_latent, q_rope, cache, meta, scale=scale,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import NamedTuple
 
 import torch
 
 from ..core.device import device_info_for
 from ..core.dtypes import MODEL_DTYPES, lse_dtype
-from ..core.validation import require_on_device, require_scale, require_separate, require_tensor
+from ..core.validation import first_shared, require_on_device, require_scale, require_separate, require_tensor
 from ..step.cache import LatentKVCache
 from ..step.checks import require_graph_support, require_whole_sequences
 from ..step.metadata import BatchMetadata
@@ -17,7 +18,7 @@ from .capabilities import AttentionSpec, QueryLenSupport
 from .reasons import Reason, ReasonKind, all_of_kinds, reasons_of, without_kinds
 
 __all__ = ["check_mqa_inputs", "check_declared_support", "declaration_key", "declared_reasons",
-           "planned_declarations"]
+           "planned_declarations", "PlannedCall", "planned_call", "is_vouched_call"]
 
 
 def check_mqa_inputs(
@@ -81,6 +82,67 @@ def check_mqa_inputs(
             )
 
 
+class PlannedCall(NamedTuple):
+    """What every call of a configured backend carries, for :func:`is_vouched_call`: made once, when the backend
+    is configured, from its :class:`AttentionSpec` and scale (:func:`planned_call`)."""
+
+    token: int  #: the configuration key's token (the step plan records accepted calls under it)
+    heads: int
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: torch.dtype  #: the queries' and the output's
+    lse_dtype: torch.dtype
+    scale: float
+    kv_cache_dtype: str  #: the cache's, resolved
+    block_size: int | None  #: None: the step's
+
+
+def planned_call(spec: AttentionSpec, scale: float, kv_cache_dtype: str | None, token: int) -> PlannedCall | None:
+    """The :class:`PlannedCall` of a configuration; None where :func:`is_vouched_call` does not apply (sparse and
+    DeepSeek-V4 configurations, whose calls carry more inputs, and an unresolved cache dtype)."""
+    if spec.sparse or spec.sinks or spec.window or spec.compressed or kv_cache_dtype is None:
+        return None
+    return PlannedCall(token, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.dtype,
+                       lse_dtype(spec.dtype), scale, kv_cache_dtype, spec.block_size)
+
+
+def is_vouched_call(call: PlannedCall, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
+                    meta: BatchMetadata, scale: float, out: torch.Tensor | None, lse_out: torch.Tensor | None,
+                    plan: StepPlan) -> bool:
+    """True when a dense ``forward_mqa`` call of a configured backend is one that ``plan`` recorded as accepted
+    (:func:`planned_declarations`) and every input agrees with the configuration ``call`` and the plan: the hot
+    path's check, each fact compared once and no message built. It accepts a subset of what
+    :func:`check_mqa_inputs`, :func:`check_declared_support` and the configured-call check accept; False never
+    means the call is wrong, only that those full checks run (and name what disagrees)."""
+    if not (isinstance(cache, LatentKVCache) and isinstance(meta, BatchMetadata)) or type(scale) is not float:
+        return False
+    vouched = (call.token, id(meta)) if lse_out is None else (call.token, id(meta), "lse")
+    if (scale != call.scale or vouched not in plan.accepted or meta.dcp_size != 1
+            or cache.kv_cache_dtype != call.kv_cache_dtype or not plan.cache_fits(cache)
+            or (call.block_size is not None and cache.block_size != call.block_size)):
+        return False
+    if not (isinstance(q_latent, torch.Tensor) and isinstance(q_rope, torch.Tensor)
+            and (out is None or isinstance(out, torch.Tensor))
+            and (lse_out is None or isinstance(lse_out, torch.Tensor))):
+        return False
+    dtype, T, H, r = call.dtype, meta.num_tokens, call.heads, call.kv_lora_rank
+    if (cache.kv_lora_rank != r or cache.qk_rope_head_dim != call.qk_rope_head_dim
+            or q_latent.dtype is not dtype or q_rope.dtype is not dtype or q_latent.shape != (T, H, r)
+            or q_rope.shape != (T, H, call.qk_rope_head_dim)
+            or (out is not None and (out.dtype is not dtype or out.shape != (T, H, r)))
+            or (lse_out is not None and (lse_out.dtype is not call.lse_dtype or lse_out.shape != (T, H)))):
+        return False
+    device = cache.device
+    tensors = (meta.block_table, q_latent, q_rope, out, lse_out)
+    if device.type == "cpu":
+        if not all(t.is_cpu for t in tensors if t is not None):
+            return False
+    elif any(t.device != device for t in tensors if t is not None):
+        return False
+    return first_shared({"out": out, "lse_out": lse_out},
+                        {"cache": cache.data, "q_latent": q_latent, "q_rope": q_rope}) is None
+
+
 def declaration_key(backend_cls: type, dtype: torch.dtype, num_heads: int, kv_cache_dtype: str,
                     block_size: int, kv_lora_rank: int, qk_rope_head_dim: int, device: torch.device, *,
                     sparse: bool, need_lse: bool, meta: BatchMetadata,
@@ -100,7 +162,7 @@ def declared_reasons(key: Hashable) -> list[Reason]:
     """Every reason the backend of ``key`` (:func:`declaration_key`) refuses those inputs, missing packages
     left out (importing the kernel reports them). Empty: accepted."""
     (backend_cls, caps, dtype, heads, kv_dtype, block_size, rank, rope, device, sparse, need_lse, max_q,
-     uniform, empty, (sinks, window, compressed)) = key  # type: ignore[misc]
+     uniform, empty, (sinks, window, compressed)) = key
     spec = AttentionSpec(num_heads=heads, kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=dtype,
                          kv_cache_dtype=kv_dtype, block_size=block_size, sparse=sparse, max_query_len=max_q,
                          uniform_query_len=uniform, need_lse=need_lse, device=device_info_for(device),

@@ -15,7 +15,8 @@ import torch
 from .dtypes import dtype_name
 
 __all__ = ["require_tensor", "require_int", "require_on_device", "require_finite", "require_scale",
-           "require_device", "DEVICE_TYPES", "tensors_overlap", "require_no_alias", "require_separate"]
+           "require_device", "DEVICE_TYPES", "tensors_overlap", "require_no_alias", "require_separate",
+           "first_shared"]
 
 
 def require_tensor(
@@ -131,24 +132,21 @@ def require_device(name: str, device: object) -> torch.device:
     return dev
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """``[start, end)`` bytes of memory ``t`` can touch (its first to last element, strides included)."""
-    start = t.data_ptr()
-    if t.is_contiguous():  # the common case, without a Python loop over the dims
-        return start, start + t.nbytes
-    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
-    return start, start + (extent + 1) * t.element_size()
-
-
 def _memory(t: torch.Tensor | None) -> tuple[int, int] | None:
-    """``[start, end)`` of the bytes ``t`` can touch; None for None and for a tensor without memory (empty, or on
-    the meta device: its data pointer is 0)."""
+    """``[start, end)`` of the bytes ``t`` can touch (its first to last element, strides included); None for None
+    and for a tensor without memory (empty, or on the meta device: its data pointer is 0)."""
     if t is None:
         return None
     start = t.data_ptr()
-    if not start or not t.numel():
+    if not start:
         return None
-    return _byte_span(t)
+    if t.is_contiguous():  # the common case (every forward_mqa call): no loop over the dims
+        size = t.nbytes
+        return (start, start + size) if size else None
+    if not t.numel():
+        return None
+    extent = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (extent + 1) * t.element_size()
 
 
 def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -161,10 +159,11 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return ma is not None and mb is not None and ma[0] < mb[1] and mb[0] < ma[1] and a.device == b.device
 
 
-def require_separate(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
-    """Raise ``ValueError`` naming the first output (in ``outputs``' order) that shares memory with an earlier
-    output or with one of ``inputs`` (what the kernel reads while it writes the outputs; aliasing them corrupts
-    results silently). Each tensor's span is worked out once (this runs on every ``forward_mqa`` call)."""
+def first_shared(outputs: dict[str, torch.Tensor | None],
+                 inputs: dict[str, torch.Tensor | None]) -> tuple[str, str] | None:
+    """The first output (in ``outputs``' order) that shares memory with an earlier output or with one of
+    ``inputs``, and what it shares it with, as ``(output name, other name)``; None when every output is separate.
+    Each tensor's span is worked out once (this runs on every ``forward_mqa`` call)."""
     ins = [(n, t, m) for n, t in inputs.items() if (m := _memory(t)) is not None]
     outs: list[tuple[str, torch.Tensor, tuple[int, int]]] = []
     for name, x in outputs.items():
@@ -174,9 +173,19 @@ def require_separate(outputs: dict[str, torch.Tensor | None], inputs: dict[str, 
         x0, x1 = mx
         for other_name, other, (o0, o1) in outs + ins:  # earlier outputs first, then the inputs
             if x0 < o1 and o0 < x1 and other.device == x.device:  # (devices compared only where spans meet)
-                raise ValueError(f"{name}: got a buffer sharing memory with {other_name}; supported a separate "
-                                 "buffer (an output may not alias an input or another output)")
+                return name, other_name
         outs.append((name, x, mx))
+    return None
+
+
+def require_separate(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
+    """Raise ``ValueError`` naming the first output (in ``outputs``' order) that shares memory with an earlier
+    output or with one of ``inputs`` (what the kernel reads while it writes the outputs; aliasing them corrupts
+    results silently)."""
+    shared = first_shared(outputs, inputs)
+    if shared is not None:
+        raise ValueError(f"{shared[0]}: got a buffer sharing memory with {shared[1]}; supported a separate buffer "
+                         "(an output may not alias an input or another output)")
 
 
 def require_no_alias(name: str, x: torch.Tensor, **others: torch.Tensor | None) -> None:

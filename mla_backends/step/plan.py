@@ -328,10 +328,14 @@ class StepPlan(SlotSource):
         """Raise ValueError unless ``cache`` has the step's page size and holds every block id of the step:
         two integer comparisons with bounds worked out when the plan was made (:attr:`max_block_id`, or the
         block count ``build`` checked the ids against); no device read."""
+        if not self.cache_fits(cache):
+            self.meta.check_cache(cache, max_block_id=self.max_block_id)  # raises, naming what disagrees
+
+    def cache_fits(self, cache: PagedRows) -> bool:
+        """Whether :meth:`check_cache` passes by the bounds worked out when the plan was made (False also when
+        no host bound is known: :meth:`check_cache` then asks the metadata)."""
         block_size, need = self._cache_bound
-        if need is not None and cache.block_size == block_size and cache.num_blocks >= need:
-            return
-        self.meta.check_cache(cache, max_block_id=self.max_block_id)  # raises, naming what disagrees
+        return need is not None and cache.block_size == block_size and cache.num_blocks >= need
 
     def slots_for(self, cache: PagedRows) -> torch.Tensor:
         """The step's new-token slots ``[T]`` for ``cache.write``, after :meth:`check_cache` (host only)."""
