@@ -251,11 +251,21 @@ inline vf load_vec<float>(const float* src) {
   return loadu(src);
 }
 
+// (through the zero-extending load where there is one: GCC 12 lowers the generic conversion of 8 uint16 to two
+// 4-wide extensions and an insert, 5 instructions a vector where 1 + 1 do)
 template <>
 inline vf load_vec<c10::BFloat16>(const c10::BFloat16* src) {
+#if defined(__AVX512F__)
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
+#elif defined(__AVX2__)
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), 16));
+#else
   vh h;
   std::memcpy(&h, src, sizeof h);
   return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
 }
 
 template <>
