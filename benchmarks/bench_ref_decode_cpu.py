@@ -29,6 +29,14 @@ Timed per context:
 - ``before`` (with ``--before PATH``): the REF_TORCH of another checkout (e.g. the code before a change:
   ``git archive <commit> | tar -x -C /tmp/before``), loaded in this process under another package name.
 
+Paired figures (``--pairs N``, default 24; 0: none), for a machine whose speed drifts: N rounds, each timing a
+512^3 fp32 matmul and then one call of ``fused`` and of ``cpu_mla`` (each after one untimed call that brings its
+data back), so each round's figures meet the same spell of the machine. ``fused_over_roofline_paired`` is the
+median over rounds of the call's time over the roofline made with that round's matmul rate (and the run's best
+copy rate), with its quartiles; ``cpu_mla_over_fused_paired`` the median of the two calls' ratio;
+``fused_ms_at_best_matmul`` the median of the call's time scaled by the round's matmul rate over the run's best
+(what the call takes when the machine runs at its fastest), whose intercept is ``fused_fixed_cost_ms_paired``.
+
 Each call gets preallocated outputs and a step planned once (``plan_step``), as every layer of a step
 after the first. The machine may be shared: every round times each variant once, in turn, and each keeps its
 best over ``--rounds`` rounds (after a warm-up call); the load average is recorded. With ``--threads 1`` the
@@ -316,6 +324,61 @@ def best_of(fns: dict[str, Callable[[], object]], rounds: int,
     return best
 
 
+#: rounds of the paired figures (``--pairs``)
+PAIRS = 24
+
+
+def paired_rounds(fns: dict[str, Callable[[], object]], pairs: int) -> tuple[dict[str, list[float]], list[float]]:
+    """``pairs`` rounds, each: one 512^3 fp32 matmul timed, then each function (in an order rotated every
+    round) called once untimed and once timed. Returns each function's seconds per round and each round's matmul
+    FLOP/s, so that every ratio is taken between timings a few milliseconds apart."""
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    c = torch.empty(n, n)
+    torch.matmul(a, b, out=c)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    rates: list[float] = []
+    names = list(fns)
+    for r in range(pairs):
+        t0 = CLOCK()
+        torch.matmul(a, b, out=c)
+        rates.append(2 * n**3 / (CLOCK() - t0))
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fns[name]()
+            t0 = CLOCK()
+            fns[name]()
+            times[name].append(CLOCK() - t0)
+    return times, rates
+
+
+def _quantile(values: list[float], q: float) -> float:
+    v = sorted(values)
+    pos = q * (len(v) - 1)
+    lo = int(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+
+def paired_figures(fns: dict[str, Callable[[], object]], inp: Inputs, copy_bytes_per_s: float,
+                   pairs: int) -> dict[str, object]:
+    """The paired figures of ``fused`` (and ``cpu_mla`` when timed): see the module docstring."""
+    times, rates = paired_rounds({k: fns[k] for k in ("fused", "cpu_mla") if k in fns}, pairs)
+    best_rate = max(rates)
+    fused = times["fused"]
+    over = [t / roofline_s(inp, {"copy_bytes_per_s": copy_bytes_per_s, "matmul_flops_per_s": rate})[0]
+            for t, rate in zip(fused, rates, strict=True)]
+    row: dict[str, object] = {
+        "paired_rounds": pairs,
+        "paired_matmul_gflops": [round(min(rates) / 1e9, 1), round(best_rate / 1e9, 1)],
+        "fused_over_roofline_paired": round(_quantile(over, 0.5), 3),
+        "fused_over_roofline_paired_quartiles": [round(_quantile(over, 0.25), 3), round(_quantile(over, 0.75), 3)],
+        "fused_ms_at_best_matmul": round(
+            _quantile([t * rate / best_rate for t, rate in zip(fused, rates, strict=True)], 0.5) * 1e3, 4)}
+    if "cpu_mla" in times:
+        row["cpu_mla_over_fused_paired"] = round(
+            _quantile([p / f for p, f in zip(times["cpu_mla"], fused, strict=True)], 0.5), 3)
+    return row
+
+
 def decode_flops(inp: Inputs) -> float:
     """FLOPs of one call: each visible row scored over 576 columns and summed over 512, for every head."""
     return sum(c + 1 for c in inp.contexts) * HEADS * 2 * (RANK + ROPE + RANK)
@@ -378,6 +441,8 @@ def decode_sweep(contexts: list[int], rounds: int, before: ModuleType | None, *,
                 row["cpu_mla_over_fused"] = round(t["cpu_mla"] / t["fused"], 3)
             if "ref" in t:
                 row["ref_over_fused"] = round(t["ref"] / t["fused"], 3)
+            if PAIRS:
+                row.update(paired_figures(fns, inp, rates["copy_bytes_per_s"], PAIRS))
         rows.append(row)
         print("  ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     return rows
@@ -414,6 +479,13 @@ def plot(result: dict, png: str, command: str) -> None:
         pts = [(r["context"], r["roofline_ms"] / r[f"{key}_ms"]) for r in rows if f"{key}_ms" in r]
         if pts:
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=label)
+    paired = [(r["context"], 1 / r["fused_over_roofline_paired"], [1 / q for q in
+               reversed(r["fused_over_roofline_paired_quartiles"])]) for r in rows if "fused_over_roofline_paired" in r]
+    if paired:  # the median of the rounds timed beside a matmul, its quartiles as the bar
+        xs, ys = [x for x, _, _ in paired], [y for _, y, _ in paired]
+        err = [[y - q[0] for _, y, q in paired], [q[1] - y for _, y, q in paired]]
+        ax.errorbar(xs, ys, yerr=err, marker="s", ls=":", color="tab:blue", capsize=3,
+                    label="CPU_FUSED, paired with a matmul (median, quartiles)")
     ax.axhline(1 / 1.3, color="grey", ls="--", lw=1, label="CPU_FUSED's target: 1 / 1.3 of the roofline")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (cached tokens per request)")
@@ -451,7 +523,7 @@ def crossover_sweep(rounds: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global CLOCK, DTYPE, HEADS, BATCH, TABLE
+    global CLOCK, DTYPE, HEADS, BATCH, TABLE, PAIRS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS))
     p.add_argument("--rounds", type=int, default=7)
@@ -474,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="wall clock, or the CPU time of the calling thread (only with --threads 1: torch then runs "
                         "every op on it; time spent preempted by other processes is not counted). Default: thread "
                         "with --threads 1, else wall")
+    p.add_argument("--pairs", type=int, default=PAIRS,
+                   help="rounds of the paired figures of CPU_FUSED (matmul, CPU_FUSED and vLLM's op timed back to "
+                        "back; 0: none)")
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "ref-decode-cpu-roofline.json"))
     p.add_argument("--png", default=None, help="write the picture here (needs matplotlib)")
     p.add_argument("--plot", metavar="JSON", help="only draw --png from this JSON (no timing)")
@@ -483,9 +558,9 @@ def main(argv: list[str] | None = None) -> int:
             result = json.load(f)
         plot(result, args.png or os.path.join(ROOT, "docs", "ref-decode-cpu.png"), result.get("command", ""))
         return 0
-    if args.rounds < 1 or min(args.contexts) < 0 or args.batch < 1 or args.heads < 1:
-        p.error("--rounds, --batch and --heads must be >= 1 and --contexts >= 0")
-    BATCH, HEADS, DTYPE, TABLE = args.batch, args.heads, getattr(torch, args.dtype), args.table
+    if args.rounds < 1 or min(args.contexts) < 0 or args.batch < 1 or args.heads < 1 or args.pairs < 0:
+        p.error("--rounds, --batch and --heads must be >= 1, --contexts and --pairs >= 0")
+    BATCH, HEADS, DTYPE, TABLE, PAIRS = args.batch, args.heads, getattr(torch, args.dtype), args.table, args.pairs
     if args.threads:
         torch.set_num_threads(args.threads)
     clock = args.clock or ("thread" if torch.get_num_threads() == 1 else "wall")
@@ -508,10 +583,12 @@ def main(argv: list[str] | None = None) -> int:
                                      hf_max_context=args.hf_max_context, skip=tuple(args.skip))}
     result["ref_fixed_cost_ms"] = fixed_cost_ms(result["decode"])
     result["fused_fixed_cost_ms"] = fixed_cost_ms(result["decode"], "fused_ms")
+    result["fused_fixed_cost_ms_paired"] = fixed_cost_ms(result["decode"], "fused_ms_at_best_matmul")
     if args.before:
         result["before_fixed_cost_ms"] = fixed_cost_ms(result["decode"], "before_ms")
     print(f"fixed cost per call (intercept below 256 tokens): ref {result['ref_fixed_cost_ms']} ms, "
-          f"fused {result['fused_fixed_cost_ms']} ms"
+          f"fused {result['fused_fixed_cost_ms']} ms (paired, at the best matmul rate: "
+          f"{result['fused_fixed_cost_ms_paired']} ms)"
           + (f", before {result['before_fixed_cost_ms']} ms" if args.before else ""))
     if args.crossover:
         result["crossover"] = crossover_sweep(args.rounds)

@@ -45,6 +45,41 @@ def test_one_point_writes_every_variant(tmp_path, monkeypatch):
     assert png.stat().st_size > 0  # the picture, drawn from the same figures
 
 
+def test_paired_rounds_time_each_function_beside_one_matmul():
+    """Every round: one matmul timed, then each function called twice (once untimed, its data back in cache);
+    the figures come back per round, in step."""
+    bench = load_benchmark("bench_ref_decode_cpu")
+    calls = {"a": 0, "b": 0}
+
+    def make(name):
+        def fn():
+            calls[name] += 1
+        return fn
+
+    times, rates = bench.paired_rounds({"a": make("a"), "b": make("b")}, 5)
+    assert calls == {"a": 10, "b": 10}
+    assert len(rates) == 5 and all(r > 0 for r in rates)
+    assert len(times["a"]) == len(times["b"]) == 5
+    assert bench._quantile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5 and bench._quantile([1.0, 3.0], 0.25) == 1.5
+
+
+def test_paired_figures_of_the_compiled_kernel(tmp_path):
+    bench = load_benchmark("bench_ref_decode_cpu")
+    if bench.fused_backend() is None:
+        pytest.skip("CPU_FUSED is not built here (mla-backends build)")
+    out = tmp_path / "p.json"
+    assert bench.main(["--contexts", "16", "40", "--rounds", "1", "--threads", "1", "--pairs", "3",
+                       "--skip", "cpu_mla", "--json", str(out)]) == 0
+    got = json.loads(out.read_text())
+    for row in got["decode"]:
+        low, high = row["fused_over_roofline_paired_quartiles"]
+        assert row["paired_rounds"] == 3 and 0 < low <= row["fused_over_roofline_paired"] <= high
+        assert 0 < row["fused_ms_at_best_matmul"]
+        slow, fast = row["paired_matmul_gflops"]
+        assert 0 < slow <= fast
+    assert got["fused_fixed_cost_ms_paired"] is not None  # two contexts under 256: a line through them
+
+
 def test_layout_benchmark_times_every_alternative(tmp_path):
     """``benchmarks/bench_decode_layouts_cpu.py`` end to end at one call a round: every alternative timed, the
     pooled max checked equal to ``amax`` on the way."""
