@@ -108,6 +108,40 @@ def test_fp8_bytes_decode_exactly_like_dequantize(fused, dtype):
     assert bool(torch.isnan(out).all())
 
 
+def test_bf16_output_rounds_like_torch_bit_for_bit(fused):
+    """The kernel's own bf16 rounding of its output (to nearest, ties to even; past the largest value,
+    infinity; NaN stays NaN): two cached rows with equal scores (zero queries), so each output element is
+    ``(a + b) / 2`` in fp32, rounded once. The pairs include exact ties rounded down and up, means that overflow
+    to both infinities, a zero, fp32-subnormal values and random values: the result equals torch's
+    ``.to(torch.bfloat16)`` of the same fp32 mean, bit for bit. Then a NaN in one row (every score NaN) gives
+    a NaN in every output element, not an infinity."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(R_LAT, generator=g).to(torch.bfloat16)
+    b = torch.randn(R_LAT, generator=g).to(torch.bfloat16)
+    ulp = 2.0**-7  # the bf16 spacing in [1, 2)
+    big = torch.finfo(torch.bfloat16).max
+    special = [(1.0, 1.0 + ulp),  # mean 1 + ulp/2: a tie, to the even 1.0
+               (1.0 + ulp, 1.0 + 2 * ulp),  # mean 1 + 1.5 ulp: a tie, to the even 1 + 2 ulp
+               (-1.0, -1.0 - ulp), (big, big), (-big, -big), (big, -big), (0.0, -0.0),
+               (2.0**-133, 2.0**-133), (2.0**-126, -(2.0**-127))]
+    for k, (x, y) in enumerate(special):
+        a[k], b[k] = x, y
+    rows = torch.zeros(1, 2, R_LAT + R_ROPE, dtype=torch.bfloat16)
+    rows[0, 0, :R_LAT], rows[0, 1, :R_LAT] = a, b
+    cache = LatentKVCache.from_tensor(rows, model_dtype=torch.bfloat16)
+    meta = _meta([1], [1], [[0]], 2)
+    q = torch.zeros(1, 1, R_LAT, dtype=torch.bfloat16)
+    qr = torch.zeros(1, 1, R_ROPE, dtype=torch.bfloat16)
+    out, _ = fused.forward_mqa(q, qr, cache, meta, scale=SCALE)
+    want = ((a.float() + b.float()) * 0.5).to(torch.bfloat16)
+    assert want[0] == 1.0 and want[1] == 1.0 + 2 * ulp and torch.isinf(want[3:5]).all()  # the cases are what they say
+    assert torch.equal(out[0, 0].view(torch.int16), want.view(torch.int16))
+    rows[0, 1, 3] = float("nan")
+    out, _ = fused.forward_mqa(q, qr, LatentKVCache.from_tensor(rows, model_dtype=torch.bfloat16), meta,
+                               scale=SCALE)
+    assert bool(torch.isnan(out).all())
+
+
 def _gemm_min_rows() -> int:
     """The kernel's GEMM_MIN_ROWS, read from its source: an item of at least this many rows takes the
     transposed-query (GEMM-form) scores, a shorter one the dot form."""

@@ -343,10 +343,15 @@ static inline void store_vec(QT* dst, vf v) {
   } else if constexpr (std::is_same<QT, c10::BFloat16>::value) {
     vu b = (vu)v;
     vu rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
-    vu nan = (vu)((b & 0x7FFFFFFFu) > 0x7F800000u);
-    rounded = (rounded & ~nan) | (0x7FC0u & nan);
+    rounded = v != v ? vu{} + 0x7FC0u : rounded;  // NaN (unordered with itself) stays NaN
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    const __m256i packed = _mm256_packus_epi32((__m256i)rounded, (__m256i)rounded);  // values < 2^16: exact
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                     _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+#else
     vh h = __builtin_convertvector(rounded, vh);
     std::memcpy(dst, &h, sizeof h);
+#endif
   } else {
 #if defined(__AVX512F__)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
