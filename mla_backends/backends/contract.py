@@ -533,7 +533,7 @@ class MLABackend:
             # the configuration and the plan say (the checks below would all pass)
             T, H, _ = q_latent.shape
             return self._run_kernel(self, q_latent, q_rope, cache, meta, scale, None, out, lse_out,
-                                    plan.state(self, meta) if T else None, (False, False, False), {})
+                                    plan.state(self, meta) if T else None, {})
         # while a CUDA graph is captured, skip the checks that read device values (they would synchronise)
         capturing = (isinstance(cache, LatentKVCache) and cache.device.type == "cuda"
                      and torch.cuda.is_current_stream_capturing())
@@ -569,11 +569,11 @@ class MLABackend:
                 planned = runner.prepare(meta)
         extra = {"v4": V4Keys(sinks, window, compressed)} if any(v4) else {}  # only kernels declaring V4
         return self._run_kernel(runner, q_latent, q_rope, cache, meta, scale, topk_indices, out, lse_out, planned,
-                                v4, extra)
+                                extra)
 
     def _run_kernel(self, runner: MLABackend, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
                     meta: BatchMetadata, scale: float, topk_indices: torch.Tensor | None, out: torch.Tensor | None,
-                    lse_out: torch.Tensor | None, planned: object, v4: tuple[bool, bool, bool],
+                    lse_out: torch.Tensor | None, planned: object,
                     extra: dict[str, V4Keys]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward_mqa`` after its checks: ``out`` / ``lse_out`` provided, nothing run for zero tokens, the
         kernel method of ``runner`` (this backend, or the configured one an unconfigured call describes) called
