@@ -151,3 +151,29 @@ def test_sparse_and_v4_configurations_have_no_hot_path():
     dense = configure_backend(RefTorchBackend, AttentionSpec(num_heads=HEADS, dtype=torch.float32), SCALE)
     assert sparse._planned_call is None and dense._planned_call is not None
     assert RefTorchBackend()._planned_call is None  # unconfigured: every call checked in full
+
+
+def test_configurations_the_shared_checks_refuse_have_no_hot_path():
+    """A configuration of zero heads, or of a query dtype outside the model dtypes, may be accepted by a
+    backend's declarations; its calls must still meet ``check_mqa_inputs``, which refuses them."""
+    import dataclasses
+
+    class Odd(RefTorchBackend):
+        name = "ODD_DTYPES"
+        capabilities = dataclasses.replace(RefTorchBackend.capabilities,
+                                           dtypes=frozenset({torch.complex64, torch.float32}))
+
+    odd = configure_backend(Odd, AttentionSpec(num_heads=HEADS, dtype=torch.complex64, kv_cache_dtype="float32",
+                                               block_size=16), SCALE)
+    assert odd._planned_call is None
+    backend = configure_backend(RefTorchBackend, AttentionSpec(num_heads=0, dtype=torch.float32, block_size=16),
+                                SCALE)
+    assert backend._planned_call is None
+    _, cache, meta, _, _, _ = _step()
+    plan = plan_step(meta, [backend])
+    with pytest.raises(ValueError, match="q_latent: got 0 heads; supported >= 1"):
+        backend.forward_mqa(torch.randn(2, 0, 512), torch.randn(2, 0, 64), cache, meta, scale=SCALE, plan=plan)
+    with pytest.raises(TypeError, match="q_latent: got dtype complex64"):
+        odd.forward_mqa(torch.randn(2, HEADS, 512, dtype=torch.complex64),
+                        torch.randn(2, HEADS, 64, dtype=torch.complex64), cache, meta, scale=SCALE,
+                        plan=plan_step(meta, [odd]))

@@ -98,9 +98,12 @@ class PlannedCall(NamedTuple):
 
 
 def planned_call(spec: AttentionSpec, scale: float, kv_cache_dtype: str | None, token: int) -> PlannedCall | None:
-    """The :class:`PlannedCall` of a configuration; None where :func:`is_vouched_call` does not apply (sparse and
-    DeepSeek-V4 configurations, whose calls carry more inputs, and an unresolved cache dtype)."""
-    if spec.sparse or spec.sinks or spec.window or spec.compressed or kv_cache_dtype is None:
+    """The :class:`PlannedCall` of a configuration; None where :func:`is_vouched_call` does not apply: sparse and
+    DeepSeek-V4 configurations (their calls carry more inputs), an unresolved cache dtype, and what
+    :func:`check_mqa_inputs` refuses whatever the declarations say (no heads, a query dtype outside
+    ``MODEL_DTYPES``), so that those calls meet it."""
+    if (spec.sparse or spec.sinks or spec.window or spec.compressed or kv_cache_dtype is None
+            or spec.num_heads < 1 or spec.dtype not in MODEL_DTYPES):
         return None
     return PlannedCall(token, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.dtype,
                        lse_dtype(spec.dtype), scale, kv_cache_dtype, spec.block_size)
