@@ -301,9 +301,10 @@ def test_a_kernel_method_under_its_0_3_name_still_runs_with_a_deprecation_warnin
     meta = BatchMetadata.build([1, 1], [5, 2], [[0, 1], [2, -1]], 4, num_blocks=4)
     ql, qr = torch.randn(2, 3, 16, generator=g), torch.randn(2, 3, 8, generator=g)
     want, want_lse = RefTorchBackend().forward_mqa(ql, qr, cache, meta, scale=0.3)
-    with pytest.warns(DeprecationWarning, match="implement forward_mqa_kernel"):
+    with pytest.warns(DeprecationWarning, match="implement forward_mqa_kernel") as record:
         got, lse = OldStyle().forward_mqa(ql, qr, cache, meta, scale=0.3)
     assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    assert [w.filename for w in record if "forward_mqa_kernel" in str(w.message)] == [__file__]  # the caller's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once per class
         OldStyle().forward_mqa(ql, qr, cache, meta, scale=0.3)

@@ -10,10 +10,8 @@ into *every* :class:`~mla_backends.backends.reasons.Reason` a request does not f
 shared :func:`~mla_backends.backends.inputs.check_mqa_inputs` and the backend's declarations,
 :func:`~mla_backends.backends.inputs.check_declared_support`), looks up the backend's per-step state in the step's
 :class:`~mla_backends.step.plan.StepPlan`, provides ``out`` / ``lse_out``, returns at once for zero tokens,
-calls the backend's kernel method :meth:`MLABackend.forward_mqa_kernel`, and checks what came back. A configured
-backend's dense call that the step's plan vouched for, every input as the configuration says, is recognised by
-:func:`~mla_backends.backends.inputs.is_vouched_call` (each fact compared once, no message built) and skips the
-full checks; anything else meets them, and they name what disagrees.
+calls the backend's kernel method :meth:`MLABackend.forward_mqa_kernel`, and checks what came back. A call the
+plan vouched for skips the full checks (:func:`~mla_backends.backends.inputs.is_vouched_call`).
 
 A backend overrides three things, all public: :meth:`MLABackend.forward_mqa_kernel` (the kernel; required),
 :meth:`MLABackend.prepare` (per-step state, made once when the step is planned; optional) and
@@ -26,6 +24,7 @@ argument) is still called, with a ``DeprecationWarning``, for one release.
 from __future__ import annotations
 
 import collections
+import functools
 import importlib.util
 import threading
 import warnings
@@ -52,7 +51,7 @@ from .capabilities import (
 from .configuration import ConfigurationKey, check_configuration
 from .dispatch import resolve_policy, runs_key, step_runs
 from .inputs import (
-    PlannedCall,
+    check_configured_call,
     check_declared_support,
     check_mqa_inputs,
     is_vouched_call,
@@ -64,6 +63,7 @@ from .v4_inputs import CompressedKeys, V4Keys, check_v4_inputs, v4_flags
 
 if TYPE_CHECKING:
     from ..step.metadata import BatchMetadata
+    from .inputs import PlannedCall
 
 __all__ = ["QueryLenSupport", "Capabilities", "AttentionSpec", "MLABackend", "Tolerance", "DEFAULT_TOLERANCES",
            "Precision", "BackendContractError", "contract_problems", "configure_backend",
@@ -549,7 +549,8 @@ class MLABackend:
         planned = plan.state(self, meta) if plan is not None and T else None  # bound to the plan's batches
         key = self._configuration
         if key is not None:  # a configured backend runs what it was configured for
-            self._check_configured_call(q_latent, cache, topk_indices, scale, v4)
+            check_configured_call(self.name, self.layer_spec, self.layer_scale, self._kv_name, q_latent, cache,
+                                  topk_indices, scale, v4)
         vouched = None if key is None else (key.token, id(meta)) if lse_out is None else (key.token, id(meta), "lse")
         if not (plan is not None and key is not None and vouched in plan.accepted
                 and cache.kv_cache_dtype == self._kv_name):  # (else: what the configuration did not vouch for)
@@ -605,32 +606,6 @@ class MLABackend:
     def _kv_name(self) -> str | None:
         """The cache dtype name the configuration resolves to (None: unconfigured or unresolvable)."""
         return self.__dict__.get("_kv_resolved")
-
-    def _check_configured_call(self, q_latent: torch.Tensor, cache: LatentKVCache,
-                               topk_indices: torch.Tensor | None, scale: float,
-                               v4: tuple[bool, bool, bool] = (False, False, False)) -> None:
-        """A configured backend's calls carry its configuration: heads, widths, query dtype, softmax scale,
-        sparse or dense, the DeepSeek-V4 inputs (``v4``: sinks, window, compressed keys given), and the page size
-        / cache dtype when the configuration names them; anything else is a :class:`StepPlanError` (its
-        prepared states and resources were made for the configuration)."""
-        spec = self.layer_spec
-        assert spec is not None
-        got = (q_latent.shape[1], q_latent.dtype, cache.kv_lora_rank, cache.qk_rope_head_dim, float(scale),
-               topk_indices is not None, tuple(v4))
-        want = (spec.num_heads, spec.dtype, spec.kv_lora_rank, spec.qk_rope_head_dim, self.layer_scale, spec.sparse,
-                (spec.sinks, spec.window, spec.compressed))
-        cache_ok = ((spec.block_size is None or spec.block_size == cache.block_size)
-                    and (spec.kv_cache_dtype == "auto" or cache.kv_cache_dtype == self._kv_name))
-        if got != want or not cache_ok:
-            names = ("heads", "dtype", "kv_lora_rank", "qk_rope_head_dim", "scale", "sparse",
-                     "V4 inputs (sinks, window, compressed)")
-            diff = [f"{n} {g!r} (configured {w!r})" for n, g, w in zip(names, got, want, strict=True) if g != w]
-            if not cache_ok:
-                diff.append(f"a cache of page size {cache.block_size} and dtype {cache.kv_cache_dtype} (configured "
-                            f"{spec.block_size}, {spec.kv_cache_dtype})")
-            raise StepPlanError(f"{self.name}: got a call with {', '.join(diff)}; supported the configuration this "
-                                "backend was made for (configure_backend(backend, spec, scale) returns the backend "
-                                "of another configuration)")
 
     def _call_configuration(self, q_latent: torch.Tensor, cache: LatentKVCache, topk_indices: torch.Tensor | None,
                             lse_out: torch.Tensor | None, scale: float,
@@ -708,20 +683,10 @@ class MLABackend:
 #: the DeepSeek-V4 features a spec may need and a backend may declare: (field, what the reason names)
 _V4_FEATURES = (("sinks", "sinks"), ("window", "sliding window"), ("compressed", "compressed keys"))
 
+@functools.cache
 def _legacy_kernel(cls: type) -> bool:
     """Whether ``cls``'s most derived kernel method is the deprecated ``_forward_mqa_impl`` (worked out, and
     warned about, once per class: this runs on every call)."""
-    known = _LEGACY_KNOWN.get(cls)
-    if known is None:
-        known = _LEGACY_KNOWN[cls] = _find_legacy_kernel(cls)
-    return known
-
-
-#: ``_legacy_kernel``'s answers, per class
-_LEGACY_KNOWN: dict[type, bool] = {}
-
-
-def _find_legacy_kernel(cls: type) -> bool:
     for klass in cls.__mro__:  # (MLABackend itself defines forward_mqa_kernel: the walk ends there at the latest)
         if "forward_mqa_kernel" in vars(klass):
             return False

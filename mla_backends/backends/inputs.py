@@ -13,12 +13,12 @@ from ..core.validation import first_shared, require_on_device, require_scale, re
 from ..step.cache import LatentKVCache
 from ..step.checks import require_graph_support, require_whole_sequences
 from ..step.metadata import BatchMetadata
-from ..step.plan import StepPlan
+from ..step.plan import StepPlan, StepPlanError
 from .capabilities import AttentionSpec, QueryLenSupport
 from .reasons import Reason, ReasonKind, all_of_kinds, reasons_of, without_kinds
 
 __all__ = ["check_mqa_inputs", "check_declared_support", "declaration_key", "declared_reasons",
-           "planned_declarations", "PlannedCall", "planned_call", "is_vouched_call"]
+           "planned_declarations", "check_configured_call", "PlannedCall", "planned_call", "is_vouched_call"]
 
 
 def check_mqa_inputs(
@@ -82,6 +82,32 @@ def check_mqa_inputs(
             )
 
 
+def check_configured_call(name: str, spec: AttentionSpec, layer_scale: float, kv_name: str | None,
+                          q_latent: torch.Tensor, cache: LatentKVCache, topk_indices: torch.Tensor | None,
+                          scale: float, v4: tuple[bool, bool, bool] = (False, False, False)) -> None:
+    """A call of backend ``name``, configured for ``spec`` and ``layer_scale`` (its cache dtype resolving to
+    ``kv_name``), carries that configuration: heads, widths, query dtype, softmax scale, sparse or dense, the
+    DeepSeek-V4 inputs (``v4``: sinks, window, compressed keys given), and the page size / cache dtype when the
+    configuration names them; anything else is a :class:`StepPlanError` (its prepared states and resources
+    were made for the configuration)."""
+    got = (q_latent.shape[1], q_latent.dtype, cache.kv_lora_rank, cache.qk_rope_head_dim, float(scale),
+           topk_indices is not None, tuple(v4))
+    want = (spec.num_heads, spec.dtype, spec.kv_lora_rank, spec.qk_rope_head_dim, layer_scale, spec.sparse,
+            (spec.sinks, spec.window, spec.compressed))
+    cache_ok = ((spec.block_size is None or spec.block_size == cache.block_size)
+                and (spec.kv_cache_dtype == "auto" or cache.kv_cache_dtype == kv_name))
+    if got != want or not cache_ok:
+        names = ("heads", "dtype", "kv_lora_rank", "qk_rope_head_dim", "scale", "sparse",
+                 "V4 inputs (sinks, window, compressed)")
+        diff = [f"{n} {g!r} (configured {w!r})" for n, g, w in zip(names, got, want, strict=True) if g != w]
+        if not cache_ok:
+            diff.append(f"a cache of page size {cache.block_size} and dtype {cache.kv_cache_dtype} (configured "
+                        f"{spec.block_size}, {spec.kv_cache_dtype})")
+        raise StepPlanError(f"{name}: got a call with {', '.join(diff)}; supported the configuration this backend "
+                            "was made for (configure_backend(backend, spec, scale) returns the backend of another "
+                            "configuration)")
+
+
 class PlannedCall(NamedTuple):
     """What every call of a configured backend carries, for :func:`is_vouched_call`: made once, when the backend
     is configured, from its :class:`AttentionSpec` and scale (:func:`planned_call`)."""
@@ -94,7 +120,6 @@ class PlannedCall(NamedTuple):
     lse_dtype: torch.dtype
     scale: float
     kv_cache_dtype: str  #: the cache's, resolved
-    block_size: int | None  #: None: the step's
 
 
 def planned_call(spec: AttentionSpec, scale: float, kv_cache_dtype: str | None, token: int) -> PlannedCall | None:
@@ -106,7 +131,7 @@ def planned_call(spec: AttentionSpec, scale: float, kv_cache_dtype: str | None, 
             or spec.num_heads < 1 or spec.dtype not in MODEL_DTYPES):
         return None
     return PlannedCall(token, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim, spec.dtype,
-                       lse_dtype(spec.dtype), scale, kv_cache_dtype, spec.block_size)
+                       lse_dtype(spec.dtype), scale, kv_cache_dtype)
 
 
 def is_vouched_call(call: PlannedCall, q_latent: torch.Tensor, q_rope: torch.Tensor, cache: LatentKVCache,
@@ -121,9 +146,8 @@ def is_vouched_call(call: PlannedCall, q_latent: torch.Tensor, q_rope: torch.Ten
         return False
     vouched = (call.token, id(meta)) if lse_out is None else (call.token, id(meta), "lse")
     if (scale != call.scale or vouched not in plan.accepted or meta.dcp_size != 1
-            or cache.kv_cache_dtype != call.kv_cache_dtype or not plan.cache_fits(cache)
-            or (call.block_size is not None and cache.block_size != call.block_size)):
-        return False
+            or cache.kv_cache_dtype != call.kv_cache_dtype or not plan.cache_fits(cache)):
+        return False  # (a configured page size: the plan vouches only where it is the step's, which cache_fits checks)
     if not (isinstance(q_latent, torch.Tensor) and isinstance(q_rope, torch.Tensor)
             and (out is None or isinstance(out, torch.Tensor))
             and (lse_out is None or isinstance(lse_out, torch.Tensor))):
@@ -165,7 +189,7 @@ def declared_reasons(key: Hashable) -> list[Reason]:
     """Every reason the backend of ``key`` (:func:`declaration_key`) refuses those inputs, missing packages
     left out (importing the kernel reports them). Empty: accepted."""
     (backend_cls, caps, dtype, heads, kv_dtype, block_size, rank, rope, device, sparse, need_lse, max_q,
-     uniform, empty, (sinks, window, compressed)) = key
+     uniform, empty, (sinks, window, compressed)) = key  # type: ignore[misc]
     spec = AttentionSpec(num_heads=heads, kv_lora_rank=rank, qk_rope_head_dim=rope, dtype=dtype,
                          kv_cache_dtype=kv_dtype, block_size=block_size, sparse=sparse, max_query_len=max_q,
                          uniform_query_len=uniform, need_lse=need_lse, device=device_info_for(device),
