@@ -145,7 +145,7 @@ def test_an_int_scale_leaves_the_hot_path_and_still_runs():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_sparse_and_v4_configurations_have_no_hot_path():
+def test_sparse_configurations_and_unconfigured_instances_have_no_hot_path():
     sparse = configure_backend(RefTorchBackend, AttentionSpec(num_heads=HEADS, dtype=torch.float32, sparse=True),
                                SCALE)
     dense = configure_backend(RefTorchBackend, AttentionSpec(num_heads=HEADS, dtype=torch.float32), SCALE)
